@@ -1,0 +1,105 @@
+"""Sampling: from logits to the next token (greedy, temperature, top-k, top-p).
+
+``logits_to_probs`` is the one place where logits become the distribution a token is drawn from;
+speculative decoding reuses it so that draft_probs and target_probs get the same processing.
+Top-p is Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", Sec. 3.1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    Fields:
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0.
+        top_k: keep the k most likely tokens; 0 keeps all. >= 0.
+        top_p: keep the smallest set of tokens whose probability reaches top_p. In (0, 1].
+        max_new_tokens: tokens to generate at most. >= 1.
+        seed: seeds the sampling generator (same seed, same tokens); None draws a fresh seed.
+        stop: strings that end generation; the text is cut before the first one.
+        ignore_eos: keep generating past the end-of-sequence token (benchmarks, oracle tests).
+
+    Raises:
+        ValueError: naming the field, for any value outside its range.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not self.temperature >= 0:  # also rejects NaN
+            raise ValueError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: must be >= 0 (0 = no top-k), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        if any(not s for s in self.stop):
+            raise ValueError("stop: stop strings must not be empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a token is drawn from.
+
+    Args:
+        logits: (B, V) (any float dtype; computed in float32).
+        params: temperature / top_k / top_p. Greedy gives a one-hot on the argmax.
+
+    Returns:
+        (B, V) float32 probabilities summing to 1 per row; tokens outside top-k / top-p get 0.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # drop a token when the tokens ranked above it already reach top_p
+        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick one token per row: argmax if greedy, else a draw from ``logits_to_probs``.
+
+    logits: (B, V). Returns (B,) int64.
+    """
+    if params.greedy:
+        return logits.argmax(-1)
+    probs = logits_to_probs(logits, params)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def make_generator(params: SamplingParams, device: str | torch.device = "cpu") -> torch.Generator:
+    """A torch.Generator seeded with ``params.seed`` (or a random seed when it is None)."""
+    g = torch.Generator(device=device)
+    if params.seed is None:
+        g.seed()
+    else:
+        g.manual_seed(params.seed)
+    return g
