@@ -1,0 +1,22 @@
+"""minillm: a readable, measured reference for fast LLM inference.
+
+Shape legend used in every docstring and ``# (...)`` comment:
+    B batch, T tokens in this forward, S key/value positions, H query heads, Hkv key/value heads,
+    D head dim, C model dim, F feed-forward dim, V vocabulary size.
+
+Start with ``load_model()`` (the embedded SmolLM2-135M-Instruct), then ``generate_cached`` or its
+baseline ``generate_naive``.
+"""
+
+from .generate import GenerationResult, decode_step, generate, generate_cached, generate_naive, prefill
+from .kv_cache import KVCache, kv_cache_bytes
+from .loading import ModelFileError, default_model_path, load_model
+from .model import Decoder, ModelConfig
+from .sampling import SamplingParams, logits_to_probs, sample
+from .tokenizer import Tokenizer
+
+__all__ = [
+    "Decoder", "GenerationResult", "KVCache", "ModelConfig", "ModelFileError", "SamplingParams", "Tokenizer",
+    "decode_step", "default_model_path", "generate", "generate_cached", "generate_naive", "kv_cache_bytes",
+    "load_model", "logits_to_probs", "prefill", "sample",
+]

@@ -377,7 +377,9 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         config = config_from_gguf(reader, path)
         state = load_gguf_state(reader, config, path, progress=progress)
         tokenizer = Tokenizer.from_gguf(reader)
-    model = Decoder(config, state).to(device=device, dtype=dtype)
+    # one weight shard per core on a CPU (see model.Linear for the measurement); GPUs need none
+    n_shards = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+    model = Decoder(config, state, n_shards=n_shards).to(device=device, dtype=dtype)
     # RoPE tables stay float32 whatever the weights' dtype, as in Hugging Face Llama
     if config.arch == "llama":
         model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()

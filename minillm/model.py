@@ -83,30 +83,54 @@ class ModelConfig:
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b`` with W stored transposed: ``weight_t`` is (in_features, out_features).
+    """``y = x W^T + b``, with W stored as ``n_shards`` column blocks, one per CPU core.
 
-    Why transposed: on the 2-core AVX2 machine this project targets, ``x @ W_t`` at batch 1 streams
-    the weights about 1.35x faster than ``F.linear(x, W)`` (34 ms vs 47 ms for all of SmolLM2-135M's
-    matrices in float32); see ``linear_naive`` for the plain form, which the tests compare with.
+    ``weight_shards`` is (n_shards, in_features, out_features / n_shards): shard s holds output
+    columns ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous. The forward is one batched matmul
+    over the shards, which torch spreads over the cores.
+
+    Why: at batch 1 a decode step is a matrix-vector product, and MKL runs ``x @ W`` for a single
+    row on one core, whatever ``torch.get_num_threads()`` says. On the 2-core AVX2 machine this
+    project targets, SmolLM2-135M's float32 decode matmuls take 47 ms as ``F.linear(x, W)``,
+    31 ms as ``x @ W^T`` with W^T contiguous, and 23.5 ms as 2 shards through ``torch.bmm``
+    (17 -> 23 GB/s of the ~30 GB/s this machine streams). It is tensor parallelism across cores
+    (Megatron-LM's column-parallel linear, Shoeybi et al. 2019) in one process.
+    ``linear_naive`` is the plain form the tests compare with.
 
     Args:
         weight: (out_features, in_features), in PyTorch's usual layout.
         bias: (out_features,) or None.
+        n_shards: column blocks (1 = a plain ``x @ W^T``); falls back to 1 when it does not divide
+            out_features.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, n_shards: int = 1):
         super().__init__()
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight_t = nn.Parameter(weight.t().contiguous(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        if n_shards < 1 or self.out_features % n_shards:
+            n_shards = 1
+        self.n_shards = n_shards
+        shards = weight.t().reshape(self.in_features, n_shards, -1).transpose(0, 1)  # (S, in, out/S)
+        self.weight_shards = nn.Parameter(shards.contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
 
     @property
     def weight(self) -> torch.Tensor:
-        """(out_features, in_features) view of the stored weight."""
-        return self.weight_t.t()
+        """(out_features, in_features), reassembled (a copy when sharded)."""
+        return self.weight_shards.transpose(0, 1).reshape(self.in_features, self.out_features).t()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``W[index]`` (..., in_features) without reassembling W (tied-embedding lookups)."""
+        per_shard = self.out_features // self.n_shards
+        return self.weight_shards[index // per_shard, :, index % per_shard]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        y = x @ self.weight_t
+        if self.n_shards == 1:
+            y = x @ self.weight_shards[0]
+        else:
+            x2 = x.reshape(1, -1, self.in_features).expand(self.n_shards, -1, -1)  # (S, N, in)
+            y = torch.bmm(x2, self.weight_shards)  # (S, N, out/S)
+            y = y.transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
 
@@ -124,9 +148,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -182,19 +204,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None):
+    """Grouped-query attention. Q, K and V are one fused Linear ``wqkv`` (C -> (H + 2 Hkv) * D),
+    as vLLM's ``qkv_proj``: one weight read instead of three (measured: SmolLM2-135M's batch-1
+    decode matmuls drop from about 39 ms to 32 ms with fused QKV and gate/up on the 2-core CPU)."""
+
+    def __init__(self, config: ModelConfig, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, n_shards=1):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
-        self.wq, self.wk, self.wv, self.wo = Linear(wq, bq), Linear(wk, bk), Linear(wv, bv), Linear(wo, bo)
+        bias = None if bq is None else torch.cat([bq, bk, bv])
+        self.wqkv = Linear(torch.cat([wq, wk, wv]), bias, n_shards)
+        self.wo = Linear(wo, bo, n_shards)
 
     def forward(self, x, layer_idx, input_pos, rope, cache, mask):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)  # (B, H+Hkv, T, D), (B, Hkv, T, D)
         if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            qk = apply_rope(qk, *rope)  # q and k rotated in one go
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
         if cache is not None:
             k, v = cache.update(layer_idx, k, v)  # (B, Hkv, S, D): every position so far
         y = attention(q, k, v, mask)  # (B, H, T, D)
@@ -202,17 +229,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU ``w_down(silu(w_gate x) * w_up x)`` (Llama) or ``w_down(gelu(w_up x))`` (GPT-2)."""
+    """SwiGLU ``w_down(silu(gate) * up)`` (Llama; gate and up fused in ``w_gate_up``, vLLM's
+    ``gate_up_proj``) or ``w_down(gelu(w_up x))`` (GPT-2)."""
 
-    def __init__(self, w_up, w_down, w_gate=None, b_up=None, b_down=None):
+    def __init__(self, w_up, w_down, w_gate=None, b_up=None, b_down=None, b_gate=None, n_shards=1):
         super().__init__()
-        self.w_up, self.w_down = Linear(w_up, b_up), Linear(w_down, b_down)
-        self.w_gate = None if w_gate is None else Linear(w_gate)
+        self.gated = w_gate is not None
+        if self.gated:
+            gate_up_bias = None if b_up is None else torch.cat([b_gate, b_up])
+            self.w_gate_up = Linear(torch.cat([w_gate, w_up]), gate_up_bias, n_shards)
+        else:
+            self.w_up = Linear(w_up, b_up, n_shards)
+        self.w_down = Linear(w_down, b_down, n_shards)
 
     def forward(self, x):
-        if self.w_gate is None:
+        if not self.gated:
             return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -231,6 +265,8 @@ class Decoder(nn.Module):
 
     Args:
         config: the ``ModelConfig``.
+        n_shards: column blocks of every Linear (see ``Linear``): the number of CPU cores on a
+            CPU, 1 on a GPU. ``minillm.load_model`` chooses it.
         state: float tensors in minillm's names (``tok_embeddings.weight`` (V, C),
             ``layers.{i}.attn.wq.weight`` (H*D, C), ``layers.{i}.mlp.w_gate.weight`` (F, C), ...;
             see ``minillm.loading``), with Linear weights as (out, in).
@@ -239,7 +275,7 @@ class Decoder(nn.Module):
         KeyError: a tensor is missing from ``state`` (the loaders check first and say which file).
     """
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor]):
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], n_shards: int = 1):
         super().__init__()
         self.config = config
         c = config
@@ -258,17 +294,19 @@ class Decoder(nn.Module):
             p = f"layers.{i}"
             attn = Attention(
                 c, *(state[f"{p}.attn.{n}.weight"] for n in ("wq", "wk", "wv", "wo")),
-                *(opt(f"{p}.attn.{n}.bias") for n in ("wq", "wk", "wv", "wo")),
+                *(opt(f"{p}.attn.{n}.bias") for n in ("wq", "wk", "wv", "wo")), n_shards=n_shards,
             )
             mlp = MLP(
                 state[f"{p}.mlp.w_up.weight"], state[f"{p}.mlp.w_down.weight"],
                 state[f"{p}.mlp.w_gate.weight"] if llama else None,
-                opt(f"{p}.mlp.w_up.bias"), opt(f"{p}.mlp.w_down.bias"),
+                opt(f"{p}.mlp.w_up.bias"), opt(f"{p}.mlp.w_down.bias"), opt(f"{p}.mlp.w_gate.bias"),
+                n_shards=n_shards,
             )
             layers.append(Block(norm(f"{p}.attn_norm"), attn, norm(f"{p}.ffn_norm"), mlp))
         self.layers = nn.ModuleList(layers)
         self.norm = norm("norm")
-        self.output = Linear(state["tok_embeddings.weight"] if c.tie_embeddings else state["output.weight"])
+        self.output = Linear(state["tok_embeddings.weight"] if c.tie_embeddings else state["output.weight"],
+                             n_shards=n_shards)
         if not c.tie_embeddings:
             self.tok_embeddings = nn.Parameter(state["tok_embeddings.weight"].clone(), requires_grad=False)
         self.pos_embeddings = None
@@ -279,18 +317,19 @@ class Decoder(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
-    @property
-    def embedding(self) -> torch.Tensor:
-        """Token embedding (V, C); with tied embeddings, a view of the output weight."""
-        return self.output.weight if self.config.tie_embeddings else self.tok_embeddings
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embedding rows (B, T) -> (B, T, C); tied models read the output weight's rows."""
+        if self.config.tie_embeddings:
+            return self.output.rows(tokens)
+        return F.embedding(tokens, self.tok_embeddings)
 
     @property
     def device(self) -> torch.device:
-        return self.output.weight_t.device
+        return self.output.weight_shards.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.output.weight_t.dtype
+        return self.output.weight_shards.dtype
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache=None) -> torch.Tensor:
         """Logits for every position.
@@ -314,7 +353,7 @@ class Decoder(nn.Module):
                 f"input_pos: position {int(input_pos[-1])} is past the context length "
                 f"({self.config.max_seq_len} tokens)"
             )
-        x = F.embedding(tokens, self.embedding)  # (B, T, C)
+        x = self.embed(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
             x = x + self.pos_embeddings[input_pos]
         rope = None

@@ -1,0 +1,218 @@
+"""Benchmarks: ``bench decode`` (naive vs cached vs transformers) and the ``tour``.
+
+Measuring rules (shared/STYLE.md 12): a warm-up run, device synchronization, several repeats, the
+median, and every number printed with the machine, dtype, batch size, prompt and output length.
+Speed is reported here, never asserted in tests.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .generate import generate_cached, generate_naive
+from .sampling import SamplingParams
+
+FIGURES = Path(os.environ.get("MINILLM_FIGURES", Path(__file__).resolve().parent.parent / "figures"))
+
+BENCH_PROMPT = "The history of the printing press begins"
+
+
+def machine() -> str:
+    """One line naming the CPU (or GPU), core count and torch version."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    s = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    if torch.cuda.is_available():
+        s += f", GPU {torch.cuda.get_device_name()}"
+    return s
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads: every Linear weight (the tied embedding once, as the
+    output projection) plus norms; the embedding lookup of one row is negligible."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+               if n != "tok_embeddings" and n != "pos_embeddings")
+
+
+def _median_run(fn, repeats: int, warmup: int = 1):
+    for _ in range(warmup):
+        fn()
+    runs = [fn() for _ in range(repeats)]
+    return runs, statistics.median(r["decode_tokens_per_s"] for r in runs)
+
+
+def _ours(gen, model, prompt_tokens, params):
+    def run():
+        r = gen(model, prompt_tokens, params)
+        return {"decode_tokens_per_s": r.decode_tokens_per_s, "prefill_s": r.prefill_s, "tokens": r.tokens,
+                "step_s": r.step_s}
+    return run
+
+
+def load_transformers_peer(model_path=None, dtype=torch.float32, device="cpu"):
+    """transformers' LlamaForCausalLM on the same GGUF (the oracle and the speed peer).
+
+    transformers dequantizes the GGUF itself (through the gguf package), so both run the same
+    float weights.
+    """
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from .loading import default_model_path
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    path = Path(model_path) if model_path else default_model_path()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    return hf.to(device).eval()
+
+
+def _transformers(hf, prompt_tokens, params):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self):
+            self.times = []
+
+        def put(self, value):
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter())
+
+        def end(self):
+            pass
+
+    n = params.max_new_tokens
+    device = next(hf.parameters()).device
+
+    def run():
+        clock = Clock()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([prompt_tokens], device=device), max_new_tokens=n, min_new_tokens=n,
+                              do_sample=False, streamer=clock, pad_token_id=0)
+        new = clock.times[1:]  # the first put() is the prompt
+        return {"decode_tokens_per_s": (len(new) - 1) / (new[-1] - new[0]), "prefill_s": new[0] - t0,
+                "tokens": out[0, len(prompt_tokens):].tolist()}
+    return run
+
+
+def bench_decode(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: int = 64, repeats: int = 3,
+                 peer: bool = True, model_path=None, progress: bool = True) -> dict:
+    """Batch-1 greedy decode tokens/s: naive (no cache), cached (contiguous KV cache) and, with
+    ``peer``, transformers on the same GGUF weights.
+
+    Returns:
+        dict with machine, dtype, batch_size, prompt_tokens, new_tokens, repeats, weight_bytes and
+        per path: decode_tokens_per_s (median), prefill_s (median), achieved_GB_per_s (weight bytes
+        read per token x tokens/s / 1e9), and whether its tokens equal the cached path's.
+    """
+    from tqdm.auto import tqdm
+
+    prompt_tokens = tokenizer.encode(prompt)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    wbytes = weight_bytes_per_token(model)
+    paths = {"ours naive (no cache)": _ours(generate_naive, model, prompt_tokens, params),
+             "ours cached (contiguous KV)": _ours(generate_cached, model, prompt_tokens, params)}
+    if peer:
+        hf = load_transformers_peer(model_path, model.dtype, model.device)
+        paths["transformers (same GGUF)"] = _transformers(hf, prompt_tokens, params)
+    results = {}
+    for name, fn in tqdm(paths.items(), desc="bench decode", disable=not progress, leave=False):
+        runs, tps = _median_run(fn, repeats)
+        results[name] = {"decode_tokens_per_s": tps, "prefill_s": statistics.median(r["prefill_s"] for r in runs),
+                         "achieved_GB_per_s": wbytes * tps / 1e9, "tokens": runs[-1]["tokens"],
+                         "step_s": runs[-1].get("step_s")}
+    ref = results["ours cached (contiguous KV)"]["tokens"]
+    for r in results.values():
+        r["same_tokens_as_cached"] = r.pop("tokens") == ref
+    base = results["ours cached (contiguous KV)"]["decode_tokens_per_s"]
+    if peer:
+        results["cached_over_transformers"] = base / results["transformers (same GGUF)"]["decode_tokens_per_s"]
+    return {"machine": machine(), "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
+            "batch_size": 1, "prompt": prompt, "prompt_tokens": len(prompt_tokens), "new_tokens": new_tokens,
+            "repeats": repeats, "weight_bytes": wbytes, "results": results}
+
+
+def format_bench(report: dict) -> str:
+    lines = [f"machine: {report['machine']}",
+             f"device {report['device']}, dtype {report['dtype']}, batch {report['batch_size']}, "
+             f"prompt {report['prompt_tokens']} tokens, {report['new_tokens']} new tokens, greedy, "
+             f"median of {report['repeats']} runs after a warm-up; weights read per token "
+             f"{report['weight_bytes'] / 1e6:.1f} MB",
+             f"{'path':32s} {'decode tok/s':>12s} {'prefill s':>10s} {'GB/s':>7s}  same tokens"]
+    for name, r in report["results"].items():
+        if not isinstance(r, dict):
+            continue
+        lines.append(f"{name:32s} {r['decode_tokens_per_s']:12.1f} {r['prefill_s']:10.3f} "
+                     f"{r['achieved_GB_per_s']:7.1f}  {r['same_tokens_as_cached']}")
+    if "cached_over_transformers" in report["results"]:
+        lines.append(f"cached / transformers: {report['results']['cached_over_transformers']:.2f}x")
+    return "\n".join(lines)
+
+
+def plot_step_times(naive_s: list[float], cached_s: list[float], prompt_len: int, path: Path) -> Path:
+    """Seconds per generated token against its position, naive vs cached; saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for label, s in (("naive (recompute all)", naive_s), ("cached (contiguous KV)", cached_s)):
+        ax.plot(range(prompt_len + 1, prompt_len + len(s)), [t * 1e3 for t in s[1:]], label=label)
+    ax.set_xlabel("position of the generated token")
+    ax.set_ylabel("ms per token")
+    ax.set_title("Decode step time, SmolLM2-135M, batch 1")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT, figures: Path = FIGURES) -> dict:
+    """Every technique so far against its naive baseline on the embedded model, as one table.
+
+    Today: naive vs KV-cached generation (same greedy tokens, tokens/s, speedup). Writes
+    figures/tour_decode_step_time.png.
+    """
+    prompt_tokens = tokenizer.encode(prompt)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    generate_cached(model, prompt_tokens, SamplingParams(max_new_tokens=4))  # warm-up
+    naive = generate_naive(model, prompt_tokens, params)
+    cached = generate_cached(model, prompt_tokens, params)
+    rows = [{
+        "technique": "KV cache (contiguous)",
+        "baseline": "recompute the sequence every step",
+        "baseline_tokens_per_s": naive.decode_tokens_per_s,
+        "tokens_per_s": cached.decode_tokens_per_s,
+        "speedup": cached.decode_tokens_per_s / naive.decode_tokens_per_s,
+        "check": "greedy tokens identical" if naive.tokens == cached.tokens else "TOKENS DIFFER",
+    }]
+    fig = plot_step_times(naive.step_s, cached.step_s, len(prompt_tokens), Path(figures) / "tour_decode_step_time.png")
+    return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "prompt_tokens": len(prompt_tokens),
+            "new_tokens": new_tokens, "rows": rows, "figures": [str(fig)]}
+
+
+def format_tour(report: dict) -> str:
+    lines = [f"machine: {report['machine']}",
+             f"dtype {report['dtype']}, batch 1, prompt {report['prompt_tokens']} tokens, "
+             f"{report['new_tokens']} new tokens, greedy",
+             f"{'technique':24s} {'baseline':36s} {'base tok/s':>10s} {'tok/s':>8s} {'speedup':>8s}  check"]
+    for r in report["rows"]:
+        lines.append(f"{r['technique']:24s} {r['baseline']:36s} {r['baseline_tokens_per_s']:10.1f} "
+                     f"{r['tokens_per_s']:8.1f} {r['speedup']:7.1f}x  {r['check']}")
+    lines.append("figures: " + ", ".join(report["figures"]))
+    return "\n".join(lines)
