@@ -51,7 +51,7 @@ class Tokenizer:
         chat_template: the model's Jinja chat template, or None.
     """
 
-    def __init__(self, encoding: tiktoken.Encoding, vocab_size: int, eos_id: int | None, bos_id: int | None,
+    def __init__(self, encoding: tiktoken.Encoding, vocab_size: int, eos_id: int | None = None, bos_id: int | None = None,
                  chat_template: str | None = None, add_bos: bool = False):
         self.encoding = encoding
         self.vocab_size = vocab_size
@@ -63,18 +63,25 @@ class Tokenizer:
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_vocab(cls, tokens: list[str], special_ids: list[int], pre: str = "gpt2", name: str = "minillm",
-                   **kwargs) -> "Tokenizer":
+                   merges: list[str] | None = None, **kwargs) -> "Tokenizer":
         """Build from a byte-level vocabulary (token strings in GPT-2's unicode form, index = id).
 
         Args:
             tokens: every token, in id order; special tokens are those listed in ``special_ids``.
             special_ids: ids of control tokens ("<|im_end|>", ...), matched only when allowed.
             pre: pre-tokenizer name ("gpt2", "smollm") or a regular expression.
+            merges: the merge list ("a b" strings), to check that merged tokens' ids follow it.
 
         Raises:
             ValueError: a token that is not byte-level, or ids that do not follow merge order.
         """
         u2b = {c: b for b, c in bytes_to_unicode().items()}
+        if merges is not None:
+            ids = {t: i for i, t in enumerate(tokens)}
+            merged = [ids.get(m.replace(" ", "", 1)) for m in merges]
+            if None in merged or any(a >= b for a, b in zip(merged, merged[1:])):
+                raise ValueError("merges: merged token ids do not follow the merge list, so token ids cannot "
+                                 "serve as tiktoken ranks")
         specials = {tokens[i]: i for i in special_ids}
         ranks = {}
         for i, tok in enumerate(tokens):
@@ -116,8 +123,9 @@ class Tokenizer:
         def get(key):
             return f[key].contents() if key in f else None
 
+        merges = f["tokenizer.ggml.merges"].contents() if "tokenizer.ggml.merges" in f else None
         return cls.from_vocab(
-            tokens, special_ids, pre=pre, name="gguf",
+            tokens, special_ids, pre=pre, name="gguf", merges=merges,
             eos_id=get("tokenizer.ggml.eos_token_id"), bos_id=get("tokenizer.ggml.bos_token_id"),
             chat_template=get("tokenizer.chat_template"), add_bos=bool(get("tokenizer.ggml.add_bos_token")),
         )

@@ -1,0 +1,137 @@
+"""Command line: ``python -m minillm generate | bench decode | tour``.
+
+Other tools call these; the options and the JSON keys are kept stable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from .loading import ModelFileError
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face checkpoint folder "
+                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text from a prompt (streams as it goes)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (ChatML)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--cache", default="contiguous", choices=["none", "contiguous"],
+                   help="none: recompute the sequence every step (the naive baseline)")
+    g.add_argument("--max-seq-len", type=int, default=None, help="context to use (default: the model's)")
+    _model_args(g)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    bd = bsub.add_parser("decode", help="batch-1 decode tokens/s: naive, cached, transformers")
+    bd.add_argument("--new-tokens", type=int, default=64)
+    bd.add_argument("--repeats", type=int, default=3)
+    bd.add_argument("--no-peer", action="store_true", help="skip the transformers measurement")
+    _model_args(bd)
+
+    t = sub.add_parser("tour", help="every technique vs its naive baseline on the embedded model")
+    t.add_argument("--new-tokens", type=int, default=128)
+    _model_args(t)
+    return parser
+
+
+def _load(args):
+    from .loading import load_model
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {args.device!r} is not available on this machine (torch sees no CUDA GPU); use --device cpu")
+    return load_model(args.model, dtype=args.dtype, device=device, progress=not args.json)
+
+
+def cmd_generate(args) -> int:
+    from .generate import generate
+    from .sampling import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop))
+    model, tokenizer = _load(args)
+    if tokenizer is None:
+        raise ValueError(f"model: {args.model} has no byte-level BPE tokenizer.json, so text cannot be encoded")
+    if args.chat:
+        prompt_tokens = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_tokens = tokenizer.encode(args.prompt)
+    on_token = None
+    if not args.json:
+        feed = tokenizer.stream_decoder()
+
+        def on_token(token_id):
+            if token_id != tokenizer.eos_id:
+                sys.stdout.write(feed(token_id))
+                sys.stdout.flush()
+
+    result = generate(model, prompt_tokens, params, cache=args.cache, max_seq_len=args.max_seq_len,
+                      tokenizer=tokenizer, on_token=on_token)
+    if args.json:
+        print(json.dumps({
+            "prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
+            "finish_reason": result.finish_reason, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
+            "decode_tokens_per_s": result.decode_tokens_per_s, "cache": args.cache,
+            "dtype": args.dtype, "device": args.device,
+        }))
+    else:
+        print()
+        print(f"[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} new, finish: {result.finish_reason}; "
+              f"prefill {result.prefill_s:.3f} s, decode {result.decode_tokens_per_s:.1f} tokens/s, "
+              f"cache {args.cache}]", file=sys.stderr)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .bench import bench_decode, format_bench
+
+    model, tokenizer = _load(args)
+    report = bench_decode(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
+                          peer=not args.no_peer, model_path=args.model, progress=not args.json)
+    print(json.dumps(report, default=str) if args.json else format_bench(report))
+    return 0
+
+
+def cmd_tour(args) -> int:
+    from .bench import format_tour, tour
+
+    model, tokenizer = _load(args)
+    report = tour(model, tokenizer, new_tokens=args.new_tokens)
+    print(json.dumps(report) if args.json else format_tour(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            return cmd_generate(args)
+        if args.command == "bench":
+            return cmd_bench(args)
+        return cmd_tour(args)
+    except ModelFileError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

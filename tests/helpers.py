@@ -1,0 +1,105 @@
+"""Writers of small model files for tests: GGUF files through the gguf package's GGUFWriter and
+Hugging Face checkpoint folders through transformers."""
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFWriter, quants
+
+from minillm.tokenizer import bytes_to_unicode
+
+TINY = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab=300, ctx=128)
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Q/K rows (pairs interleaved per head)."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tiny_llama_weights(seed=0, cfg=TINY):
+    rng = np.random.default_rng(seed)
+    C, D, F, V = cfg["dim"], cfg["head_dim"], cfg["ffn_dim"], cfg["vocab"]
+    w = {"token_embd.weight": rng.standard_normal((V, C)), "output_norm.weight": 1 + 0.1 * rng.standard_normal(C)}
+    for i in range(cfg["n_layers"]):
+        w.update({
+            f"blk.{i}.attn_norm.weight": 1 + 0.1 * rng.standard_normal(C),
+            f"blk.{i}.ffn_norm.weight": 1 + 0.1 * rng.standard_normal(C),
+            f"blk.{i}.attn_q.weight": rng.standard_normal((cfg["n_heads"] * D, C)) / 8,
+            f"blk.{i}.attn_k.weight": rng.standard_normal((cfg["n_kv_heads"] * D, C)) / 8,
+            f"blk.{i}.attn_v.weight": rng.standard_normal((cfg["n_kv_heads"] * D, C)) / 8,
+            f"blk.{i}.attn_output.weight": rng.standard_normal((C, cfg["n_heads"] * D)) / 8,
+            f"blk.{i}.ffn_gate.weight": rng.standard_normal((F, C)) / 8,
+            f"blk.{i}.ffn_up.weight": rng.standard_normal((F, C)) / 8,
+            f"blk.{i}.ffn_down.weight": rng.standard_normal((C, F)) / 8,
+        })
+    return {k: v.astype(np.float32) for k, v in w.items()}
+
+
+def write_tiny_gguf(path, weights=None, arch="llama", qtypes=None, drop=(), metadata_overrides=None, cfg=TINY,
+                    raw=None):
+    """Write a tiny llama GGUF. ``weights`` are in HF row order; Q/K are permuted as llama.cpp does.
+
+    qtypes: {tensor name: GGMLQuantizationType} (default F32); drop: tensor names to leave out;
+    raw: {tensor name: (uint8 bytes (rows, bytes per row), GGMLQuantizationType)} written as they are.
+    Returns the weights written (float32, before quantization and permutation).
+    """
+    weights = tiny_llama_weights() if weights is None else weights
+    meta = {"block_count": cfg["n_layers"], "ctx": cfg["ctx"], "dim": cfg["dim"], "ffn": cfg["ffn_dim"],
+            "heads": cfg["n_heads"], "kv_heads": cfg["n_kv_heads"]}
+    meta.update(metadata_overrides or {})
+    wr = GGUFWriter(str(path), arch)
+    wr.add_block_count(meta["block_count"])
+    wr.add_context_length(meta["ctx"])
+    wr.add_embedding_length(meta["dim"])
+    wr.add_feed_forward_length(meta["ffn"])
+    wr.add_head_count(meta["heads"])
+    wr.add_head_count_kv(meta["kv_heads"])
+    wr.add_rope_freq_base(10000.0)
+    wr.add_layer_norm_rms_eps(1e-5)
+    b2u = bytes_to_unicode()
+    tokens = ["<|endoftext|>"] + [b2u[b] for b in range(256)]
+    tokens += [f"{b2u[ord('a')]}{i}" for i in range(cfg["vocab"] - len(tokens))]
+    wr.add_tokenizer_model("gpt2")
+    wr.add_token_list(tokens)
+    wr.add_token_types([3] + [1] * (len(tokens) - 1))
+    wr.add_eos_token_id(0)
+    for name, w in weights.items():
+        if name in drop:
+            continue
+        if name in (raw or {}):
+            wr.add_tensor(name, raw[name][0], raw_dtype=raw[name][1])
+            continue
+        if name.endswith("attn_q.weight"):
+            w = llama_cpp_permute(w, cfg["n_heads"])
+        elif name.endswith("attn_k.weight"):
+            w = llama_cpp_permute(w, cfg["n_kv_heads"])
+        qtype = (qtypes or {}).get(name, Q.F32)
+        if qtype == Q.F32:
+            wr.add_tensor(name, w)
+        elif qtype == Q.F16:
+            wr.add_tensor(name, w.astype(np.float16))
+        else:
+            wr.add_tensor(name, quants.quantize(w, qtype), raw_dtype=qtype)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return weights
+
+
+def write_hf_checkpoint(folder, arch="llama", tie=False, seed=0):
+    """A tiny random LlamaForCausalLM (GQA) or GPT2LMHeadModel saved with safetensors; returns the model."""
+    import transformers
+
+    torch.manual_seed(seed)
+    if arch == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=128, rope_theta=5000.0, tie_word_embeddings=tie,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=320, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+        model = transformers.GPT2LMHeadModel(config)
+    model.eval().save_pretrained(folder, safe_serialization=True)
+    return model
