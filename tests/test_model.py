@@ -1,0 +1,101 @@
+"""The decoder vs transformers, and each optimized piece vs its naive baseline."""
+
+import pytest
+import torch
+from conftest import DEVICES
+
+from minillm.model import Linear, apply_rope, attention, attention_naive, linear_naive, rope_tables
+
+PROMPTS = [
+    "Hi",
+    "The quick brown fox jumps over the lazy dog.",
+    "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
+    "and darkness was upon the face of the deep.",
+]
+
+
+def rel_err(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("n_tokens", [1, 9, 57, 200])
+def test_logits_equal_transformers(model, tokenizer, hf_model, play_text, n_tokens):
+    ids = tokenizer.encode(play_text[5000:])[:n_tokens]
+    tokens = torch.tensor([ids])
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+    ours = model(tokens, torch.arange(n_tokens))
+    assert ours.shape == (1, n_tokens, 49152) and ours.dtype == torch.float32
+    assert rel_err(ours, ref) <= 1e-4
+
+
+@pytest.mark.parametrize("n_shards", [1, 2, 3])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_sharded_linear_equals_f_linear(n_shards, rows):
+    g = torch.Generator().manual_seed(0)
+    w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    x = torch.randn(2, rows, 40, generator=g)
+    layer = Linear(w, b, n_shards=n_shards)
+    assert layer.n_shards == n_shards
+    assert torch.equal(layer.weight, w)
+    torch.testing.assert_close(layer(x), linear_naive(x, layer), rtol=1e-5, atol=1e-5)
+    idx = torch.tensor([[0, 95, 33, 64]])
+    assert torch.equal(layer.rows(idx), w[idx])
+
+
+def test_linear_falls_back_to_one_shard():
+    assert Linear(torch.zeros(7, 4), n_shards=2).n_shards == 1
+
+
+@pytest.mark.parametrize("T,S", [(1, 1), (1, 17), (5, 5), (4, 12)])
+def test_sdpa_attention_equals_naive(T, S):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 9, T, 64, generator=g)
+    k, v = torch.randn(2, 3, S, 64, generator=g), torch.randn(2, 3, S, 64, generator=g)
+    q_pos, k_pos = torch.arange(S - T, S), torch.arange(S)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    torch.testing.assert_close(attention(q, k, v, mask), attention_naive(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_rotates_pairs_by_position_angle():
+    cos, sin = rope_tables(head_dim=4, max_seq_len=8, base=10000.0)
+    x = torch.tensor([1.0, 0.0, 0.0, 0.0]).view(1, 1, 1, 4)
+    # dimension 0 pairs with dimension 2 (rotate-half); its frequency is base^0 = 1 rad per position
+    y = apply_rope(x, cos[3:4], sin[3:4])
+    torch.testing.assert_close(y.flatten(), torch.tensor([torch.cos(torch.tensor(3.0)), 0.0,
+                                                          torch.sin(torch.tensor(3.0)), 0.0]))
+    # rotation preserves the norm, and relative angles only depend on the offset
+    q = torch.randn(1, 1, 1, 4)
+    dots = [(apply_rope(q, cos[p:p + 1], sin[p:p + 1]) * apply_rope(q, cos[p + 2:p + 3], sin[p + 2:p + 3])).sum()
+            for p in range(4)]
+    torch.testing.assert_close(torch.stack(dots), dots[0].expand(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_runs_on_the_same_path(dtype, model_path):
+    from minillm import load_model
+
+    model16, tok = load_model(model_path, dtype=dtype)
+    ids = tok.encode(PROMPTS[1])
+    with torch.no_grad():
+        ref = model16.float()(torch.tensor([ids]), torch.arange(len(ids)))  # same rounded weights, float32
+    model16 = model16.to(dtype)
+    out = model16(torch.tensor([ids]), torch.arange(len(ids)))
+    assert model16.output.weight_shards.dtype == dtype and out.dtype == torch.float32
+    assert rel_err(out, ref) < 0.05
+    assert torch.equal(out[0, -1].argmax(), ref[0, -1].argmax())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_devices(device, model_path, model):
+    from minillm import load_model
+
+    m, tok = load_model(model_path, device=device) if device != "cpu" else (model, None)
+    ids = torch.tensor([[1, 2, 3, 4]], device=device)
+    out = m(ids, torch.arange(4, device=device))
+    assert out.device.type == device and torch.isfinite(out).all()
+
+
+def test_position_past_context_raises(model):
+    with pytest.raises(ValueError, match="input_pos: position 8192 is past the context length"):
+        model(torch.tensor([[1]]), torch.tensor([8192]))
