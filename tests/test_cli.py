@@ -1,0 +1,62 @@
+"""The command line, run as users and scripts run it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minillm import SamplingParams, generate_cached
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def test_generate_json_matches_the_library(model, tokenizer):
+    p = run("generate", "--prompt", "The sea", "--max-new-tokens", "12", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert {"prompt_tokens", "tokens", "text", "prefill_s", "decode_s", "decode_tokens_per_s"} <= out.keys()
+    assert out["prompt_tokens"] == tokenizer.encode("The sea")
+    ref = generate_cached(model, out["prompt_tokens"], SamplingParams(max_new_tokens=12), tokenizer=tokenizer)
+    assert out["tokens"] == ref.tokens and out["text"] == ref.text
+    assert out["decode_tokens_per_s"] > 0
+
+
+def test_generate_streams_chat_answer():
+    p = run("generate", "--prompt", "What is the capital of France?", "--chat", "--cache", "none")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "The capital of France is Paris."
+    assert "finish: eos" in p.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "-1"], "error: temperature: must be >= 0"),
+    (["--top-p", "2"], "error: top_p: must be in (0, 1]"),
+    (["--top-k", "-3"], "error: top_k: must be >= 0"),
+    (["--model", "/nonexistent.gguf"], "error: /nonexistent.gguf: no such file"),
+])
+def test_bad_input_exits_2_with_a_message(args, message):
+    p = run("generate", "--prompt", "x", *args)
+    assert p.returncode == 2 and message in p.stderr
+
+
+def test_prompt_longer_than_context():
+    p = run("generate", "--prompt", "word " * 300, "--max-seq-len", "64")
+    assert p.returncode == 2 and "error: prompt: " in p.stderr and "do not fit the context of 64 tokens" in p.stderr
+
+
+def test_bench_decode_and_tour(tmp_path):
+    p = run("bench", "decode", "--no-peer", "--new-tokens", "6", "--repeats", "1", "--json")
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert report["dtype"] == "float32" and report["batch_size"] == 1 and report["new_tokens"] == 6
+    assert report["results"]["ours naive (no cache)"]["same_tokens_as_cached"]
+    p = run("tour", "--new-tokens", "6", "--json", env={"MINILLM_FIGURES": str(tmp_path)})
+    assert p.returncode == 0, p.stderr
+    tour = json.loads(p.stdout)
+    assert tour["rows"][0]["check"] == "greedy tokens identical"
+    assert (tmp_path / "tour_decode_step_time.png").stat().st_size > 1000
