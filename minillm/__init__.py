@@ -8,7 +8,7 @@ Start with ``load_model()`` (the embedded SmolLM2-135M-Instruct), then ``generat
 baseline ``generate_naive``.
 """
 
-from .generate import GenerationResult, decode_step, generate, generate_cached, generate_naive, prefill
+from .generation import GenerationResult, decode_step, generate, generate_cached, generate_naive, prefill
 from .kv_cache import KVCache, kv_cache_bytes
 from .loading import ModelFileError, default_model_path, load_model
 from .model import Decoder, ModelConfig

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .generate import generate_cached, generate_naive
+from .generation import generate_cached, generate_naive
 from .sampling import SamplingParams
 
 FIGURES = Path(os.environ.get("MINILLM_FIGURES", Path(__file__).resolve().parent.parent / "figures"))

