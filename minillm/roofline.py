@@ -1,0 +1,388 @@
+"""The roofline model of prefill and decode: predicted from a decoder's config, measured on this machine.
+
+Roofline (Williams, Waterman, Patterson, CACM 2009): a kernel that does F FLOPs and moves M bytes
+takes at least ``max(F / peak_flops, M / bandwidth)``. Its arithmetic intensity ``I = F / M``
+(FLOP/byte) against the machine's ridge point ``peak_flops / bandwidth`` says which bound applies.
+
+For a decoder (Pope et al. 2023, "Efficiently Scaling Transformer Inference", Sec. 2-3):
+
+* every forward reads every weight once, whatever the number of tokens B x T it processes;
+* linear layers do 2 FLOPs per weight per token, so their intensity is about
+  ``2 x B x T / bytes_per_weight``: decode (T = 1, small B) is far below the ridge point
+  (bandwidth-bound), prefill (T in the hundreds) is above it (compute-bound);
+* attention reads the KV cache: ``2 x B x S x n_layers x Hkv x D x bytes`` (``kv_cache.kv_cache_bytes``),
+  and does ``4 x B x T x S x H x D`` FLOPs per layer (Q K^T and scores V).
+
+``measure()`` finds this machine's ceilings with torch (warm-up, synchronization, median of
+repeats); ``decode_cost`` / ``prefill_cost`` predict; ``measure_decode`` / ``measure_prefill`` /
+``measure_verify`` time the real model.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import KVCache, kv_cache_bytes
+from .model import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Peak memory bandwidth (bytes/s) and peak dense matmul throughput (FLOP/s) per dtype.
+
+    Datasheet numbers are leads, not truth: ``measure()`` gives what torch reaches here.
+    """
+
+    name: str
+    bandwidth: float  # bytes/s
+    flops: dict[str, float]  # dtype name -> FLOP/s (dense, no sparsity)
+    source: str = ""
+
+    def ridge_point(self, dtype: str) -> float:
+        """Arithmetic intensity (FLOP/byte) above which a kernel is compute-bound."""
+        return self.flops[dtype] / self.bandwidth
+
+
+T_ = 1e12
+HARDWARE = {
+    "H100 SXM": Hardware("H100 SXM", 3.35e12, {"float32": 67 * T_, "tf32": 494.5 * T_, "float16": 989.5 * T_,
+                                                "bfloat16": 989.5 * T_, "int8": 1979 * T_},
+                         "NVIDIA H100 Tensor Core GPU datasheet (SXM5; dense = half the sparse figures)"),
+    "H200": Hardware("H200", 4.8e12, {"float32": 67 * T_, "tf32": 494.5 * T_, "float16": 989.5 * T_,
+                                      "bfloat16": 989.5 * T_, "int8": 1979 * T_},
+                     "NVIDIA H200 Tensor Core GPU datasheet (SXM; dense = half the sparse figures)"),
+    "A100 80GB": Hardware("A100 80GB", 2.039e12, {"float32": 19.5 * T_, "tf32": 156 * T_, "float16": 312 * T_,
+                                                  "bfloat16": 312 * T_, "int8": 624 * T_},
+                          "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)"),
+    "RTX 4090": Hardware("RTX 4090", 1.008e12, {"float32": 82.6 * T_, "float16": 165.2 * T_, "bfloat16": 165.2 * T_,
+                                                "int8": 660.6 * T_},
+                         "NVIDIA Ada Lovelace architecture whitepaper (GeForce RTX 4090; FP16/BF16 with FP32 accumulate)"),
+    "Apple M2 Max": Hardware("Apple M2 Max", 400e9, {"float32": 13.6 * T_, "float16": 13.6 * T_},
+                             "Apple newsroom, M2 Pro and M2 Max (Jan 2023): 400 GB/s, 38-core GPU 13.6 TFLOPS"),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model
+
+
+@dataclass
+class Cost:
+    """FLOPs and bytes moved by one forward pass, and the time the roofline allows."""
+
+    flops: float
+    weight_bytes: float
+    kv_bytes: float
+    tokens: int  # new tokens produced or processed (B x T)
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def intensity(self) -> float:
+        """FLOP per byte moved."""
+        return self.flops / self.bytes
+
+    def time(self, peak_flops: float, bandwidth: float) -> float:
+        """Attainable seconds: max(FLOPs / peak, bytes / bandwidth)."""
+        return max(self.flops / peak_flops, self.bytes / bandwidth)
+
+    def bound(self, peak_flops: float, bandwidth: float) -> str:
+        return "compute" if self.flops / peak_flops > self.bytes / bandwidth else "memory"
+
+
+def linear_params(config: ModelConfig) -> tuple[int, int]:
+    """(weights in the linear layers of one block, weights of the output projection)."""
+    C, D = config.dim, config.head_dim
+    attn = C * D * (config.n_heads + 2 * config.n_kv_heads) + config.n_heads * D * C
+    mlp = (3 if config.arch == "llama" else 2) * C * config.ffn_dim
+    return attn + mlp, config.vocab_size * C
+
+
+def forward_cost(config: ModelConfig, batch_size: int, new_tokens: int, context: int, weight_bytes: float = 4,
+                 kv_bytes: float = 4, causal_prefill: bool = False, all_logits: bool = True) -> Cost:
+    """Cost of one forward of ``new_tokens`` per row after ``context`` cached positions.
+
+    Args:
+        config: the model.
+        batch_size: B rows.
+        new_tokens: T tokens per row in this forward.
+        context: L positions already in the KV cache (read by attention).
+        weight_bytes: bytes per weight (4 float32, 2 float16, 0.5 int4, ...).
+        kv_bytes: bytes per KV-cache element.
+        causal_prefill: count attention FLOPs over the causal triangle (each new token attends to
+            L + its index + 1 keys) instead of all L + T keys.
+        all_logits: the output projection runs for all T tokens (minillm's forward) or only the last.
+
+    Returns:
+        ``Cost``: FLOPs, weight bytes (every weight read once), KV bytes (cache read + new K/V written).
+    """
+    B, T, L = batch_size, new_tokens, context
+    per_layer, head = linear_params(config)
+    H, Hkv, D = config.n_heads, config.n_kv_heads, config.head_dim
+    keys = (L * T + T * (T + 1) / 2) if causal_prefill else T * (L + T)  # (query, key) pairs per row
+    flops = config.n_layers * (2 * B * T * per_layer + 4 * B * keys * H * D)
+    flops += 2 * B * (T if all_logits else 1) * head
+    norms = (2 * config.n_layers + 1) * config.dim
+    weights = (config.n_layers * per_layer + head + norms) * weight_bytes
+    kv = kv_cache_bytes(config, B, L, kv_bytes) + kv_cache_bytes(config, B, T, kv_bytes)
+    return Cost(flops=flops, weight_bytes=weights, kv_bytes=kv, tokens=B * T)
+
+
+def decode_cost(config: ModelConfig, batch_size: int = 1, context: int = 0, weight_bytes: float = 4,
+                kv_bytes: float = 4) -> Cost:
+    """One decode step: one new token per row after ``context`` positions."""
+    return forward_cost(config, batch_size, 1, context, weight_bytes, kv_bytes)
+
+
+def prefill_cost(config: ModelConfig, prompt_tokens: int, batch_size: int = 1, weight_bytes: float = 4,
+                 kv_bytes: float = 4) -> Cost:
+    """Prefill of a ``prompt_tokens``-token prompt per row (causal attention, logits for every token)."""
+    return forward_cost(config, batch_size, prompt_tokens, 0, weight_bytes, kv_bytes, causal_prefill=True)
+
+
+def decode_time_lower_bound(n_params: float, bytes_per_param: float, bandwidth: float) -> float:
+    """Seconds per batch-1 decode step when only the weight reads count: params x bytes / bandwidth.
+
+    The article's example: 70e9 x 2 bytes / 2e12 B/s = 0.07 s, so at most ~14 tokens/s.
+    """
+    return n_params * bytes_per_param / bandwidth
+
+
+LLAMA2_70B = ModelConfig(arch="llama", n_layers=80, dim=8192, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=28672,
+                         vocab_size=32000, max_seq_len=4096, rope_base=10000.0, tie_embeddings=False)
+LLAMA2_7B = ModelConfig(arch="llama", n_layers=32, dim=4096, n_heads=32, n_kv_heads=32, head_dim=128, ffn_dim=11008,
+                        vocab_size=32000, max_seq_len=4096, rope_base=10000.0, tie_embeddings=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_median(fn, device="cpu", repeats: int = 7, warmup: int = 2) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, device synchronized."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+@dataclass
+class Ceilings:
+    """What torch reaches on a device: bandwidths in bytes/s, matmul throughput in FLOP/s."""
+
+    device: str
+    copy_bandwidth: float  # (bytes read + bytes written) / s of a large copy
+    read_bandwidth: float  # bytes/s of a streaming read (a sum over a large tensor)
+    matmul_flops: dict[str, float] = field(default_factory=dict)
+    matmul_size: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def bandwidth(self) -> float:
+        """The bandwidth the model uses: the best of the two streaming measurements."""
+        return max(self.copy_bandwidth, self.read_bandwidth)
+
+    def hardware(self) -> Hardware:
+        return Hardware(f"this machine ({self.device}, measured)", self.bandwidth, dict(self.matmul_flops),
+                        "minillm.roofline.measure()")
+
+
+def measure(device: str = "cpu", dtypes=("float32", "float16", "bfloat16"), megabytes: int = 512,
+            matmul_n: dict[str, int] | None = None, repeats: int = 7) -> Ceilings:
+    """Measure memory bandwidth and matmul throughput on ``device`` with torch.
+
+    Args:
+        device: "cpu" or "cuda".
+        dtypes: matmul dtypes to measure.
+        megabytes: size of the tensors streamed (well above any cache).
+        matmul_n: square matmul size per dtype (default: 2048 on CPU, 1024 for CPU half types,
+            8192 on CUDA) so that it fills the chip.
+        repeats: timed runs per measurement (median reported).
+
+    Returns:
+        ``Ceilings``.
+    """
+    from .loading import parse_dtype
+
+    dev = torch.device(device)
+    n = megabytes * 2**20 // 4
+    src = torch.ones(n, dtype=torch.float32, device=dev)
+    dst = torch.empty_like(src)
+    copy_s = time_median(lambda: dst.copy_(src), dev, repeats)
+    read_s = time_median(lambda: src.sum(), dev, repeats)
+    del src, dst
+    ceilings = Ceilings(str(dev), 2 * n * 4 / copy_s, n * 4 / read_s)
+    for name in dtypes:
+        size = (matmul_n or {}).get(name) or (8192 if dev.type == "cuda" else (2048 if name == "float32" else 1024))
+        a = torch.randn(size, size, device=dev).to(parse_dtype(name))
+        b = torch.randn(size, size, device=dev).to(parse_dtype(name))
+        s = time_median(lambda: a @ b, dev, max(3, repeats // 2), warmup=1)
+        ceilings.matmul_flops[name] = 2 * size**3 / s
+        ceilings.matmul_size[name] = size
+    return ceilings
+
+
+@torch.inference_mode()
+def measure_decode(model, batch_size: int = 1, context: int = 64, steps: int = 16, repeats: int = 3) -> float:
+    """Median seconds of one decode step (B rows, one token each) after ``context`` cached positions."""
+    device = model.device
+    cache = KVCache(model.config, batch_size, context + steps + 1, model.dtype, device)
+    tokens = torch.randint(100, 1000, (batch_size, context), generator=torch.Generator().manual_seed(0)).to(device)
+    model(tokens, torch.arange(context, device=device), cache)
+    token = tokens[:, -1:]
+
+    def run():
+        cache.truncate(context)
+        for i in range(steps):
+            model(token, torch.tensor([context + i], device=device), cache)
+
+    return time_median(run, device, repeats, warmup=1) / steps
+
+
+@torch.inference_mode()
+def measure_prefill(model, prompt_tokens: int, batch_size: int = 1, repeats: int = 3) -> float:
+    """Median seconds of a prefill forward of ``prompt_tokens`` tokens per row into an empty cache."""
+    device = model.device
+    cache = KVCache(model.config, batch_size, prompt_tokens, model.dtype, device)
+    tokens = torch.randint(100, 1000, (batch_size, prompt_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    pos = torch.arange(prompt_tokens, device=device)
+
+    def run():
+        cache.reset()
+        model(tokens, pos, cache)
+
+    return time_median(run, device, repeats, warmup=1)
+
+
+@torch.inference_mode()
+def measure_verify(model, ks=range(1, 17), context: int = 64, repeats: int = 5) -> dict[int, float]:
+    """Seconds of one forward over k new tokens after ``context`` positions, for each k: the cost of
+    letting the target verify k speculative tokens at once, relative to k = 1 (one decode step)."""
+    device = model.device
+    cache = KVCache(model.config, 1, context + max(ks), model.dtype, device)
+    tokens = torch.randint(100, 1000, (1, context + max(ks)), generator=torch.Generator().manual_seed(0)).to(device)
+    model(tokens[:, :context], torch.arange(context, device=device), cache)
+    out = {}
+    for k in ks:
+        pos = torch.arange(context, context + k, device=device)
+
+        def run():
+            cache.truncate(context)
+            model(tokens[:, context:context + k], pos, cache)
+
+        out[k] = time_median(run, device, repeats, warmup=1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Predicted vs measured
+
+
+def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), context: int = 64,
+            progress: bool = False) -> list[dict]:
+    """Predicted and measured time per forward for the model as loaded (its dtype and device).
+
+    Rows: decode at each batch size (one token per row after ``context`` positions) and prefill at
+    each prompt length (batch 1). Each row: kind, batch_size, tokens, flops, bytes, intensity,
+    bound, predicted_s, measured_s, predicted_tokens_per_s, measured_tokens_per_s,
+    measured/predicted ratio and achieved FLOP/s and bytes/s.
+    """
+    from tqdm.auto import tqdm
+
+    dtype = str(model.dtype).replace("torch.", "")
+    nbytes = DTYPE_BYTES[dtype]
+    peak = ceilings.matmul_flops[dtype]
+    jobs = [("decode", b, None) for b in batch_sizes] + [("prefill", 1, t) for t in prompt_lengths]
+    rows = []
+    for kind, b, t in tqdm(jobs, desc="roofline", disable=not progress, leave=False):
+        if kind == "decode":
+            cost = decode_cost(model.config, b, context, nbytes, nbytes)
+            measured = measure_decode(model, b, context)
+        else:
+            cost = prefill_cost(model.config, t, b, nbytes, nbytes)
+            measured = measure_prefill(model, t, b)
+        predicted = cost.time(peak, ceilings.bandwidth)
+        rows.append({
+            "kind": kind, "dtype": dtype, "batch_size": b, "tokens": cost.tokens, "flops": cost.flops,
+            "bytes": cost.bytes, "intensity": cost.intensity, "bound": cost.bound(peak, ceilings.bandwidth),
+            "predicted_s": predicted, "measured_s": measured,
+            "predicted_tokens_per_s": cost.tokens / predicted, "measured_tokens_per_s": cost.tokens / measured,
+            "measured_over_predicted": measured / predicted,
+            "achieved_flops": cost.flops / measured, "achieved_bandwidth": cost.bytes / measured,
+        })
+    return rows
+
+
+def plot_roofline(ceilings: Ceilings, rows: list[dict], path, dtype: str = "float32", title: str | None = None):
+    """The classic log-log roofline (attainable FLOP/s vs arithmetic intensity) with measured points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    bw, peak = ceilings.bandwidth, ceilings.matmul_flops[dtype]
+    x = np.logspace(-1, 4, 200)
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ax.loglog(x, np.minimum(peak, bw * x), "k-", lw=2, label=f"roofline ({dtype}, measured)")
+    ax.axvline(peak / bw, color="gray", ls=":", lw=1)
+    ax.text(peak / bw, peak * 1.15, f"ridge {peak / bw:.0f} FLOP/B", ha="center", fontsize=8)
+    for kind, marker in (("decode", "o"), ("prefill", "s")):
+        pts = [r for r in rows if r["kind"] == kind and r["dtype"] == dtype]
+        if pts:
+            ax.loglog([r["intensity"] for r in pts], [r["achieved_flops"] for r in pts], marker, ls="",
+                      label=f"{kind} (measured)")
+            for r in pts:
+                label = f"B={r['batch_size']}" if kind == "decode" else f"T={r['tokens']}"
+                ax.annotate(label, (r["intensity"], r["achieved_flops"]), fontsize=7, xytext=(3, -9),
+                            textcoords="offset points")
+    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
+    ax.set_ylabel("FLOP/s")
+    ax.set_title(title or "Roofline, SmolLM2-135M on this machine")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_predicted_vs_measured(rows: list[dict], path, title: str | None = None):
+    """Predicted and measured milliseconds per token for each row of ``compare``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['kind']}\n{r['dtype']}\n{'B=' + str(r['batch_size']) if r['kind'] == 'decode' else 'T=' + str(r['tokens'])}"
+              for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
+    ax.bar([i - 0.2 for i in x], [1e3 * r["predicted_s"] / r["tokens"] for r in rows], 0.4, label="predicted")
+    ax.bar([i + 0.2 for i in x], [1e3 * r["measured_s"] / r["tokens"] for r in rows], 0.4, label="measured")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("ms per token")
+    ax.set_title(title or "Predicted vs measured time per token")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
