@@ -1,4 +1,4 @@
-"""Command line: ``python -m minillm generate | bench decode | tour``.
+"""Command line: ``python -m minillm generate | bench decode | roofline | tour``.
 
 Other tools call these; the options and the JSON keys are kept stable.
 """
@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--repeats", type=int, default=3)
     bd.add_argument("--no-peer", action="store_true", help="skip the transformers measurement")
     _model_args(bd)
+
+    r = sub.add_parser("roofline", help="measured ceilings, ridge point, predicted vs measured decode tokens/s")
+    r.add_argument("--batch-sizes", default="1,8", help="decode batch sizes, comma-separated")
+    r.add_argument("--prompt-lengths", default="128", help="prefill lengths, comma-separated ('' for none)")
+    _model_args(r)
 
     t = sub.add_parser("tour", help="every technique vs its naive baseline on the embedded model")
     t.add_argument("--new-tokens", type=int, default=128)
@@ -112,6 +117,36 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_roofline(args) -> int:
+    from . import roofline
+    from .bench import machine
+
+    model, _ = _load(args)
+    ceilings = roofline.measure(args.device)
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
+    rows = roofline.compare(model, ceilings, ints(args.batch_sizes), ints(args.prompt_lengths), progress=not args.json)
+    report = {"machine": machine(), "device": args.device, "copy_bandwidth": ceilings.copy_bandwidth,
+              "read_bandwidth": ceilings.read_bandwidth, "bandwidth": ceilings.bandwidth,
+              "matmul_flops": ceilings.matmul_flops,
+              "ridge_point": {d: f / ceilings.bandwidth for d, f in ceilings.matmul_flops.items()}, "rows": rows}
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"machine: {report['machine']}")
+    print(f"memory: copy {ceilings.copy_bandwidth / 1e9:.1f} GB/s (read + write), streaming read "
+          f"{ceilings.read_bandwidth / 1e9:.1f} GB/s")
+    for d, f in ceilings.matmul_flops.items():
+        print(f"matmul {d:9s}: {f / 1e9:8.1f} GFLOP/s (n={ceilings.matmul_size[d]}), "
+              f"ridge point {f / ceilings.bandwidth:6.1f} FLOP/byte")
+    print(f"{'':8s} {'B':>3s} {'T':>5s} {'FLOP/B':>7s} {'bound':>7s} {'predicted tok/s':>16s} {'measured tok/s':>15s} "
+          f"{'measured/predicted time':>24s}")
+    for r in rows:
+        t = r["tokens"] // r["batch_size"]
+        print(f"{r['kind']:8s} {r['batch_size']:3d} {t:5d} {r['intensity']:7.1f} {r['bound']:>7s} "
+              f"{r['predicted_tokens_per_s']:16.1f} {r['measured_tokens_per_s']:15.1f} {r['measured_over_predicted']:24.2f}")
+    return 0
+
+
 def cmd_tour(args) -> int:
     from .bench import format_tour, tour
 
@@ -128,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "roofline":
+            return cmd_roofline(args)
         return cmd_tour(args)
     except ModelFileError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from .kv_cache import KVCache
+from .kv_cache import make_cache
 from .sampling import SamplingParams, make_generator, sample
 
 
@@ -120,41 +120,60 @@ def _finish(result: GenerationResult, tokenizer) -> GenerationResult:
     return result
 
 
-def _generate(model, prompt_tokens, params, *, use_cache, max_seq_len, tokenizer, on_token, eos_ids):
-    ctx = check_prompt(model, prompt_tokens, max_seq_len)
+def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, tokenizer, on_token, eos_ids):
+    """Generate for a batch of prompts (left padded when their lengths differ)."""
+    if not prompts:
+        raise ValueError("prompts: give at least one prompt")
+    ctx = max(check_prompt(model, p, max_seq_len) for p in prompts)
     device = model.device
     eos = set(eos_ids) if eos_ids is not None else ({tokenizer.eos_id} if tokenizer and tokenizer.eos_id is not None else set())
     stopper = _Stopper(params, tokenizer, eos)
     gen = make_generator(params, device)
-    result = GenerationResult(prompt_tokens=list(prompt_tokens))
-    seq = torch.tensor([prompt_tokens], device=device)  # (1, P)
-    cache = KVCache(model.config, 1, ctx, model.dtype, device) if use_cache else None
-    n_new = min(params.max_new_tokens, ctx - len(prompt_tokens))
+    results = [GenerationResult(prompt_tokens=list(p)) for p in prompts]
+    P = max(len(p) for p in prompts)
+    offsets = [P - len(p) for p in prompts]
+    # (B, P): row b is offsets[b] padding tokens (id 0, never attended to) then its prompt
+    seq = torch.tensor([[0] * o + list(p) for o, p in zip(offsets, prompts)], device=device)
+    row_offsets = torch.tensor(offsets, device=device) if any(offsets) else None
+    cache = None if cache_kind == "none" else make_cache(cache_kind, model.config, len(prompts), ctx, model.dtype,
+                                                         device, kv_dtype)
+    n_new = min(params.max_new_tokens, ctx - P)
+    done = [False] * len(prompts)
 
     _sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        logits = prefill(model, seq, cache)
+        logits = model(seq, torch.arange(P, device=device), cache, row_offsets)[:, -1]  # prefill
         for step in range(n_new):
-            token = sample(logits, params, gen)  # (1,)
-            result.tokens.append(int(token))
+            tokens = sample(logits, params, gen)  # (B,)
             _sync(device)
             t1 = time.perf_counter()
-            result.step_s.append(t1 - t0)
+            for b, r in enumerate(results):
+                if done[b]:
+                    continue
+                r.tokens.append(int(tokens[b]))
+                r.step_s.append(t1 - t0)
+                if on_token is not None:
+                    on_token(r.tokens[-1])
+                done[b] = stopper.check(r)
             t0 = t1
-            if on_token is not None:
-                on_token(result.tokens[-1])
-            if stopper.check(result) or step == n_new - 1:
+            if all(done) or step == n_new - 1:
                 break
-            pos = len(prompt_tokens) + step
-            if use_cache:
-                logits = decode_step(model, token[:, None], pos, cache)
+            slot = P + step
+            if cache is not None:
+                logits = model(tokens[:, None], torch.tensor([slot], device=device), cache, row_offsets)[:, -1]
             else:
-                seq = torch.cat([seq, token[:, None]], dim=1)  # (1, pos + 1): recompute it all
-                logits = model(seq, torch.arange(seq.shape[1], device=device), None)[:, -1]
-    result.prefill_s = result.step_s[0]
-    result.decode_s = sum(result.step_s[1:])
-    return _finish(result, tokenizer)
+                seq = torch.cat([seq, tokens[:, None]], dim=1)  # (B, slot + 1): recompute it all
+                logits = model(seq, torch.arange(slot + 1, device=device), None, row_offsets)[:, -1]
+    for r in results:
+        r.prefill_s = r.step_s[0]
+        r.decode_s = sum(r.step_s[1:])
+        _finish(r, tokenizer)
+    return results
+
+
+def _generate(model, prompt_tokens, params, **kwargs):
+    return _run(model, [prompt_tokens], params, **kwargs)[0]
 
 
 def generate_naive(model, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
@@ -179,32 +198,73 @@ def generate_naive(model, prompt_tokens: list[int], params: SamplingParams = Sam
         ValueError: empty prompt, a prompt that does not fit the context, stop strings without a
             tokenizer (invalid sampling values are rejected by ``SamplingParams``).
     """
-    return _generate(model, prompt_tokens, params, use_cache=False, max_seq_len=max_seq_len,
+    return _generate(model, prompt_tokens, params, cache_kind="none", max_seq_len=max_seq_len,
                      tokenizer=tokenizer, on_token=on_token, eos_ids=eos_ids)
 
 
 def generate_cached(model, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
                     max_seq_len: int | None = None, tokenizer=None,
                     on_token: Callable[[int], None] | None = None,
-                    eos_ids: set[int] | None = None) -> GenerationResult:
-    """Generate with a contiguous KV cache: prefill once, then one token per decode step.
+                    eos_ids: set[int] | None = None, kv_dtype: str | None = None) -> GenerationResult:
+    """Generate with a static, preallocated KV cache (``KVCache``): prefill once, then one token
+    per decode step.
 
     Same signature, arguments, result and errors as ``generate_naive``; the cache holds
-    ``max_seq_len`` positions (default: the model's context).
+    ``max_seq_len`` positions (default: the model's context). ``kv_dtype="int8"`` stores it in int8.
     """
-    return _generate(model, prompt_tokens, params, use_cache=True, max_seq_len=max_seq_len,
+    return _generate(model, prompt_tokens, params, cache_kind="contiguous", kv_dtype=kv_dtype,
+                     max_seq_len=max_seq_len, tokenizer=tokenizer, on_token=on_token, eos_ids=eos_ids)
+
+
+def generate_dynamic(model, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
+                     max_seq_len: int | None = None, tokenizer=None,
+                     on_token: Callable[[int], None] | None = None,
+                     eos_ids: set[int] | None = None) -> GenerationResult:
+    """Generate with a cache that grows by concatenation (``DynamicKVCache``, like Hugging Face's
+    ``DynamicCache``). Same signature, arguments, result and errors as ``generate_naive``."""
+    return _generate(model, prompt_tokens, params, cache_kind="dynamic", max_seq_len=max_seq_len,
                      tokenizer=tokenizer, on_token=on_token, eos_ids=eos_ids)
 
 
-GENERATORS = {"none": generate_naive, "contiguous": generate_cached}
+GENERATORS = {"none": generate_naive, "dynamic": generate_dynamic, "contiguous": generate_cached}
 
 
-def generate(model, prompt_tokens, params=SamplingParams(), *, cache: str = "contiguous", **kwargs) -> GenerationResult:
-    """``generate_naive`` (cache="none") or ``generate_cached`` (cache="contiguous").
+def generate(model, prompt_tokens, params=SamplingParams(), *, cache: str = "contiguous", kv_dtype: str | None = None,
+             **kwargs) -> GenerationResult:
+    """``generate_naive`` (cache="none"), ``generate_dynamic`` ("dynamic") or ``generate_cached``
+    ("contiguous", optionally with ``kv_dtype="int8"``).
 
     Raises:
-        ValueError: an unknown cache name.
+        ValueError: an unknown cache name, or int8 with another cache than "contiguous".
     """
     if cache not in GENERATORS:
         raise ValueError(f"cache: {cache!r} is not one of {list(GENERATORS)}")
+    if kv_dtype not in (None, "auto"):
+        if cache != "contiguous":
+            raise ValueError("kv_dtype: int8 is implemented for the contiguous cache only; use --cache contiguous")
+        kwargs["kv_dtype"] = kv_dtype
     return GENERATORS[cache](model, prompt_tokens, params, **kwargs)
+
+
+def generate_batch(model, prompts: list[list[int]], params: SamplingParams = SamplingParams(), *,
+                   cache: str = "contiguous", kv_dtype: str | None = None, max_seq_len: int | None = None,
+                   tokenizer=None, eos_ids: set[int] | None = None) -> list[GenerationResult]:
+    """Generate for several prompts at once, one forward per step for the whole batch.
+
+    Prompts of different lengths are left padded: row b's padding slots are never attended to and
+    its tokens get positions ``slot - padding`` (``Decoder.forward``'s ``row_offsets``), so at
+    temperature 0 each row gives the tokens its prompt gives alone. Each row stops on its own.
+
+    Args:
+        prompts: B lists of token ids. Other arguments as ``generate``.
+
+    Returns:
+        B ``GenerationResult``s, in the order of ``prompts`` (prefill_s / decode_s are the batch's).
+
+    Raises:
+        ValueError: as ``generate``, for any prompt.
+    """
+    if cache not in GENERATORS:
+        raise ValueError(f"cache: {cache!r} is not one of {list(GENERATORS)}")
+    return _run(model, prompts, params, cache_kind=cache, kv_dtype=kv_dtype, max_seq_len=max_seq_len,
+                tokenizer=tokenizer, on_token=None, eos_ids=eos_ids)

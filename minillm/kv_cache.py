@@ -101,6 +101,126 @@ class KVCache:
         self.seq_len = 0
 
 
+class DynamicKVCache:
+    """A cache that grows by concatenation, as Hugging Face's ``DynamicCache`` does: nothing is
+    reserved up front, but every step allocates new (B, Hkv, S + T, D) tensors and copies the old
+    ones, so writing N tokens one by one copies O(N^2) elements. Same interface as ``KVCache``.
+
+    Raises:
+        ValueError: (``prepare``) positions that do not continue the stored sequence exactly.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.n_layers = config.n_layers
+        self.max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
+        self.k: list[torch.Tensor | None] = [None] * config.n_layers
+        self.v: list[torch.Tensor | None] = [None] * config.n_layers
+        self.seq_len = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+
+    def prepare(self, input_pos: torch.Tensor) -> int:
+        start, end = int(input_pos[0]), int(input_pos[-1]) + 1
+        if start != self.seq_len:
+            raise ValueError(f"input_pos: starts at {start} but a dynamic cache can only append at {self.seq_len}; "
+                             "truncate it first to rewrite positions")
+        if end > self.max_seq_len:
+            raise ValueError(f"input_pos: position {end - 1} does not fit max_seq_len={self.max_seq_len}")
+        self.seq_len = end
+        return end
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k[layer] is None:
+            self.k[layer], self.v[layer] = k.contiguous(), v.contiguous()
+        else:
+            self.k[layer] = torch.cat([self.k[layer], k], dim=2)  # (B, Hkv, S + T, D): a fresh copy
+            self.v[layer] = torch.cat([self.v[layer], v], dim=2)
+        return self.k[layer], self.v[layer]
+
+    def truncate(self, n: int) -> None:
+        if not 0 <= n <= self.seq_len:
+            raise ValueError(f"n: cannot truncate a cache of {self.seq_len} positions to {n}")
+        for i in range(self.n_layers):
+            if self.k[i] is not None:
+                self.k[i], self.v[i] = self.k[i][:, :, :n], self.v[i][:, :, :n]
+        self.seq_len = n
+
+    def reset(self) -> None:
+        self.k = [None] * self.n_layers
+        self.v = [None] * self.n_layers
+        self.seq_len = 0
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 with one scale per vector of the last dimension (per token, per head).
+
+    x: (..., D) float -> (codes (..., D) int8, scales (..., 1) float32), x ~= codes * scales,
+    scale = max|x| / 127 (KIVI, Liu et al. 2024, and KVQuant, Hooper et al. 2024, use finer schemes).
+    """
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(1e-8) / 127.0
+    return torch.round(x.float() / scale).clamp_(-127, 127).to(torch.int8), scale
+
+
+def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes (..., D) int8, scales (..., 1) -> (..., D) ``dtype``."""
+    return (codes.float() * scale).to(dtype)
+
+
+class Int8KVCache(KVCache):
+    """A static cache storing keys and values as int8 with a float32 scale per token and head.
+
+    Bytes per position: 2 x Hkv x (D + 4) x layers instead of 2 x Hkv x D x 2 (float16): about half.
+    ``update`` returns the dequantized keys/values of every stored position. Same interface as
+    ``KVCache``.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__(config, batch_size, max_seq_len, torch.int8, device)
+        shape = self.k.shape[:-1] + (1,)  # (layers, B, Hkv, S, 1)
+        self.k_scale = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.v_scale = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.dtype = dtype
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + 2 * self.k_scale.numel() * 4
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            q, s = quantize_int8(x)
+            codes[layer].index_copy_(2, self._pos, q)
+            scales[layer].index_copy_(2, self._pos, s)
+        n = self.seq_len
+        return (dequantize_int8(self.k[layer, :, :, :n], self.k_scale[layer, :, :, :n], self.dtype),
+                dequantize_int8(self.v[layer, :, :, :n], self.v_scale[layer, :, :, :n], self.dtype))
+
+
+CACHES = {"contiguous": KVCache, "dynamic": DynamicKVCache}
+
+
+def make_cache(kind: str, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
+               dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str | None = None):
+    """A cache by name: "contiguous" (static, preallocated) or "dynamic" (grows by concatenation);
+    ``kv_dtype="int8"`` stores a static cache in int8.
+
+    Raises:
+        ValueError: an unknown kind, or int8 with a dynamic cache.
+    """
+    if kind not in CACHES:
+        raise ValueError(f"cache: {kind!r} is not one of {['none', *CACHES]}")
+    if kv_dtype in (None, "auto"):
+        return CACHES[kind](config, batch_size, max_seq_len, dtype, device)
+    if kv_dtype != "int8":
+        raise ValueError(f"kv_dtype: {kv_dtype!r} is not supported; use int8 (or leave it unset for the model's dtype)")
+    if kind != "contiguous":
+        raise ValueError("kv_dtype: int8 is implemented for the contiguous cache only; use --cache contiguous")
+    return Int8KVCache(config, batch_size, max_seq_len, dtype, device)
+
+
 def kv_cache_bytes(config: ModelConfig, batch_size: int, seq_len: int, bytes_per_element: float) -> float:
     """KV-cache size in bytes: 2 x B x seq_len x n_layers x n_kv_heads x head_dim x bytes
     (keys and values; Pope et al. 2023, Sec. 2.2)."""

@@ -186,7 +186,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """softmax(q k^T / sqrt(D) + mask) v, written out, with each KV head repeated for its group.
 
-    q: (B, H, T, D); k, v: (B, Hkv, S, D); mask: (T, S) bool (True = may attend) or None.
+    q: (B, H, T, D); k, v: (B, Hkv, S, D); mask: (T, S) or (B, 1, T, S) bool (True = may attend) or None.
     Returns (B, H, T, D). The baseline of ``attention`` (same signature).
     """
     group = q.shape[1] // k.shape[1]
@@ -331,14 +331,20 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.output.weight_shards.dtype
 
-    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache=None,
+                row_offsets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for every position.
 
         Args:
             tokens: (B, T) int64 token ids.
-            input_pos: (T,) int64 positions of those tokens in the sequence (0-based).
+            input_pos: (T,) int64 slots of those tokens in the sequence (0-based); without
+                ``row_offsets`` these are also their positions.
             cache: None (attend only over ``tokens``; positions must then start at 0) or a KV
-                cache such as ``minillm.kv_cache.KVCache`` holding positions ``0..input_pos[0]-1``.
+                cache such as ``minillm.kv_cache.KVCache`` holding slots ``0..input_pos[0]-1``.
+            row_offsets: (B,) int64 or None. For a batch of prompts of different lengths, left
+                padded: row b's first ``row_offsets[b]`` slots are padding. Its tokens then sit at
+                positions ``slot - row_offsets[b]`` (for RoPE / learned positions) and no query
+                attends to its padding.
 
         Returns:
             (B, T, V) float32 logits.
@@ -353,21 +359,29 @@ class Decoder(nn.Module):
                 f"input_pos: position {int(input_pos[-1])} is past the context length "
                 f"({self.config.max_seq_len} tokens)"
             )
+        pos = input_pos if row_offsets is None else (input_pos[None, :] - row_offsets[:, None]).clamp_min(0)  # (B, T)
         x = self.embed(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
-            x = x + self.pos_embeddings[input_pos]
+            x = x + self.pos_embeddings[pos]
         rope = None
         if self.config.arch == "llama":
-            rope = (self.rope_cos[input_pos], self.rope_sin[input_pos])  # (T, D) each
+            rope = (self.rope_cos[pos], self.rope_sin[pos])  # (T, D) each, or (B, T, D) per row
+            if row_offsets is not None:
+                rope = (rope[0][:, None], rope[1][:, None])  # (B, 1, T, D): broadcast over heads
         if cache is None:
             key_pos = input_pos
         else:
             key_pos = torch.arange(cache.prepare(input_pos), device=tokens.device)
-        # causal mask over absolute positions: query at p sees keys at positions <= p (None when
-        # every key is visible, e.g. decoding one token; SDPA then takes its fastest path)
+        # causal mask over slots: query at slot p sees keys at slots <= p (None when every key is
+        # visible, e.g. decoding one token; SDPA then takes its fastest path)
         mask = None
-        if T > 1 or key_pos.shape[0] > int(input_pos[-1]) + 1:
+        if T > 1 or key_pos.shape[0] > int(input_pos[-1]) + 1 or row_offsets is not None:
             mask = key_pos[None, :] <= input_pos[:, None]  # (T, S)
+        if row_offsets is not None:
+            # hide each row's padding; a padding query sees itself so that no softmax row is empty
+            real = key_pos[None, :] >= row_offsets[:, None]  # (B, S)
+            mask = mask & (real[:, None, :] | (key_pos[None, :] == input_pos[:, None]))  # (B, T, S)
+            mask = mask[:, None]  # (B, 1, T, S)
         for i, layer in enumerate(self.layers):
             x = layer(x, i, input_pos, rope, cache, mask)
         return self.output(self.norm(x)).float()

@@ -386,3 +386,33 @@ def plot_predicted_vs_measured(rows: list[dict], path, title: str | None = None)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+@torch.inference_mode()
+def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict[str, float]:
+    """Seconds to run every linear layer of one decode step (B rows) in three weight layouts:
+
+    * ``F.linear(x, W)`` with W (out, in) contiguous: PyTorch's default (``nn.Linear``);
+    * ``x @ W^T`` with W^T (in, out) contiguous;
+    * minillm's ``Linear``: W^T split into one column block per core, one ``torch.bmm``.
+
+    The same bytes are read in each; the difference is the kernel the BLAS library picks.
+    """
+    import torch.nn.functional as F
+
+    from .model import Linear
+
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    device = model.device
+    xs = {n: torch.randn(batch_size, n, dtype=model.dtype, device=device) for n in {m.in_features for m in layers}}
+    out = {}
+    weights = [m.weight.contiguous() for m in layers]  # (out, in)
+    out["F.linear(x, W), W (out, in)"] = time_median(
+        lambda: [F.linear(xs[w.shape[1]], w) for w in weights], device, repeats)
+    del weights
+    weights_t = [m.weight.t().contiguous() for m in layers]  # (in, out)
+    out["x @ W^T, W^T (in, out)"] = time_median(lambda: [xs[w.shape[0]] @ w for w in weights_t], device, repeats)
+    del weights_t
+    out[f"minillm Linear ({layers[0].n_shards} column shards, bmm)"] = time_median(
+        lambda: [m(xs[m.in_features]) for m in layers], device, repeats)
+    return out
