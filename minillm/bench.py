@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .generation import generate_cached, generate_naive
+from .generation import generate, generate_cached, generate_dynamic, generate_naive
 from .sampling import SamplingParams
 
 FIGURES = Path(os.environ.get("MINILLM_FIGURES", Path(__file__).resolve().parent.parent / "figures"))
@@ -109,8 +109,8 @@ def _transformers(hf, prompt_tokens, params):
 
 def bench_decode(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: int = 64, repeats: int = 3,
                  peer: bool = True, model_path=None, progress: bool = True) -> dict:
-    """Batch-1 greedy decode tokens/s: naive (no cache), cached (contiguous KV cache) and, with
-    ``peer``, transformers on the same GGUF weights.
+    """Batch-1 greedy decode tokens/s: naive (no cache), dynamic KV cache, static (contiguous) KV
+    cache in the model's dtype and in int8, and, with ``peer``, transformers on the same GGUF weights.
 
     Returns:
         dict with machine, dtype, batch_size, prompt_tokens, new_tokens, repeats, weight_bytes and
@@ -123,7 +123,9 @@ def bench_decode(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: in
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     wbytes = weight_bytes_per_token(model)
     paths = {"ours naive (no cache)": _ours(generate_naive, model, prompt_tokens, params),
-             "ours cached (contiguous KV)": _ours(generate_cached, model, prompt_tokens, params)}
+             "ours dynamic KV (concatenation)": _ours(generate_dynamic, model, prompt_tokens, params),
+             "ours cached (contiguous KV)": _ours(generate_cached, model, prompt_tokens, params),
+             "ours cached, int8 KV": _ours(lambda *a: generate(*a, kv_dtype="int8"), model, prompt_tokens, params)}
     if peer:
         hf = load_transformers_peer(model_path, model.dtype, model.device)
         paths["transformers (same GGUF)"] = _transformers(hf, prompt_tokens, params)
@@ -185,7 +187,7 @@ def plot_step_times(naive_s: list[float], cached_s: list[float], prompt_len: int
 def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT, figures: Path = FIGURES) -> dict:
     """Every technique so far against its naive baseline on the embedded model, as one table.
 
-    Today: naive vs KV-cached generation (same greedy tokens, tokens/s, speedup). Writes
+    Today: naive vs KV-cached generation (static, dynamic, int8; same greedy tokens, tokens/s, speedup). Writes
     figures/tour_decode_step_time.png.
     """
     prompt_tokens = tokenizer.encode(prompt)
@@ -201,6 +203,16 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
         "speedup": cached.decode_tokens_per_s / naive.decode_tokens_per_s,
         "check": "greedy tokens identical" if naive.tokens == cached.tokens else "TOKENS DIFFER",
     }]
+    for name, kwargs in (("KV cache (dynamic)", {"cache": "dynamic"}),
+                         ("KV cache (int8)", {"cache": "contiguous", "kv_dtype": "int8"})):
+        r = generate(model, prompt_tokens, params, **kwargs)
+        same = sum(a == b for a, b in zip(r.tokens, naive.tokens))
+        rows.append({
+            "technique": name, "baseline": "recompute the sequence every step",
+            "baseline_tokens_per_s": naive.decode_tokens_per_s, "tokens_per_s": r.decode_tokens_per_s,
+            "speedup": r.decode_tokens_per_s / naive.decode_tokens_per_s,
+            "check": "greedy tokens identical" if same == len(naive.tokens) else f"{same}/{len(naive.tokens)} greedy tokens equal",
+        })
     fig = plot_step_times(naive.step_s, cached.step_s, len(prompt_tokens), Path(figures) / "tour_decode_step_time.png")
     return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "prompt_tokens": len(prompt_tokens),
             "new_tokens": new_tokens, "rows": rows, "figures": [str(fig)]}

@@ -35,8 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--cache", default="contiguous", choices=["none", "contiguous"],
-                   help="none: recompute the sequence every step (the naive baseline)")
+    g.add_argument("--cache", default="contiguous", choices=["none", "dynamic", "contiguous"],
+                   help="none: recompute the sequence every step (the naive baseline); dynamic: a cache "
+                        "grown by concatenation; contiguous: a static preallocated cache (default)")
+    g.add_argument("--kv-dtype", default=None, choices=["int8"], help="store the contiguous cache in int8")
     g.add_argument("--max-seq-len", type=int, default=None, help="context to use (default: the model's)")
     _model_args(g)
 
@@ -74,6 +76,8 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop))
+    if args.kv_dtype and args.cache != "contiguous":
+        raise ValueError("kv_dtype: int8 is implemented for the contiguous cache only; use --cache contiguous")
     model, tokenizer = _load(args)
     if tokenizer is None:
         raise ValueError(f"model: {args.model} has no byte-level BPE tokenizer.json, so text cannot be encoded")
@@ -90,13 +94,13 @@ def cmd_generate(args) -> int:
                 sys.stdout.write(feed(token_id))
                 sys.stdout.flush()
 
-    result = generate(model, prompt_tokens, params, cache=args.cache, max_seq_len=args.max_seq_len,
+    result = generate(model, prompt_tokens, params, cache=args.cache, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
                       tokenizer=tokenizer, on_token=on_token)
     if args.json:
         print(json.dumps({
             "prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
             "finish_reason": result.finish_reason, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
-            "decode_tokens_per_s": result.decode_tokens_per_s, "cache": args.cache,
+            "decode_tokens_per_s": result.decode_tokens_per_s, "cache": args.cache, "kv_dtype": args.kv_dtype,
             "dtype": args.dtype, "device": args.device,
         }))
     else:
