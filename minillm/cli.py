@@ -14,6 +14,15 @@ import torch
 from .loading import ModelFileError
 
 
+def _at_least(n: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < n:
+            raise argparse.ArgumentTypeError(f"must be >= {n}, got {value}")
+        return value
+    return parse
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face checkpoint folder "
                    "(default: the embedded SmolLM2-135M-Instruct)")
@@ -29,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text from a prompt (streams as it goes)")
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (ChatML)")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=_at_least(1), default=64)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0)
@@ -39,14 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="none: recompute the sequence every step (the naive baseline); dynamic: a cache "
                         "grown by concatenation; contiguous: a static preallocated cache (default)")
     g.add_argument("--kv-dtype", default=None, choices=["int8"], help="store the contiguous cache in int8")
-    g.add_argument("--max-seq-len", type=int, default=None, help="context to use (default: the model's)")
+    g.add_argument("--max-seq-len", type=_at_least(2), default=None, help="context to use (default: the model's)")
     _model_args(g)
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     bd = bsub.add_parser("decode", help="batch-1 decode tokens/s: naive, cached, transformers")
-    bd.add_argument("--new-tokens", type=int, default=64)
-    bd.add_argument("--repeats", type=int, default=3)
+    bd.add_argument("--new-tokens", type=_at_least(2), default=64)
+    bd.add_argument("--repeats", type=_at_least(1), default=3)
     bd.add_argument("--no-peer", action="store_true", help="skip the transformers measurement")
     _model_args(bd)
 
@@ -56,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(r)
 
     t = sub.add_parser("tour", help="every technique vs its naive baseline on the embedded model")
-    t.add_argument("--new-tokens", type=int, default=128)
+    t.add_argument("--new-tokens", type=_at_least(2), default=128)
     _model_args(t)
     return parser
 
@@ -64,7 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args):
     from .loading import load_model
 
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"device: {args.device!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {args.device!r} is not supported; use cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {args.device!r} is not available on this machine (torch sees no CUDA GPU); use --device cpu")
     return load_model(args.model, dtype=args.dtype, device=device, progress=not args.json)
@@ -76,6 +90,8 @@ def cmd_generate(args) -> int:
 
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop))
+    if not args.prompt:
+        raise ValueError("prompt: is empty; give some text with --prompt")
     if args.kv_dtype and args.cache != "contiguous":
         raise ValueError("kv_dtype: int8 is implemented for the contiguous cache only; use --cache contiguous")
     model, tokenizer = _load(args)
@@ -85,14 +101,27 @@ def cmd_generate(args) -> int:
         prompt_tokens = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     else:
         prompt_tokens = tokenizer.encode(args.prompt)
-    on_token = None
+    on_token, shown = None, {"text": "", "printed": 0}
     if not args.json:
         feed = tokenizer.stream_decoder()
 
         def on_token(token_id):
-            if token_id != tokenizer.eos_id:
-                sys.stdout.write(feed(token_id))
+            # print as tokens arrive, holding back text that may turn out to be a stop string
+            if token_id == tokenizer.eos_id:
+                return
+            text = shown["text"] = shown["text"] + feed(token_id)
+            safe = len(text)
+            for stop in params.stop:
+                hit = text.find(stop)
+                if hit >= 0:
+                    safe = min(safe, hit)
+                else:
+                    k = next((k for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), 0)
+                    safe = min(safe, len(text) - k)
+            if safe > shown["printed"]:
+                sys.stdout.write(text[shown["printed"]:safe])
                 sys.stdout.flush()
+                shown["printed"] = safe
 
     result = generate(model, prompt_tokens, params, cache=args.cache, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
                       tokenizer=tokenizer, on_token=on_token)
@@ -104,7 +133,7 @@ def cmd_generate(args) -> int:
             "dtype": args.dtype, "device": args.device,
         }))
     else:
-        print()
+        print(result.text[shown["printed"]:])
         print(f"[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} new, finish: {result.finish_reason}; "
               f"prefill {result.prefill_s:.3f} s, decode {result.decode_tokens_per_s:.1f} tokens/s, "
               f"cache {args.cache}]", file=sys.stderr)

@@ -60,12 +60,17 @@ class KVCache:
 
     def prepare(self, input_pos: torch.Tensor) -> int:
         """Check that ``input_pos`` (T,) continues the stored sequence; returns the new seq_len.
+        Writing at a position below ``seq_len`` overwrites it and forgets every later position
+        (this is how rejected speculative tokens are rolled back).
 
         Raises:
             ValueError: the positions would leave a gap after ``seq_len`` or run past
                 ``max_seq_len``.
         """
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1
+        if start < 0 or end - start != len(input_pos):
+            raise ValueError(f"input_pos: positions must be consecutive and >= 0, got {start}..{end - 1} "
+                             f"for {len(input_pos)} tokens")
         if start > self.seq_len:
             raise ValueError(
                 f"input_pos: starts at {start} but the cache holds only {self.seq_len} positions; "
@@ -124,6 +129,8 @@ class DynamicKVCache:
 
     def prepare(self, input_pos: torch.Tensor) -> int:
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1
+        if end - start != len(input_pos):
+            raise ValueError(f"input_pos: positions must be consecutive, got {start}..{end - 1} for {len(input_pos)} tokens")
         if start != self.seq_len:
             raise ValueError(f"input_pos: starts at {start} but a dynamic cache can only append at {self.seq_len}; "
                              "truncate it first to rewrite positions")

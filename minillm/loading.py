@@ -106,6 +106,15 @@ def config_from_gguf(reader, path="<gguf>") -> ModelConfig:
     Raises:
         ModelFileError: architecture other than llama, or a missing metadata key.
     """
+    try:
+        return _config_from_gguf(reader, path)
+    except (ValueError, ZeroDivisionError, TypeError) as e:
+        if isinstance(e, ModelFileError):
+            raise
+        raise ModelFileError(f"{path}: bad metadata: {e}") from e
+
+
+def _config_from_gguf(reader, path) -> ModelConfig:
     arch = _field(reader, "general.architecture", path)
     if arch != "llama":
         raise ModelFileError(
@@ -115,6 +124,10 @@ def config_from_gguf(reader, path="<gguf>") -> ModelConfig:
     n_heads = int(_field(reader, "llama.attention.head_count", path))
     dim = int(_field(reader, "llama.embedding_length", path))
     names = {t.name for t in reader.tensors}
+    scaling = reader.fields.get("llama.rope.scaling.type")
+    if (scaling is not None and scaling.contents() not in ("none", "")) or "rope_freqs.weight" in names:
+        raise ModelFileError(f"{path}: RoPE scaling (llama.rope.scaling.* or rope_freqs.weight) is not supported; "
+                             "minillm implements plain RoPE")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     vocab = _field(reader, "llama.vocab_size", path, default=len(tokens.data) if tokens else None)
     return ModelConfig(
@@ -209,6 +222,8 @@ def load_gguf_state(reader, config: ModelConfig, path="<gguf>", progress: bool =
             w = gguf_blocks.dequantize(t.data, t.tensor_type, shape)
         except ValueError as e:
             raise ModelFileError(f"{path}: tensor {gname}: {e}") from e
+        if not torch.isfinite(w).all():
+            raise ModelFileError(f"{path}: tensor {gname} holds NaN or infinite values: the file is corrupt")
         if gname.endswith("attn_q.weight"):
             w = unpermute_rope_rows(w, config.n_heads)
         elif gname.endswith("attn_k.weight"):
@@ -253,7 +268,19 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, torch
         ModelFileError: no config.json, an unsupported architecture, missing tensors or bad shapes.
     """
     folder = Path(folder)
+    try:
+        return _load_hf_checkpoint(folder)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        if isinstance(e, ModelFileError):
+            raise
+        what = f"config.json lacks {e}" if isinstance(e, KeyError) else str(e)
+        raise ModelFileError(f"{folder}: cannot read the checkpoint: {what}") from e
+
+
+def _load_hf_checkpoint(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     cfg = _hf_config(folder)
+    if not isinstance(cfg, dict):
+        raise ModelFileError(f"{folder}/config.json: expected a JSON object")
     archs = cfg.get("architectures") or [cfg.get("model_type", "?")]
     raw = {k: v.float() for k, v in _read_safetensors(folder).items()}
 
@@ -277,13 +304,18 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, torch
             norm_eps=cfg.get("rms_norm_eps", 1e-6), tie_embeddings=cfg.get("tie_word_embeddings", False),
             attn_bias=cfg.get("attention_bias", False), mlp_bias=cfg.get("mlp_bias", False),
         )
-        rs = (rope.get("rope_type") or (cfg.get("rope_scaling") or {}).get("rope_type") or "default")
+        legacy = cfg.get("rope_scaling") or {}
+        rs = rope.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
         if rs != "default":
             raise ModelFileError(f"{folder}: RoPE scaling {rs!r} is not supported (only plain RoPE)")
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise ModelFileError(f"{folder}: hidden_act {cfg['hidden_act']!r} is not supported for Llama (silu only)")
         state["tok_embeddings.weight"] = take("embed_tokens.weight")
         state["norm.weight"] = take("norm.weight")
         if not config.tie_embeddings:
-            state["output.weight"] = raw.get("lm_head.weight", take("embed_tokens.weight"))
+            if "lm_head.weight" not in raw:
+                raise ModelFileError(f"{folder}: tie_word_embeddings is false but lm_head.weight is missing")
+            state["output.weight"] = raw["lm_head.weight"]
         hf = {"q_proj": "attn.wq", "k_proj": "attn.wk", "v_proj": "attn.wv", "o_proj": "attn.wo"}
         mlp = {"gate_proj": "mlp.w_gate", "up_proj": "mlp.w_up", "down_proj": "mlp.w_down"}
         for i in range(config.n_layers):
@@ -301,6 +333,11 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, torch
         shapes = expected_shapes(config)
     elif archs[0] == "GPT2LMHeadModel":
         C, H = cfg["n_embd"], cfg["n_head"]
+        if C % H:
+            raise ModelFileError(f"{folder}: n_head {H} does not divide n_embd {C}")
+        act = cfg.get("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
+            raise ModelFileError(f"{folder}: activation_function {act!r} is not supported (GPT-2's tanh GELU only)")
         config = ModelConfig(
             arch="gpt2", n_layers=cfg["n_layer"], dim=C, n_heads=H, n_kv_heads=H, head_dim=C // H,
             ffn_dim=cfg.get("n_inner") or 4 * C, vocab_size=cfg["vocab_size"],
@@ -316,7 +353,11 @@ def load_hf_checkpoint(folder: str | Path) -> tuple[ModelConfig, dict[str, torch
                 state[f"{p}.{ours}.weight"] = take(f"{h}.{theirs}.weight")
                 state[f"{p}.{ours}.bias"] = take(f"{h}.{theirs}.bias")
             # GPT-2's Conv1D stores weights as (in, out); c_attn holds q, k, v side by side
-            wq, wk, wv = take(f"{h}.attn.c_attn.weight").t().split(C, dim=0)
+            c_attn = take(f"{h}.attn.c_attn.weight")
+            if tuple(c_attn.shape) != (C, 3 * C):
+                raise ModelFileError(f"{folder}: {h}.attn.c_attn.weight has shape {tuple(c_attn.shape)} but "
+                                     f"config.json implies {(C, 3 * C)}")
+            wq, wk, wv = c_attn.t().split(C, dim=0)
             bq, bk, bv = take(f"{h}.attn.c_attn.bias").split(C)
             state.update({f"{p}.attn.wq.weight": wq, f"{p}.attn.wk.weight": wk, f"{p}.attn.wv.weight": wv,
                           f"{p}.attn.wq.bias": bq, f"{p}.attn.wk.bias": bk, f"{p}.attn.wv.bias": bv})
@@ -371,12 +412,20 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     path = default_model_path() if path is None else Path(path)
     if path.is_dir():
         config, state = load_hf_checkpoint(path)
-        tokenizer = Tokenizer.from_hf_folder(path)
+        try:
+            tokenizer = Tokenizer.from_hf_folder(path)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
     else:
         reader = read_gguf(path)
         config = config_from_gguf(reader, path)
         state = load_gguf_state(reader, config, path, progress=progress)
-        tokenizer = Tokenizer.from_gguf(reader)
+        try:
+            tokenizer = Tokenizer.from_gguf(reader)
+        except KeyError as e:
+            raise ModelFileError(f"{path}: tokenizer metadata {e} is missing") from e
+        except ValueError as e:
+            raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
     # one weight shard per core on a CPU (see model.Linear for the measurement); GPUs need none
     n_shards = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
     model = Decoder(config, state, n_shards=n_shards).to(device=device, dtype=dtype)

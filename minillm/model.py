@@ -64,6 +64,12 @@ class ModelConfig:
         for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be positive, got {getattr(self, name)}")
+        if self.max_seq_len > 1 << 20:
+            raise ValueError(f"max_seq_len: {self.max_seq_len} is implausibly large (over 2^20 tokens)")
+        if not (0 < self.rope_base < float("inf")):
+            raise ValueError(f"rope_base: must be a positive finite number, got {self.rope_base}")
+        if not (0 < self.norm_eps < 1):
+            raise ValueError(f"norm_eps: must be in (0, 1), got {self.norm_eps}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_kv_heads: {self.n_kv_heads} must divide n_heads ({self.n_heads}) for grouped-query attention"
@@ -354,6 +360,12 @@ class Decoder(nn.Module):
                 that would leave a gap.
         """
         B, T = tokens.shape
+        if T == 0 or input_pos.shape[-1] != T:
+            raise ValueError(f"input_pos: needs one position per token ({T}), got shape {tuple(input_pos.shape)}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+            raise ValueError(f"tokens: ids must be in [0, {self.config.vocab_size})")
+        if int(input_pos[0]) < 0 or (cache is None and int(input_pos[0]) != 0):
+            raise ValueError("input_pos: must start at 0 without a cache (and be >= 0 with one)")
         if int(input_pos[-1]) >= self.config.max_seq_len:
             raise ValueError(
                 f"input_pos: position {int(input_pos[-1])} is past the context length "

@@ -38,18 +38,25 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature: must be >= 0 (0 = greedy), got {self.temperature}")
+        for name, kind in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int),
+                           ("max_new_tokens", int)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ValueError(f"{name}: must be a number{' (an integer)' if kind is int else ''}, got {value!r}")
+        if not 0 <= self.temperature < float("inf"):  # also rejects NaN
+            raise ValueError(f"temperature: must be >= 0 and finite (0 = greedy), got {self.temperature}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed: must be an integer in [0, 2^63), got {self.seed!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k: must be >= 0 (0 = no top-k), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if any(not s for s in self.stop):
-            raise ValueError("stop: stop strings must not be empty")
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop: stop strings must be non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", stop)
 
     @property
     def greedy(self) -> bool:
@@ -69,7 +76,8 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     logits = logits.float()
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    logits = logits / params.temperature
+    # subtract the max first: a tiny temperature then gives 0 and -inf (a one-hot), never inf - inf
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))

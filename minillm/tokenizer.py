@@ -41,6 +41,29 @@ def bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+def _hf_pretokenizer(pre: dict | None, path) -> str:
+    """The regex of a tokenizer.json pre-tokenizer that tiktoken can reproduce exactly.
+
+    Raises:
+        ValueError: any other pre-tokenizer.
+    """
+    def byte_level(p, use_regex):
+        return (p.get("type") == "ByteLevel" and not p.get("add_prefix_space", False)
+                and p.get("use_regex", True) == use_regex)
+
+    if pre and byte_level(pre, True):
+        return "gpt2"
+    parts = (pre or {}).get("pretokenizers", []) if (pre or {}).get("type") == "Sequence" else []
+    if len(parts) == 2 and parts[0].get("type") == "Digits" and parts[0].get("individual_digits") \
+            and byte_level(parts[1], True):
+        return "smollm"
+    if len(parts) == 2 and parts[0].get("type") == "Split" and "Regex" in (parts[0].get("pattern") or {}) \
+            and parts[0].get("behavior") == "Isolated" and not parts[0].get("invert") and byte_level(parts[1], False):
+        return parts[0]["pattern"]["Regex"]
+    raise ValueError(f"{path}: pre-tokenizer {json.dumps(pre)[:200]} is not supported; minillm reproduces GPT-2's "
+                     "byte-level regex, digit splitting + byte level, and a single Split regex + byte level")
+
+
 class Tokenizer:
     """Byte-level BPE through tiktoken, with the model's special tokens and chat template.
 
@@ -55,15 +78,19 @@ class Tokenizer:
                  chat_template: str | None = None, add_bos: bool = False):
         self.encoding = encoding
         self.vocab_size = vocab_size
+        for name, i in (("eos_id", eos_id), ("bos_id", bos_id)):
+            if i is not None and not 0 <= i < vocab_size:
+                raise ValueError(f"{name}: {i} is outside the vocabulary of {vocab_size} tokens")
         self.eos_id, self.bos_id = eos_id, bos_id
         self.special_tokens = {t: encoding.encode_single_token(t) for t in encoding.special_tokens_set}
         self.chat_template = chat_template
         self.add_bos = add_bos
+        self.plain_added: set[str] = set()  # added tokens matched even in plain text
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
     def from_vocab(cls, tokens: list[str], special_ids: list[int], pre: str = "gpt2", name: str = "minillm",
-                   merges: list[str] | None = None, **kwargs) -> "Tokenizer":
+                   merges: list[str] | None = None, plain_ids: list[int] = (), **kwargs) -> "Tokenizer":
         """Build from a byte-level vocabulary (token strings in GPT-2's unicode form, index = id).
 
         Args:
@@ -71,6 +98,8 @@ class Tokenizer:
             special_ids: ids of control tokens ("<|im_end|>", ...), matched only when allowed.
             pre: pre-tokenizer name ("gpt2", "smollm") or a regular expression.
             merges: the merge list ("a b" strings), to check that merged tokens' ids follow it.
+            plain_ids: added tokens (among ``special_ids``) that match in any text, like Hugging
+                Face's non-special added tokens.
 
         Raises:
             ValueError: a token that is not byte-level, or ids that do not follow merge order.
@@ -100,7 +129,9 @@ class Tokenizer:
                 extra += 1
         pattern = PATTERNS.get(pre, pre)
         enc = tiktoken.Encoding(name=name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=specials)
-        return cls(enc, len(tokens), **kwargs)
+        tok = cls(enc, len(tokens), **kwargs)
+        tok.plain_added = {tokens[i] for i in plain_ids}
+        return tok
 
     @classmethod
     def from_gguf(cls, reader) -> "Tokenizer":
@@ -132,31 +163,37 @@ class Tokenizer:
 
     @classmethod
     def from_hf_folder(cls, folder: str | Path) -> "Tokenizer | None":
-        """From a checkpoint folder's tokenizer.json (byte-level BPE); None if there is none."""
+        """From a checkpoint folder's tokenizer.json (byte-level BPE); None if there is none.
+
+        Raises:
+            ValueError: a tokenizer.json minillm cannot reproduce exactly (not BPE, a pre-tokenizer
+                other than GPT-2's byte-level regex, digit splitting + byte level, or one Split regex
+                + byte level; ids out of merge order; a prefix space).
+        """
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
             return None
-        tj = json.loads(path.read_text())
-        model = tj.get("model", {})
+        tj = json.loads(path.read_text(encoding="utf-8"))
+        model = tj.get("model") or {}
         if model.get("type") != "BPE":
-            return None
+            raise ValueError(f"{path}: tokenizer model {model.get('type')!r} is not supported (byte-level BPE only)")
+        pre = _hf_pretokenizer(tj.get("pre_tokenizer"), path)
         vocab = dict(model["vocab"])
-        for added in tj.get("added_tokens", []):
-            vocab[added["content"]] = added["id"]
+        added = tj.get("added_tokens", [])
+        for a in added:
+            vocab[a["content"]] = a["id"]
         tokens = [None] * (max(vocab.values()) + 1)
         for t, i in vocab.items():
             tokens[i] = t
         if any(t is None for t in tokens):
-            return None
-        special_ids = [a["id"] for a in tj.get("added_tokens", []) if a.get("special")]
-        pre_json = json.dumps(tj.get("pre_tokenizer"))
-        pre = "smollm" if '"individual_digits": true' in pre_json else "gpt2"
-        split = re.search(r'"Regex": "((?:[^"\\]|\\.)*)"', pre_json)
-        if split:
-            pre = json.loads(f'"{split.group(1)}"')
+            raise ValueError(f"{path}: token ids are not contiguous")
+        merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
         cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+        template = cfg.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         ids = {t: i for i, t in enumerate(tokens)}
 
         def tok_id(key):
@@ -164,19 +201,25 @@ class Tokenizer:
             v = v.get("content") if isinstance(v, dict) else v
             return ids.get(v)
 
-        try:
-            return cls.from_vocab(tokens, special_ids, pre=pre, name=folder.name, eos_id=tok_id("eos_token"),
-                                  bos_id=tok_id("bos_token"), chat_template=cfg.get("chat_template"))
-        except ValueError:
-            return None
+        return cls.from_vocab(tokens, [a["id"] for a in added], pre=pre, name=folder.name, merges=merges,
+                              plain_ids=[a["id"] for a in added if not a.get("special")],
+                              eos_id=tok_id("eos_token"), bos_id=tok_id("bos_token"), chat_template=template)
 
     # -- use --------------------------------------------------------------------------------------
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """Text -> token ids. Special-token text is plain text unless ``allow_special``."""
+        """Text -> token ids. Special-token text is plain text unless ``allow_special``.
+
+        Raises:
+            ValueError: text that is not valid Unicode (lone surrogates).
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"text: not valid Unicode ({e.reason} at index {e.start}); fix the input") from None
         if allow_special:
             ids = self.encoding.encode(text, allowed_special="all")
         else:
-            ids = self.encoding.encode(text, allowed_special=set(), disallowed_special=())
+            ids = self.encoding.encode(text, allowed_special=self.plain_added, disallowed_special=())
         return [i for i in ids if i < self.vocab_size]
 
     def _special_text(self, token_id: int | None) -> str:
@@ -212,12 +255,21 @@ class Tokenizer:
 
         if not self.chat_template:
             raise ValueError("this model has no chat template; pass a plain prompt instead of --chat")
-        placeholders, safe = [], []
+        placeholders, values, safe = [], [], []
         for i, m in enumerate(messages):
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"messages[{i}]: needs 'role' and 'content', got {m!r}")
-            placeholders.append(f"\uE000{i}\uE001")  # private-use characters: never in the template
-            safe.append({**m, "content": placeholders[-1]})
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"messages[{i}]: needs string 'role' and 'content', got {m!r}")
+            if any(c in m["role"] + m["content"] for c in "\uE000\uE001"):
+                raise ValueError(f"messages[{i}]: contains U+E000/U+E001, reserved by minillm's chat template")
+            # content goes through the template as a placeholder (private-use characters), so that
+            # nothing the user wrote can become a special token; roles steer the template's logic,
+            # so they stay as they are and may not hold special-token text
+            if any(sp in m["role"] for sp in self.special_tokens):
+                raise ValueError(f"messages[{i}]: role {m['role']!r} contains a special token")
+            content = f"\uE000{i}\uE001"
+            placeholders.append(content)
+            values.append(m["content"])
+            safe.append({**m, "content": content})
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         rendered = env.from_string(self.chat_template).render(
             messages=safe, add_generation_prompt=add_generation_prompt,
@@ -229,7 +281,7 @@ class Tokenizer:
             if part in self.special_tokens:
                 ids.append(self.special_tokens[part])
             elif part:
-                for ph, m in zip(placeholders, messages):
-                    part = part.replace(ph, m["content"])
+                for ph, value in zip(placeholders, values):
+                    part = part.replace(ph, value)
                 ids.extend(self.encode(part))
         return ids

@@ -74,7 +74,9 @@ def test_cache_bytes_formula_matches_tensors(model):
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
-                                         ("max_new_tokens", 0), ("temperature", float("nan"))])
+                                         ("max_new_tokens", 0), ("temperature", float("nan")),
+                                         ("temperature", float("inf")), ("top_k", 2.5), ("seed", 2**70),
+                                         ("stop", [1]), ("temperature", "hot")])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**{field: value})
@@ -139,3 +141,9 @@ def test_streaming_callback_sees_every_token(model, tokenizer):
     r = generate_cached(model, tokenizer.encode("Hello"), SamplingParams(max_new_tokens=8, ignore_eos=True),
                         on_token=seen.append)
     assert seen == r.tokens and len(r.step_s) == 8 and r.decode_tokens_per_s > 0
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[3.0, 1.0, -2.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1e-40))
+    assert probs.tolist() == [[1.0, 0.0, 0.0]]

@@ -160,3 +160,37 @@ def test_hf_checkpoint_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelFileError, match="w_gate.weight has shape \\(160, 64\\) but config.json implies \\(128, 64\\)"):
         load_model(tmp_path)
+
+
+def test_hf_config_features_we_do_not_implement_are_refused(tmp_path):
+    write_hf_checkpoint(tmp_path, arch="llama")
+    cfg_path = tmp_path / "config.json"
+    good = json.loads(cfg_path.read_text())
+    for change, message in [
+        ({"rope_scaling": {"type": "linear", "factor": 4.0}}, "RoPE scaling 'linear' is not supported"),
+        ({"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ({"num_attention_heads": None}, "cannot read the checkpoint"),
+    ]:
+        cfg = {**good, **change}
+        cfg.pop("rope_parameters", None) if "rope_scaling" in change else None
+        cfg_path.write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+        with pytest.raises(ModelFileError, match=message):
+            load_model(tmp_path)
+
+
+def test_nan_weights_are_refused(tmp_path):
+    from helpers import tiny_llama_weights
+
+    weights = tiny_llama_weights()
+    weights["blk.1.ffn_up.weight"][3, 5] = np.nan
+    path = tmp_path / "nan.gguf"
+    write_tiny_gguf(path, weights=weights)
+    with pytest.raises(ModelFileError, match="blk.1.ffn_up.weight holds NaN or infinite values"):
+        load_model(path)
+
+
+def test_bad_metadata_names_the_file(tmp_path):
+    path = tmp_path / "heads.gguf"
+    write_tiny_gguf(path, metadata_overrides={"heads": 3})
+    with pytest.raises(ModelFileError, match="heads.gguf: bad metadata: n_kv_heads: 2 must divide n_heads"):
+        load_model(path)

@@ -72,16 +72,15 @@ def test_rope_rotates_pairs_by_position_angle():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision_runs_on_the_same_path(dtype, model_path):
+def test_half_precision_runs_on_the_same_path(dtype, model_path, model):
     from minillm import load_model
 
     model16, tok = load_model(model_path, dtype=dtype)
     ids = tok.encode(PROMPTS[1])
-    with torch.no_grad():
-        ref = model16.float()(torch.tensor([ids]), torch.arange(len(ids)))  # same rounded weights, float32
-    model16 = model16.to(dtype)
+    ref = model(torch.tensor([ids]), torch.arange(len(ids)))
     out = model16(torch.tensor([ids]), torch.arange(len(ids)))
-    assert model16.output.weight_shards.dtype == dtype and out.dtype == torch.float32
+    assert model16.output.weight_shards.dtype == dtype and model16.rope_cos.dtype == torch.float32
+    assert out.dtype == torch.float32
     assert rel_err(out, ref) < 0.05
     assert torch.equal(out[0, -1].argmax(), ref[0, -1].argmax())
 
@@ -99,3 +98,14 @@ def test_devices(device, model_path, model):
 def test_position_past_context_raises(model):
     with pytest.raises(ValueError, match="input_pos: position 8192 is past the context length"):
         model(torch.tensor([[1]]), torch.tensor([8192]))
+
+
+def test_bad_forward_inputs(model):
+    from minillm import KVCache
+
+    with pytest.raises(ValueError, match=r"tokens: ids must be in \[0, 49152\)"):
+        model(torch.tensor([[49152]]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="input_pos: must start at 0 without a cache"):
+        model(torch.tensor([[5]]), torch.tensor([3]))
+    with pytest.raises(ValueError, match="input_pos: positions must be consecutive"):
+        model(torch.tensor([[5, 6, 7]]), torch.tensor([0, 2, 5]), KVCache(model.config, 1, 16))
