@@ -228,3 +228,51 @@ def format_tour(report: dict) -> str:
                      f"{r['tokens_per_s']:8.1f} {r['speedup']:7.1f}x  {r['check']}")
     lines.append("figures: " + ", ".join(report["figures"]))
     return "\n".join(lines)
+
+
+@torch.inference_mode()
+def step_time_at_positions(model, positions=(32, 128, 256, 512), repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Seconds to produce one token at each position, for each decode path (batch 1):
+
+    * "none": a forward over all ``p`` tokens (what the naive path does at position p);
+    * "dynamic": one decode step after ``p`` positions in a ``DynamicKVCache`` (copies them);
+    * "contiguous": one decode step after ``p`` positions in the static ``KVCache``.
+
+    Returns {path: {position: median seconds}}.
+    """
+    from .kv_cache import make_cache
+    from .roofline import time_median
+
+    device = model.device
+    top = max(positions)
+    tokens = torch.randint(100, 1000, (1, top + 1), generator=torch.Generator().manual_seed(0)).to(device)
+    out = {"none": {}, "dynamic": {}, "contiguous": {}}
+    for p in positions:
+        out["none"][p] = time_median(lambda: model(tokens[:, :p + 1], torch.arange(p + 1, device=device)), device,
+                                     repeats, warmup=1)
+        for kind in ("dynamic", "contiguous"):
+            cache = make_cache(kind, model.config, 1, top + 1, model.dtype, device)
+            model(tokens[:, :p], torch.arange(p, device=device), cache)
+            pos = torch.tensor([p], device=device)
+
+            def step():
+                cache.truncate(p)
+                model(tokens[:, p:p + 1], pos, cache)
+
+            out[kind][p] = time_median(step, device, repeats, warmup=1)
+    return out
+
+
+def fit_step_time(positions, seconds, degree: int = 1) -> list[float]:
+    """Least-squares polynomial (highest power first) of step time against position. Summing a
+    linear step time over N steps gives the naive path's quadratic total; a flat one, linear."""
+    import numpy as np
+
+    return np.polyfit(np.asarray(positions, float), np.asarray(seconds, float), degree).tolist()
+
+
+def total_time(coeffs: list[float], prompt_tokens: int, new_tokens: int) -> float:
+    """Seconds for ``new_tokens`` tokens after a ``prompt_tokens`` prompt under a fitted step-time model."""
+    import numpy as np
+
+    return float(np.polyval(coeffs, np.arange(prompt_tokens, prompt_tokens + new_tokens, dtype=float)).sum())

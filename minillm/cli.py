@@ -28,6 +28,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--shards", type=_at_least(1), default=None,
+                   help="weight column blocks per matmul (default: one per CPU thread; use 1 on a busy machine)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
@@ -81,7 +83,7 @@ def _load(args):
         raise ValueError(f"device: {args.device!r} is not supported; use cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {args.device!r} is not available on this machine (torch sees no CUDA GPU); use --device cpu")
-    return load_model(args.model, dtype=args.dtype, device=device, progress=not args.json)
+    return load_model(args.model, dtype=args.dtype, device=device, progress=not args.json, n_shards=args.shards)
 
 
 def cmd_generate(args) -> int:

@@ -387,7 +387,7 @@ def _load_hf_checkpoint(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tens
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32,
-               device: str | torch.device = "cpu", progress: bool = False):
+               device: str | torch.device = "cpu", progress: bool = False, n_shards: int | None = None):
     """Load a model and its tokenizer.
 
     Args:
@@ -396,6 +396,10 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         dtype: torch dtype (or its name: "float32", "float16", "bfloat16") of the weights.
         device: "cpu", "cuda", ...
         progress: show a progress bar while dequantizing.
+        n_shards: column blocks per weight (see ``model.Linear``); default: ``torch.get_num_threads()``
+            on a CPU, 1 on a GPU. Use 1 on a CPU that other processes keep busy: a sharded matmul
+            waits for its slowest core, and with a core taken by another process a decode step was
+            measured 15-30x slower.
 
     Returns:
         (Decoder, Tokenizer); the tokenizer is None for a checkpoint folder without a byte-level
@@ -427,7 +431,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         except ValueError as e:
             raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
     # one weight shard per core on a CPU (see model.Linear for the measurement); GPUs need none
-    n_shards = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
+    if n_shards is None:
+        n_shards = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
     model = Decoder(config, state, n_shards=n_shards).to(device=device, dtype=dtype)
     # RoPE tables stay float32 whatever the weights' dtype, as in Hugging Face Llama
     if config.arch == "llama":

@@ -103,6 +103,10 @@ class Linear(nn.Module):
     (Megatron-LM's column-parallel linear, Shoeybi et al. 2019) in one process.
     ``linear_naive`` is the plain form the tests compare with.
 
+    The catch: each sharded matmul waits for its slowest core. When another process keeps one core
+    busy, a decode step was measured 15-30x slower (OpenMP threads descheduled at every one of the
+    ~120 matmuls of a step); load the model with ``n_shards=1`` on a shared machine.
+
     Args:
         weight: (out_features, in_features), in PyTorch's usual layout.
         bias: (out_features,) or None.
