@@ -16,7 +16,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/python -m minillm generate --chat --prompt "Explain in two sentences why a KV cache speeds up decoding."
+	$(BIN)/python -m minillm generate --chat --prompt "Why is the sky blue?" --max-new-tokens 96
 	$(BIN)/python -m minillm tour
 
 test: setup

@@ -1,12 +1,15 @@
-"""Autoregressive generation, two ways with one signature.
+"""Autoregressive generation: three decode paths with one signature, and batched generation.
 
 * ``generate_naive``: every step runs the model over the whole sequence so far (no cache). Step t
   processes t tokens, so N new tokens after a P-token prompt cost sum(P..P+N-1) token-forwards:
   quadratic in length.
+* ``generate_dynamic``: a cache grown by concatenation (copies the cache every step).
 * ``generate_cached``: **prefill** runs the prompt once and fills a preallocated KV cache; each
   **decode** step then runs one token and reads the cached keys/values: linear in length.
+  ``kv_dtype="int8"`` stores that cache in int8.
+* ``generate_batch``: several prompts of different lengths at once (left padding).
 
-At temperature 0 both produce the same tokens (tested against each other and transformers).
+At temperature 0 all paths produce the same tokens (tested against each other and transformers).
 """
 
 from __future__ import annotations

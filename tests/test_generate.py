@@ -27,9 +27,9 @@ def test_greedy_naive_cached_and_transformers_agree(model, tokenizer, hf_model, 
 
 
 def test_prompt_filling_most_of_the_context(model, tokenizer, hf_model, play_text):
-    max_seq_len = 256
-    longer = tokenizer.encode(play_text[20000:])[:194]
-    ids = longer[:190]  # 190 + 64 = 254 of 256 positions
+    max_seq_len = 160
+    longer = tokenizer.encode(play_text[20000:])[:98]
+    ids = longer[:94]  # 94 + 64 = 158 of 160 positions
     cached = generate_cached(model, ids, GREEDY_64, max_seq_len=max_seq_len)
     naive = generate_naive(model, ids, GREEDY_64, max_seq_len=max_seq_len)
     assert cached.tokens == naive.tokens == hf_greedy(hf_model, ids, 64)
