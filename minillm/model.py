@@ -368,13 +368,13 @@ class Decoder(nn.Module):
             raise ValueError(f"input_pos: needs one position per token ({T}), got shape {tuple(input_pos.shape)}")
         if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
             raise ValueError(f"tokens: ids must be in [0, {self.config.vocab_size})")
-        if int(input_pos[0]) < 0 or (cache is None and int(input_pos[0]) != 0):
-            raise ValueError("input_pos: must start at 0 without a cache (and be >= 0 with one)")
         if int(input_pos[-1]) >= self.config.max_seq_len:
             raise ValueError(
                 f"input_pos: position {int(input_pos[-1])} is past the context length "
                 f"({self.config.max_seq_len} tokens)"
             )
+        if int(input_pos[0]) < 0 or (cache is None and int(input_pos[0]) != 0):
+            raise ValueError("input_pos: must start at 0 without a cache (and be >= 0 with one)")
         pos = input_pos if row_offsets is None else (input_pos[None, :] - row_offsets[:, None]).clamp_min(0)  # (B, T)
         x = self.embed(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
