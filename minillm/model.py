@@ -98,9 +98,9 @@ class Linear(nn.Module):
     Why: at batch 1 a decode step is a matrix-vector product, and MKL runs ``x @ W`` for a single
     row on one core, whatever ``torch.get_num_threads()`` says. On the 2-core AVX2 machine this
     project targets, SmolLM2-135M's float32 decode matmuls take 47 ms as ``F.linear(x, W)``,
-    31 ms as ``x @ W^T`` with W^T contiguous, and 23.5 ms as 2 shards through ``torch.bmm``
-    (17 -> 23 GB/s of the ~30 GB/s this machine streams). It is tensor parallelism across cores
-    (Megatron-LM's column-parallel linear, Shoeybi et al. 2019) in one process.
+    31-35 ms as ``x @ W^T`` with W^T contiguous, and 23.5-31 ms as 2 shards through ``torch.bmm``
+    (about 15 -> 18-23 GB/s of the ~30 GB/s a copy reaches; notebook 01 measures it). It is tensor
+    parallelism across cores (Megatron-LM's column-parallel linear, Shoeybi et al. 2019) in one process.
     ``linear_naive`` is the plain form the tests compare with.
 
     The catch: each sharded matmul waits for its slowest core. When another process keeps one core
