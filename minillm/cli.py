@@ -50,6 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="none: recompute the sequence every step (the naive baseline); dynamic: a cache "
                         "grown by concatenation; contiguous: a static preallocated cache (default)")
     g.add_argument("--kv-dtype", default=None, choices=["int8"], help="store the contiguous cache in int8")
+    g.add_argument("--draft", default=None, help="speculative decoding: 'ngram' (prompt lookup) or a draft model path")
+    g.add_argument("--num-speculative-tokens", type=_at_least(1), default=4, help="drafts per target pass (gamma)")
     g.add_argument("--max-seq-len", type=_at_least(2), default=None, help="context to use (default: the model's)")
     _model_args(g)
 
@@ -125,14 +127,40 @@ def cmd_generate(args) -> int:
                 sys.stdout.flush()
                 shown["printed"] = safe
 
-    result = generate(model, prompt_tokens, params, cache=args.cache, kv_dtype=args.kv_dtype, max_seq_len=args.max_seq_len,
-                      tokenizer=tokenizer, on_token=on_token)
+    stats = None
+    if args.draft:
+        from .loading import load_model
+        from .speculative import DraftModelProposer, NgramProposer, speculative_generate
+
+        if args.cache != "contiguous" or args.kv_dtype:
+            raise ValueError("draft: speculative decoding uses the contiguous float cache; drop --cache/--kv-dtype")
+        ctx = min(args.max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
+        if args.draft == "ngram":
+            proposer = NgramProposer(model.config.vocab_size)
+        else:
+            draft_model, _ = load_model(args.draft, dtype=args.dtype, device=model.device, n_shards=args.shards)
+            if draft_model.config.vocab_size != model.config.vocab_size:
+                raise ValueError(f"draft: {args.draft} has a vocabulary of {draft_model.config.vocab_size}, "
+                                 f"the target {model.config.vocab_size}; the draft must share the tokenizer")
+            proposer = DraftModelProposer(draft_model, ctx)
+        result, stats = speculative_generate(model, proposer, prompt_tokens, params,
+                                             num_speculative_tokens=args.num_speculative_tokens,
+                                             max_seq_len=args.max_seq_len, tokenizer=tokenizer)
+        if on_token is not None:
+            for t in result.tokens:
+                on_token(t)
+    else:
+        result = generate(model, prompt_tokens, params, cache=args.cache, kv_dtype=args.kv_dtype,
+                          max_seq_len=args.max_seq_len, tokenizer=tokenizer, on_token=on_token)
     if args.json:
         print(json.dumps({
             "prompt_tokens": result.prompt_tokens, "tokens": result.tokens, "text": result.text,
             "finish_reason": result.finish_reason, "prefill_s": result.prefill_s, "decode_s": result.decode_s,
             "decode_tokens_per_s": result.decode_tokens_per_s, "cache": args.cache, "kv_dtype": args.kv_dtype,
             "dtype": args.dtype, "device": args.device,
+            **({"draft": args.draft, "num_speculative_tokens": args.num_speculative_tokens,
+                "acceptance_rate": stats.acceptance_rate, "tokens_per_target_pass": stats.tokens_per_target_pass}
+               if stats else {}),
         }))
     else:
         print(result.text[shown["printed"]:])

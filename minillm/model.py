@@ -327,6 +327,10 @@ class Decoder(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
 
+    def embedding_weight(self) -> torch.Tensor:
+        """The token embedding (V, C) (reassembled from the output shards when tied)."""
+        return self.output.weight if self.config.tie_embeddings else self.tok_embeddings
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embedding rows (B, T) -> (B, T, C); tied models read the output weight's rows."""
         if self.config.tie_embeddings:

@@ -60,3 +60,13 @@ def test_bench_decode_and_tour(tmp_path):
     tour = json.loads(p.stdout)
     assert tour["rows"][0]["check"] == "greedy tokens identical"
     assert (tmp_path / "tour_decode_step_time.png").stat().st_size > 1000
+
+
+def test_generate_with_ngram_draft_gives_the_same_greedy_tokens():
+    prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog"
+    plain = json.loads(run("generate", "--prompt", prompt, "--max-new-tokens", "24", "--json").stdout)
+    p = run("generate", "--prompt", prompt, "--max-new-tokens", "24", "--json", "--draft", "ngram",
+            "--num-speculative-tokens", "4")
+    assert p.returncode == 0, p.stderr
+    spec = json.loads(p.stdout)
+    assert spec["tokens"] == plain["tokens"] and 0 <= spec["acceptance_rate"] <= 1
