@@ -114,10 +114,10 @@ class DraftModelProposer:
             pos = torch.arange(len(self.cached), len(self.cached) + len(feed), device=device)
             logits = self.model(torch.tensor([feed], device=device), pos, self.cache)[0, -1]
             self.cached += feed
-            p = logits_to_probs(logits[None], params)[0]
+            p = logits_to_probs(logits[None], params)[0].cpu()  # the generator lives on the CPU
             x = int(p.argmax()) if params.greedy else int(torch.multinomial(p, 1, generator=generator))
             draft.append(x)
-            probs.append(p.cpu())
+            probs.append(p)
             feed = [x]
         return draft, torch.stack(probs) if probs else torch.zeros(0, self.model.config.vocab_size)
 
