@@ -68,6 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt-lengths", default="128", help="prefill lengths, comma-separated ('' for none)")
     _model_args(r)
 
+    bs = bsub.add_parser("spec", help="plain cached decode vs speculative decoding (n-gram drafts) on workloads")
+    bs.add_argument("--num-speculative-tokens", type=_at_least(1), default=4)
+    bs.add_argument("--new-tokens", type=_at_least(2), default=64)
+    bs.add_argument("--repeats", type=_at_least(1), default=1)
+    _model_args(bs)
+
     t = sub.add_parser("tour", help="every technique vs its naive baseline on the embedded model")
     t.add_argument("--new-tokens", type=_at_least(2), default=128)
     _model_args(t)
@@ -171,9 +177,14 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import bench_decode, format_bench
+    from .bench import bench_decode, bench_spec, format_bench, format_spec
 
     model, tokenizer = _load(args)
+    if args.bench == "spec":
+        report = bench_spec(model, tokenizer, num_speculative_tokens=args.num_speculative_tokens,
+                            new_tokens=args.new_tokens, repeats=args.repeats, progress=not args.json)
+        print(json.dumps(report) if args.json else format_spec(report))
+        return 0
     report = bench_decode(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
                           peer=not args.no_peer, model_path=args.model, progress=not args.json)
     print(json.dumps(report, default=str) if args.json else format_bench(report))

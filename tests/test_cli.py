@@ -70,3 +70,12 @@ def test_generate_with_ngram_draft_gives_the_same_greedy_tokens():
     assert p.returncode == 0, p.stderr
     spec = json.loads(p.stdout)
     assert spec["tokens"] == plain["tokens"] and 0 <= spec["acceptance_rate"] <= 1
+
+
+def test_bench_spec_reports_every_workload():
+    p = run("bench", "spec", "--new-tokens", "8", "--json")
+    assert p.returncode == 0, p.stderr
+    report = json.loads(p.stdout)
+    assert len(report["rows"]) == 5 and report["num_speculative_tokens"] == 4
+    for r in report["rows"]:
+        assert r["same_tokens"] and 0 <= r["alpha"] <= 1 and r["tokens_per_target_pass"] >= 1
