@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .generation import generate, generate_cached, generate_dynamic, generate_naive
+from .generation import generate, generate_cached, generate_dynamic, generate_naive, synchronize
 from .sampling import SamplingParams
 
 FIGURES = Path(os.environ.get("MINILLM_FIGURES", Path(__file__).resolve().parent.parent / "figures"))
@@ -85,8 +85,7 @@ def _transformers(hf, prompt_tokens, params):
             self.times = []
 
         def put(self, value):
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
+            synchronize(device)
             self.times.append(time.perf_counter())
 
         def end(self):

@@ -102,8 +102,6 @@ def cmd_generate(args) -> int:
                             max_new_tokens=args.max_new_tokens, seed=args.seed, stop=tuple(args.stop))
     if not args.prompt:
         raise ValueError("prompt: is empty; give some text with --prompt")
-    if args.kv_dtype and args.cache != "contiguous":
-        raise ValueError("kv_dtype: int8 is implemented for the contiguous cache only; use --cache contiguous")
     model, tokenizer = _load(args)
     if tokenizer is None:
         raise ValueError(f"model: {args.model} has no byte-level BPE tokenizer.json, so text cannot be encoded")

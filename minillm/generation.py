@@ -53,7 +53,9 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
-def _sync(device: torch.device) -> None:
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock timings cover it (a no-op on the CPU)."""
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -79,18 +81,26 @@ def check_prompt(model, prompt_tokens: list[int], max_seq_len: int | None) -> in
 
 
 @torch.inference_mode()
-def prefill(model, tokens: torch.Tensor, cache) -> torch.Tensor:
-    """Run the prompt (B, T) from position 0 through the model, filling ``cache``.
+def prefill(model, tokens: torch.Tensor, cache, row_offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the prompt (B, T) from position 0 through the model, filling ``cache`` (None: no cache).
+    ``row_offsets`` (B,): left padding per row (see ``Decoder.forward``).
     Returns the last position's logits (B, V) float32."""
     input_pos = torch.arange(tokens.shape[1], device=tokens.device)
-    return model(tokens, input_pos, cache)[:, -1]
+    return model(tokens, input_pos, cache, row_offsets)[:, -1]
 
 
 @torch.inference_mode()
-def decode_step(model, token: torch.Tensor, pos: int, cache) -> torch.Tensor:
-    """One decode step: token (B, 1) at position ``pos``; returns logits (B, V) float32."""
+def decode_step(model, token: torch.Tensor, pos: int, cache, row_offsets: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode step: token (B, 1) at slot ``pos``; returns logits (B, V) float32."""
     input_pos = torch.tensor([pos], device=token.device)
-    return model(token, input_pos, cache)[:, -1]
+    return model(token, input_pos, cache, row_offsets)[:, -1]
+
+
+def stop_ids(tokenizer, eos_ids: set[int] | None) -> set[int]:
+    """The ids that end generation: ``eos_ids`` if given, else the tokenizer's eos_id (if any)."""
+    if eos_ids is not None:
+        return set(eos_ids)
+    return {tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None else set()
 
 
 class _Stopper:
@@ -116,7 +126,8 @@ class _Stopper:
         return False
 
 
-def _finish(result: GenerationResult, tokenizer) -> GenerationResult:
+def finish(result: GenerationResult, tokenizer) -> GenerationResult:
+    """Fill ``result.text`` (without the EOS token; a stop string's cut is kept as it is)."""
     if tokenizer is not None and result.finish_reason != "stop":
         ids = result.tokens[:-1] if result.finish_reason == "eos" else result.tokens
         result.text = tokenizer.decode(ids)
@@ -129,8 +140,7 @@ def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, toke
         raise ValueError("prompts: give at least one prompt")
     ctx = max(check_prompt(model, p, max_seq_len) for p in prompts)
     device = model.device
-    eos = set(eos_ids) if eos_ids is not None else ({tokenizer.eos_id} if tokenizer and tokenizer.eos_id is not None else set())
-    stopper = _Stopper(params, tokenizer, eos)
+    stopper = _Stopper(params, tokenizer, stop_ids(tokenizer, eos_ids))
     gen = make_generator(params, device)
     results = [GenerationResult(prompt_tokens=list(p)) for p in prompts]
     P = max(len(p) for p in prompts)
@@ -138,18 +148,17 @@ def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, toke
     # (B, P): row b is offsets[b] padding tokens (id 0, never attended to) then its prompt
     seq = torch.tensor([[0] * o + list(p) for o, p in zip(offsets, prompts)], device=device)
     row_offsets = torch.tensor(offsets, device=device) if any(offsets) else None
-    cache = None if cache_kind == "none" else make_cache(cache_kind, model.config, len(prompts), ctx, model.dtype,
-                                                         device, kv_dtype)
+    cache = make_cache(cache_kind, model.config, len(prompts), ctx, model.dtype, device, kv_dtype)  # None: "none"
     n_new = min(params.max_new_tokens, ctx - P)
     done = [False] * len(prompts)
 
-    _sync(device)
+    synchronize(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        logits = model(seq, torch.arange(P, device=device), cache, row_offsets)[:, -1]  # prefill
+        logits = prefill(model, seq, cache, row_offsets)
         for step in range(n_new):
             tokens = sample(logits, params, gen)  # (B,)
-            _sync(device)
+            synchronize(device)
             t1 = time.perf_counter()
             for b, r in enumerate(results):
                 if done[b]:
@@ -164,19 +173,21 @@ def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, toke
                 break
             slot = P + step
             if cache is not None:
-                logits = model(tokens[:, None], torch.tensor([slot], device=device), cache, row_offsets)[:, -1]
+                logits = decode_step(model, tokens[:, None], slot, cache, row_offsets)
             else:
                 seq = torch.cat([seq, tokens[:, None]], dim=1)  # (B, slot + 1): recompute it all
-                logits = model(seq, torch.arange(slot + 1, device=device), None, row_offsets)[:, -1]
+                logits = prefill(model, seq, None, row_offsets)
     for r in results:
         r.prefill_s = r.step_s[0]
         r.decode_s = sum(r.step_s[1:])
-        _finish(r, tokenizer)
+        finish(r, tokenizer)
     return results
 
 
-def _generate(model, prompt_tokens, params, **kwargs):
-    return _run(model, [prompt_tokens], params, **kwargs)[0]
+def _generate(model, prompt_tokens, params, *, max_seq_len=None, tokenizer=None, on_token=None, eos_ids=None,
+              **kwargs):
+    return _run(model, [prompt_tokens], params, max_seq_len=max_seq_len, tokenizer=tokenizer, on_token=on_token,
+                eos_ids=eos_ids, **kwargs)[0]
 
 
 def generate_naive(model, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
@@ -229,24 +240,16 @@ def generate_dynamic(model, prompt_tokens: list[int], params: SamplingParams = S
                      tokenizer=tokenizer, on_token=on_token, eos_ids=eos_ids)
 
 
-GENERATORS = {"none": generate_naive, "dynamic": generate_dynamic, "contiguous": generate_cached}
-
-
 def generate(model, prompt_tokens, params=SamplingParams(), *, cache: str = "contiguous", kv_dtype: str | None = None,
              **kwargs) -> GenerationResult:
     """``generate_naive`` (cache="none"), ``generate_dynamic`` ("dynamic") or ``generate_cached``
-    ("contiguous", optionally with ``kv_dtype="int8"``).
+    ("contiguous", optionally with ``kv_dtype="int8"``); other arguments as theirs.
 
     Raises:
-        ValueError: an unknown cache name, or int8 with another cache than "contiguous".
+        ValueError: as ``generate_naive``, and (from ``kv_cache.make_cache``) an unknown cache name or
+            int8 with another cache than "contiguous".
     """
-    if cache not in GENERATORS:
-        raise ValueError(f"cache: {cache!r} is not one of {list(GENERATORS)}")
-    if kv_dtype not in (None, "auto"):
-        if cache != "contiguous":
-            raise ValueError("kv_dtype: int8 is implemented for the contiguous cache only; use --cache contiguous")
-        kwargs["kv_dtype"] = kv_dtype
-    return GENERATORS[cache](model, prompt_tokens, params, **kwargs)
+    return _generate(model, prompt_tokens, params, cache_kind=cache, kv_dtype=kv_dtype, **kwargs)
 
 
 def generate_batch(model, prompts: list[list[int]], params: SamplingParams = SamplingParams(), *,
@@ -267,7 +270,5 @@ def generate_batch(model, prompts: list[list[int]], params: SamplingParams = Sam
     Raises:
         ValueError: as ``generate``, for any prompt.
     """
-    if cache not in GENERATORS:
-        raise ValueError(f"cache: {cache!r} is not one of {list(GENERATORS)}")
     return _run(model, prompts, params, cache_kind=cache, kv_dtype=kv_dtype, max_seq_len=max_seq_len,
                 tokenizer=tokenizer, on_token=None, eos_ids=eos_ids)

@@ -211,16 +211,16 @@ CACHES = {"contiguous": KVCache, "dynamic": DynamicKVCache}
 
 def make_cache(kind: str, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str | None = None):
-    """A cache by name: "contiguous" (static, preallocated) or "dynamic" (grows by concatenation);
-    ``kv_dtype="int8"`` stores a static cache in int8.
+    """A cache by name: "none" (None: recompute every step), "contiguous" (static, preallocated) or
+    "dynamic" (grows by concatenation); ``kv_dtype="int8"`` stores a static cache in int8.
 
     Raises:
-        ValueError: an unknown kind, or int8 with a dynamic cache.
+        ValueError: an unknown kind, an unknown kv_dtype, or int8 with another cache than contiguous.
     """
-    if kind not in CACHES:
+    if kind != "none" and kind not in CACHES:
         raise ValueError(f"cache: {kind!r} is not one of {['none', *CACHES]}")
     if kv_dtype in (None, "auto"):
-        return CACHES[kind](config, batch_size, max_seq_len, dtype, device)
+        return None if kind == "none" else CACHES[kind](config, batch_size, max_seq_len, dtype, device)
     if kv_dtype != "int8":
         raise ValueError(f"kv_dtype: {kv_dtype!r} is not supported; use int8 (or leave it unset for the model's dtype)")
     if kind != "contiguous":

@@ -76,13 +76,18 @@ class ModelConfig:
             )
 
     @property
-    def n_params(self) -> int:
-        """Number of distinct weights (tied embeddings counted once)."""
+    def layer_linear_params(self) -> int:
+        """Weights in the linear layers of one block: Q, K, V, O and the MLP's two or three matrices."""
         C, D = self.dim, self.head_dim
         attn = C * D * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * D * C
-        mlp = (3 if self.arch == "llama" else 2) * C * self.ffn_dim
+        return attn + (3 if self.arch == "llama" else 2) * C * self.ffn_dim
+
+    @property
+    def n_params(self) -> int:
+        """Number of distinct weights (tied embeddings counted once)."""
+        C = self.dim
         norms = (2 if self.arch == "llama" else 4) * C
-        per_layer = attn + mlp + norms
+        per_layer = self.layer_linear_params + norms
         emb = self.vocab_size * C * (1 if self.tie_embeddings else 2)
         pos = self.max_seq_len * C if self.arch == "gpt2" else 0
         return self.n_layers * per_layer + emb + pos + C

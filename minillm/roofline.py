@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .generation import synchronize
 from .kv_cache import KVCache, kv_cache_bytes
 from .model import ModelConfig
 
@@ -100,10 +101,7 @@ class Cost:
 
 def linear_params(config: ModelConfig) -> tuple[int, int]:
     """(weights in the linear layers of one block, weights of the output projection)."""
-    C, D = config.dim, config.head_dim
-    attn = C * D * (config.n_heads + 2 * config.n_kv_heads) + config.n_heads * D * C
-    mlp = (3 if config.arch == "llama" else 2) * C * config.ffn_dim
-    return attn + mlp, config.vocab_size * C
+    return config.layer_linear_params, config.vocab_size * config.dim
 
 
 def forward_cost(config: ModelConfig, batch_size: int, new_tokens: int, context: int, weight_bytes: float = 4,
@@ -166,21 +164,16 @@ LLAMA2_7B = ModelConfig(arch="llama", n_layers=32, dim=4096, n_heads=32, n_kv_he
 # Measurement
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_median(fn, device="cpu", repeats: int = 7, warmup: int = 2) -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, device synchronized."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    synchronize(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -199,10 +192,6 @@ class Ceilings:
     def bandwidth(self) -> float:
         """The bandwidth the model uses: the best of the two streaming measurements."""
         return max(self.copy_bandwidth, self.read_bandwidth)
-
-    def hardware(self) -> Hardware:
-        return Hardware(f"this machine ({self.device}, measured)", self.bandwidth, dict(self.matmul_flops),
-                        "minillm.roofline.measure()")
 
 
 def measure(device: str = "cpu", dtypes=("float32", "float16", "bfloat16"), megabytes: int = 512,

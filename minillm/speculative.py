@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .generation import GenerationResult, check_prompt
+from .generation import GenerationResult, check_prompt, finish, stop_ids
 from .kv_cache import KVCache
 from .sampling import SamplingParams, logits_to_probs, make_generator
 
@@ -162,7 +162,7 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
         raise ValueError(f"num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
     ctx = check_prompt(target, prompt_tokens, max_seq_len)
     device = target.device
-    eos = set(eos_ids) if eos_ids is not None else ({tokenizer.eos_id} if tokenizer and tokenizer.eos_id is not None else set())
+    eos = stop_ids(tokenizer, eos_ids)
     gen = make_generator(params, "cpu")
     cache = KVCache(target.config, 1, ctx, target.dtype, device)
     result, stats = GenerationResult(prompt_tokens=list(prompt_tokens)), SpeculativeStats()
@@ -179,15 +179,8 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
         feed = torch.tensor([[tokens[-1]] + draft], device=device)  # (1, 1 + gamma)
         logits = target(feed, torch.arange(start, start + feed.shape[1], device=device), cache)[0]
         target_probs = logits_to_probs(logits, params).cpu()  # (1 + gamma, V)
-        if params.greedy:  # one-hot distributions: acceptance is a comparison, no randomness needed
-            emitted, n_ok = [], 0
-            for i, x in enumerate(draft):
-                if int(target_probs[i].argmax()) != x:
-                    break
-                n_ok += 1
-            emitted = draft[:n_ok] + [int(target_probs[n_ok].argmax())]
-        else:
-            emitted, n_ok = rejection_sample(draft, draft_probs[:len(draft)] if draft else None, target_probs, gen)
+        # greedy: target and draft probabilities are one-hot, so acceptance is an exact comparison
+        emitted, n_ok = rejection_sample(draft, draft_probs, target_probs, gen)
         cache.truncate(start + 1 + n_ok)  # roll back the rejected drafts' keys and values
         stats.drafted.append(len(draft))
         stats.accepted.append(n_ok)
@@ -204,9 +197,7 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
             break
     result.prefill_s = result.step_s[0] if result.step_s else 0.0
     result.decode_s = sum(result.step_s[1:])
-    if tokenizer is not None:
-        result.text = tokenizer.decode(result.tokens[:-1] if result.finish_reason == "eos" else result.tokens)
-    return result, stats
+    return finish(result, tokenizer), stats
 
 
 # ---------------------------------------------------------------------------------------------

@@ -75,7 +75,7 @@ class Tokenizer:
     """
 
     def __init__(self, encoding: tiktoken.Encoding, vocab_size: int, eos_id: int | None = None, bos_id: int | None = None,
-                 chat_template: str | None = None, add_bos: bool = False):
+                 chat_template: str | None = None):
         self.encoding = encoding
         self.vocab_size = vocab_size
         for name, i in (("eos_id", eos_id), ("bos_id", bos_id)):
@@ -84,7 +84,6 @@ class Tokenizer:
         self.eos_id, self.bos_id = eos_id, bos_id
         self.special_tokens = {t: encoding.encode_single_token(t) for t in encoding.special_tokens_set}
         self.chat_template = chat_template
-        self.add_bos = add_bos
         self.plain_added: set[str] = set()  # added tokens matched even in plain text
 
     # -- construction ---------------------------------------------------------------------------
@@ -158,7 +157,7 @@ class Tokenizer:
         return cls.from_vocab(
             tokens, special_ids, pre=pre, name="gguf", merges=merges,
             eos_id=get("tokenizer.ggml.eos_token_id"), bos_id=get("tokenizer.ggml.bos_token_id"),
-            chat_template=get("tokenizer.chat_template"), add_bos=bool(get("tokenizer.ggml.add_bos_token")),
+            chat_template=get("tokenizer.chat_template"),
         )
 
     @classmethod
@@ -228,9 +227,6 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         """Token ids -> text (invalid UTF-8 becomes U+FFFD)."""
         return self.encoding.decode(list(ids), errors="replace")
-
-    def decode_bytes(self, ids: list[int]) -> bytes:
-        return self.encoding.decode_bytes(list(ids))
 
     def stream_decoder(self):
         """A function ``feed(token_id) -> str`` that returns the text completed by each new token
