@@ -230,7 +230,7 @@ class Attention(nn.Module):
         self.wqkv = Linear(torch.cat([wq, wk, wv]), bias, n_shards)
         self.wo = Linear(wo, bo, n_shards)
 
-    def forward(self, x, layer_idx, input_pos, rope, cache, mask):
+    def forward(self, x, layer_idx, rope, cache, mask):
         B, T, _ = x.shape
         qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
         qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)  # (B, H+Hkv, T, D), (B, Hkv, T, D)
@@ -269,8 +269,8 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn, self.ffn_norm, self.mlp = attn_norm, attn, ffn_norm, mlp
 
-    def forward(self, x, layer_idx, input_pos, rope, cache, mask):
-        x = x + self.attn(self.attn_norm(x), layer_idx, input_pos, rope, cache, mask)
+    def forward(self, x, layer_idx, rope, cache, mask):
+        x = x + self.attn(self.attn_norm(x), layer_idx, rope, cache, mask)
         return x + self.mlp(self.ffn_norm(x))
 
 
@@ -375,14 +375,13 @@ class Decoder(nn.Module):
         B, T = tokens.shape
         if T == 0 or input_pos.shape[-1] != T:
             raise ValueError(f"input_pos: needs one position per token ({T}), got shape {tuple(input_pos.shape)}")
-        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+        # the checks read two values back from the device, once per forward
+        first, last = input_pos[[0, -1]].tolist()
+        if ((tokens < 0) | (tokens >= self.config.vocab_size)).any():
             raise ValueError(f"tokens: ids must be in [0, {self.config.vocab_size})")
-        if int(input_pos[-1]) >= self.config.max_seq_len:
-            raise ValueError(
-                f"input_pos: position {int(input_pos[-1])} is past the context length "
-                f"({self.config.max_seq_len} tokens)"
-            )
-        if int(input_pos[0]) < 0 or (cache is None and int(input_pos[0]) != 0):
+        if last >= self.config.max_seq_len:
+            raise ValueError(f"input_pos: position {last} is past the context length ({self.config.max_seq_len} tokens)")
+        if first < 0 or (cache is None and first != 0):
             raise ValueError("input_pos: must start at 0 without a cache (and be >= 0 with one)")
         pos = input_pos if row_offsets is None else (input_pos[None, :] - row_offsets[:, None]).clamp_min(0)  # (B, T)
         x = self.embed(tokens)  # (B, T, C)
@@ -397,10 +396,10 @@ class Decoder(nn.Module):
             key_pos = input_pos
         else:
             key_pos = torch.arange(cache.prepare(input_pos), device=tokens.device)
-        # causal mask over slots: query at slot p sees keys at slots <= p (None when every key is
-        # visible, e.g. decoding one token; SDPA then takes its fastest path)
+        # causal mask over slots: query at slot p sees keys at slots <= p. A single query at the last
+        # slot sees every key, so decoding one token needs no mask (SDPA then takes its fastest path)
         mask = None
-        if T > 1 or key_pos.shape[0] > int(input_pos[-1]) + 1 or row_offsets is not None:
+        if T > 1 or row_offsets is not None:
             mask = key_pos[None, :] <= input_pos[:, None]  # (T, S)
         if row_offsets is not None:
             # hide each row's padding; a padding query sees itself so that no softmax row is empty
@@ -408,5 +407,5 @@ class Decoder(nn.Module):
             mask = mask & (real[:, None, :] | (key_pos[None, :] == input_pos[:, None]))  # (B, T, S)
             mask = mask[:, None]  # (B, 1, T, S)
         for i, layer in enumerate(self.layers):
-            x = layer(x, i, input_pos, rope, cache, mask)
+            x = layer(x, i, rope, cache, mask)
         return self.output(self.norm(x)).float()
