@@ -93,6 +93,26 @@ class ModelConfig:
         return self.n_layers * per_layer + emb + pos + C
 
 
+def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The (out, in) shape of every tensor a Llama-architecture model of ``config`` needs."""
+    C, D, F_ = config.dim, config.head_dim, config.ffn_dim
+    shapes = {"tok_embeddings.weight": (config.vocab_size, C), "norm.weight": (C,)}
+    if not config.tie_embeddings:
+        shapes["output.weight"] = (config.vocab_size, C)
+    for i in range(config.n_layers):
+        p = f"layers.{i}"
+        shapes.update({
+            f"{p}.attn_norm.weight": (C,), f"{p}.ffn_norm.weight": (C,),
+            f"{p}.attn.wq.weight": (config.n_heads * D, C),
+            f"{p}.attn.wk.weight": (config.n_kv_heads * D, C),
+            f"{p}.attn.wv.weight": (config.n_kv_heads * D, C),
+            f"{p}.attn.wo.weight": (C, config.n_heads * D),
+            f"{p}.mlp.w_gate.weight": (F_, C), f"{p}.mlp.w_up.weight": (F_, C),
+            f"{p}.mlp.w_down.weight": (C, F_),
+        })
+    return shapes
+
+
 class Linear(nn.Module):
     """``y = x W^T + b``, with W stored as ``n_shards`` column blocks, one per CPU core.
 
@@ -284,7 +304,7 @@ class Decoder(nn.Module):
             CPU, 1 on a GPU. ``minillm.load_model`` chooses it.
         state: float tensors in minillm's names (``tok_embeddings.weight`` (V, C),
             ``layers.{i}.attn.wq.weight`` (H*D, C), ``layers.{i}.mlp.w_gate.weight`` (F, C), ...;
-            see ``minillm.loading``), with Linear weights as (out, in).
+            see ``minillm.gguf_file``), with Linear weights as (out, in).
 
     Raises:
         KeyError: a tensor is missing from ``state`` (the loaders check first and say which file).

@@ -124,7 +124,7 @@ def forward_cost(config: ModelConfig, batch_size: int, new_tokens: int, context:
     """
     B, T, L = batch_size, new_tokens, context
     per_layer, head = linear_params(config)
-    H, Hkv, D = config.n_heads, config.n_kv_heads, config.head_dim
+    H, D = config.n_heads, config.head_dim
     keys = (L * T + T * (T + 1) / 2) if causal_prefill else T * (L + T)  # (query, key) pairs per row
     flops = config.n_layers * (2 * B * T * per_layer + 4 * B * keys * H * D)
     flops += 2 * B * (T if all_logits else 1) * head

@@ -10,10 +10,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from helpers import TINY, write_hf_checkpoint, write_tiny_gguf
 
-from minillm.loading import (
-    DEFAULT_MODEL_INSTALL, ModelFileError, config_from_gguf, default_model_path, load_gguf_state, load_model,
-    read_gguf, unpermute_rope_rows,
-)
+from minillm.gguf_file import config_from_gguf, load_gguf_state, read_gguf, unpermute_rope_rows
+from minillm.loading import DEFAULT_MODEL_INSTALL, ModelFileError, default_model_path, load_model
 
 
 def test_embedded_model_config_comes_from_metadata(reader, model_path):
