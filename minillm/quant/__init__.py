@@ -1,0 +1,19 @@
+"""Weight quantization: one module per method, all producing the same ``QuantizedWeight``.
+
+    rtn.py        round-to-nearest (the baseline every method is compared with)
+    gptq.py       GPTQ (Frantar et al., ICLR 2023): error feedback through the inverse Hessian
+    awq.py        AWQ (Lin et al., MLSys 2024): activation-aware per-channel scales, then clipping
+    pack.py       int2/3/4/8 codes packed into int32 words
+    qlinear.py    ``QuantLinear``: packed weights + scales + zeros, a reference and a fast forward
+    pipeline.py   quantize a whole ``Decoder`` layer by layer on calibration text; save / load
+    gguf_quant.py llama.cpp's Q8_0 / Q4_0 / Q4_1 quantizers and a GGUF writer
+
+Conventions (those of GPTQ / AutoGPTQ / vLLM): a weight W is (out_features, in_features);
+``codes`` are unsigned integers in [0, 2^bits - 1]; ``scales`` and ``zeros`` are
+(out_features, n_groups); input column j belongs to group ``g_idx[j]``; the dequantized weight is
+``scales[:, g_idx] * (codes - zeros[:, g_idx])``.
+"""
+
+from .rtn import QuantConfig, QuantizedWeight, fake_quantize, rtn_quantize
+
+__all__ = ["QuantConfig", "QuantizedWeight", "fake_quantize", "rtn_quantize"]

@@ -1,0 +1,143 @@
+"""llama.cpp's Q8_0, Q4_0 and Q4_1 quantizers, written with torch, and a GGUF writer.
+
+Each format cuts a row into blocks of 32 weights (layouts in ``minillm.gguf_blocks``):
+
+    Q8_0  d = max|x| / 127                  q = round(x / d)          (round half away from zero)
+    Q4_0  d = x[argmax |x|] / -8            q = min(15, trunc(x / d + 8.5))   (symmetric, signed max)
+    Q4_1  d = (max - min) / 15, m = min     q = min(15, trunc((x - m) / d + 0.5))
+
+``1/d`` is computed once per block (0 when d = 0) and multiplied, in float32, exactly as
+ggml-quants.c's reference ``quantize_row_*_ref`` and the ``gguf`` package do, so the bytes are
+identical to ``gguf.quants.quantize`` (tested on random and real weights). d and m are stored as
+float16. Q4_0 uses the *signed* largest-magnitude weight so that it lands exactly on code 0 (-8 d);
+Q4_1 is affine like RTN with group size 32 (but without forcing 0 into the range).
+
+``write_gguf`` re-quantizes every 2-D tensor of a GGUF file to one of these types, copies the
+metadata, and writes a file that ``gguf.GGUFReader`` and ``minillm.load_model`` read back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+
+QK = 32
+
+
+def _blocks(x: torch.Tensor) -> torch.Tensor:
+    x = torch.as_tensor(x).float()
+    if x.shape[-1] % QK:
+        raise ValueError(f"x: rows of {x.shape[-1]} weights are not a multiple of the block size {QK}")
+    return x.reshape(-1, QK)
+
+
+def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """(N, 1) float32 -> (N, 2) uint8, little-endian float16."""
+    return t.half().view(torch.uint8).reshape(-1, 2)
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1 / torch.where(d == 0, torch.ones_like(d), d))
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, 32) codes 0..15 -> (N, 16) bytes: low nibbles hold weights 0..15, high nibbles 16..31."""
+    q = q.to(torch.uint8)
+    return q[:, :16] | (q[:, 16:] << 4)
+
+
+def _out(blocks: torch.Tensor, shape) -> np.ndarray:
+    return blocks.reshape(*shape[:-1], -1).numpy()  # (..., bytes per row), the gguf package's shape
+
+
+def round_half_away(x: torch.Tensor) -> torch.Tensor:
+    """C's ``roundf``: halves go away from zero (torch.round goes to even)."""
+    a = x.abs()
+    f = a.floor()
+    return x.sign() * (f + (2 * (a - f)).floor())
+
+
+def quantize_q8_0(x: torch.Tensor) -> np.ndarray:
+    """Q8_0 bytes of x (..., n) float, n a multiple of 32 -> uint8 (..., n / 32 * 34).
+
+    Raises:
+        ValueError: the last dimension is not a multiple of 32.
+    """
+    b = _blocks(x)
+    d = b.abs().amax(dim=1, keepdim=True) / 127
+    q = round_half_away(b * _inverse(d)).to(torch.int8).view(torch.uint8)
+    return _out(torch.cat([_f16_bytes(d), q], 1), tuple(torch.as_tensor(x).shape))
+
+
+def quantize_q4_0(x: torch.Tensor) -> np.ndarray:
+    """Q4_0 bytes of x (..., n) -> uint8 (..., n / 32 * 18). Raises like ``quantize_q8_0``."""
+    b = _blocks(x)
+    imax = b.abs().argmax(dim=1, keepdim=True)
+    d = b.gather(1, imax) / -8
+    q = torch.trunc(b * _inverse(d) + 8.5).clamp(0, 15)
+    return _out(torch.cat([_f16_bytes(d), _nibbles(q)], 1), tuple(torch.as_tensor(x).shape))
+
+
+def quantize_q4_1(x: torch.Tensor) -> np.ndarray:
+    """Q4_1 bytes of x (..., n) -> uint8 (..., n / 32 * 20). Raises like ``quantize_q8_0``."""
+    b = _blocks(x)
+    mx = b.amax(dim=1, keepdim=True)
+    mn = b.amin(dim=1, keepdim=True)
+    d = (mx - mn) / 15
+    q = torch.trunc((b - mn) * _inverse(d) + 0.5).clamp(0, 15)
+    return _out(torch.cat([_f16_bytes(d), _f16_bytes(mn), _nibbles(q)], 1), tuple(torch.as_tensor(x).shape))
+
+
+QUANTIZERS = {
+    GGMLQuantizationType.Q8_0: quantize_q8_0,
+    GGMLQuantizationType.Q4_0: quantize_q4_0,
+    GGMLQuantizationType.Q4_1: quantize_q4_1,
+}
+
+
+def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | str, progress: bool = False) -> Path:
+    """Re-quantize a GGUF file: every tensor with 2+ dimensions and rows a multiple of 32 becomes
+    ``qtype`` (Q8_0, Q4_0 or Q4_1); others (norms) stay as they are; all metadata is copied.
+
+    The source tensors are dequantized first (``minillm.gguf_blocks``), as llama.cpp's
+    ``llama-quantize --allow-requantize`` does; the tensors keep llama.cpp's layout and names.
+
+    Returns dst. Raises ValueError for an unsupported qtype; ModelFileError for a bad source.
+    """
+    from gguf import GGUFValueType, GGUFWriter
+    from tqdm.auto import tqdm
+
+    from ..gguf_blocks import dequantize
+    from ..gguf_file import read_gguf
+
+    if isinstance(qtype, str):
+        try:
+            qtype = GGMLQuantizationType[qtype.upper()]
+        except KeyError:
+            raise ValueError(f"qtype: {qtype!r} is not a GGML type; use Q8_0, Q4_0 or Q4_1") from None
+    if qtype not in QUANTIZERS:
+        raise ValueError(f"qtype: {qtype.name} is not one minillm quantizes; use Q8_0, Q4_0 or Q4_1")
+    reader = read_gguf(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = GGUFWriter(str(dst), arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), vtype, sub)
+    for t in tqdm(reader.tensors, desc=f"quantize {qtype.name}", disable=not progress, leave=False):
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order (rows, cols)
+        if len(shape) >= 2 and shape[-1] % QK == 0:
+            w = dequantize(t.data, t.tensor_type, shape)
+            writer.add_tensor(t.name, QUANTIZERS[qtype](w), raw_dtype=qtype)  # byte shape -> weight shape
+        else:
+            writer.add_tensor(t.name, np.asarray(t.data).reshape(shape), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)

@@ -1,0 +1,193 @@
+"""GPTQ: quantize a linear layer's weight one input column at a time, pushing each column's rounding
+error onto the columns not yet quantized so that the layer's *output* error on calibration inputs
+stays small (Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ", ICLR 2023).
+
+The objective for one layer is ``|| W X - W_hat X ||^2`` over calibration inputs X (n, I). Its
+Hessian with respect to a row of W is ``H = 2 X^T X`` (I, I), the same for every row. Quantizing
+column i with error ``e = (w_i - q_i) / [H^-1]_ii`` and updating the remaining columns by
+``- e [H^-1]_{i, i+1:}`` is the Optimal Brain Surgeon step (paper Eq. 2-3). The paper's three
+changes that make it fast and stable on large layers (Sec. 3, Algorithm 1):
+
+1. a fixed column order for all rows (optionally by decreasing ``diag(H)``: ``act_order``),
+2. lazy batch updates: errors of a block of ``blocksize`` columns are applied to the columns
+   after the block in one matmul (the result does not depend on ``blocksize``: tested),
+3. the upper Cholesky factor of ``H^-1`` holds every row of the shrinking inverse the OBS step needs,
+   computed once after dampening ``H += percdamp * mean(diag H) * I``.
+
+Inputs that are always zero ("dead", ``H_ii = 0``) get ``H_ii = 1`` and a zero weight column, so
+nothing divides by zero. With ``act_order`` the groups follow the permuted order and ``g_idx`` maps
+each input column to its group; ``static_groups`` computes every group's scale and zero from the
+original weight up front so that ``g_idx`` stays ``j // group_size`` (what fast kernels want).
+
+``gptq_quantize_naive`` is the baseline with the same signature: the OBS update written out on the
+full inverse Hessian, removing one row and column per step (Eq. 3), without Cholesky or batching.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .rtn import QuantConfig, QuantizedWeight, find_params, group_index, quantize_codes, dequantize_codes
+
+
+class Hessian:
+    """Accumulates ``H = 2 / n * sum_x x x^T`` (I, I) float64 over calibration inputs x (..., I).
+
+    Used with a forward pre-hook on the layer (``pipeline.py``); n counts token vectors.
+    """
+
+    def __init__(self, in_features: int, device="cpu"):
+        self.H = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+        self.n = 0
+
+    def add_batch(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).double()  # (n, I)
+        m = x.shape[0]
+        self.H *= self.n / (self.n + m)
+        self.n += m
+        x = x * (2.0 / self.n) ** 0.5
+        self.H += x.t() @ x
+
+
+def _prepare(weight: torch.Tensor, H: torch.Tensor, config: QuantConfig, act_order: bool, static_groups: bool):
+    """Common start of both paths: dead inputs, static groups, act-order permutation, dampening."""
+    if weight.dim() != 2 or H.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"H: expected ({weight.shape[-1]}, {weight.shape[-1]}) for a weight of shape "
+                         f"{tuple(weight.shape)}, got {tuple(H.shape)}")
+    if not torch.isfinite(weight).all() or not torch.isfinite(H).all():
+        raise ValueError("weight/H: hold NaN or inf (check the calibration activations)")
+    W = weight.clone().double()
+    H = H.clone().double()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    O, I = W.shape
+    g = config.group_of_columns(I)
+    groups = None  # static: (scales, zeros) of every group from the original weight
+    if config.group_size == -1 or static_groups:
+        groups = [find_params(W[:, s:s + g], config) for s in range(0, I, g)]
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(I)
+    W, H = W[:, perm], H[perm][:, perm]
+    return W, H, perm, groups, g
+
+
+def _damp(H: torch.Tensor, percdamp: float) -> torch.Tensor:
+    if not 0 <= percdamp < 1:
+        raise ValueError(f"percdamp: must be in [0, 1), got {percdamp}")
+    H = H.clone()
+    H.diagonal().add_(percdamp * torch.mean(torch.diag(H)))
+    return H
+
+
+def _params_for(col: int, perm, groups, g, config, current):
+    """(scale, zero) of the group column ``col`` (in quantization order) belongs to, and whether a new
+    dynamic group starts there. ``current()`` returns the up-to-date columns col..col+g."""
+    if groups is not None:  # per-channel or static groups: indexed by the column's original position
+        return groups[int(perm[col]) // g], False
+    if col % g == 0:
+        return find_params(current(), config), True
+    return None, False
+
+
+def _finish(codes, scales, zeros, perm, g, config, dynamic_groups):
+    inv = torch.argsort(perm)
+    codes = codes[:, inv].to(torch.int32)
+    I = codes.shape[1]
+    if dynamic_groups:  # group k = permuted columns k*g .. (k+1)*g - 1
+        g_idx = (inv // g).to(torch.int32)
+    else:
+        g_idx = group_index(I, config)
+    return QuantizedWeight(codes, torch.stack(scales, 1).float(), torch.stack(zeros, 1).to(torch.int32), g_idx, config)
+
+
+def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, config: QuantConfig, *, blocksize: int = 128,
+                  percdamp: float = 0.01, act_order: bool = False, static_groups: bool = False) -> QuantizedWeight:
+    """GPTQ for one layer (Algorithm 1).
+
+    Args:
+        weight: (O, I) float.
+        H: (I, I) the Hessian ``2 X^T X / n`` of the layer's calibration inputs (``Hessian``).
+        config: bits, group_size (-1 = per channel), sym.
+        blocksize: columns per lazy batch (does not change the result, only the speed).
+        percdamp: dampening, a fraction of the mean diagonal of H (paper: 1%).
+        act_order: quantize columns in order of decreasing ``diag(H)`` (largest activations first).
+        static_groups: with act_order, fix every group's scale/zero from the original weight first.
+
+    Returns:
+        QuantizedWeight; its ``dequantize()`` is the weight GPTQ chose (float32).
+
+    Raises:
+        ValueError: shapes disagree, non-finite values, bad percdamp, or H not positive definite
+            even after dampening (raise percdamp).
+    """
+    W, H, perm, groups, g = _prepare(weight, H, config, act_order, static_groups)
+    O, I = W.shape
+    try:
+        L = torch.linalg.cholesky(_damp(H, percdamp))
+        Hinv = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)  # (I, I) upper
+    except torch.linalg.LinAlgError as e:
+        raise ValueError(f"H: not positive definite after dampening {percdamp}; raise percdamp") from e
+    codes = torch.zeros(O, I, dtype=torch.int64)
+    scales, zeros = [], []
+    scale = zero = None
+    for i1 in range(0, I, blocksize):
+        i2 = min(i1 + blocksize, I)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        Hinv1 = Hinv[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+
+            def current():
+                # columns col..col+g with every error so far applied: those inside this block are
+                # up to date in W1; those past it still miss this block's pending (lazy) update
+                inside = W1[:, i:i + g]
+                if col + g <= i2:
+                    return inside
+                rest = W[:, i2:col + g] - Err1[:, :i] @ Hinv[i1:i1 + i, i2:col + g]
+                return torch.cat([inside, rest], dim=1)
+
+            params, new = _params_for(col, perm, groups, g, config, current)
+            if params is not None:
+                scale, zero = params
+                if new:
+                    scales.append(scale)
+                    zeros.append(zero)
+            w = W1[:, i]
+            q = quantize_codes(w, scale, zero, config.maxq)
+            codes[:, col] = q
+            err = (w - dequantize_codes(q, scale, zero).double()) / Hinv1[i, i]
+            W1[:, i:] -= err[:, None] * Hinv1[i, i:][None, :]
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    if groups is not None:
+        scales, zeros = [s for s, _ in groups], [z for _, z in groups]
+    return _finish(codes, scales, zeros, perm, g, config, dynamic_groups=groups is None)
+
+
+def gptq_quantize_naive(weight: torch.Tensor, H: torch.Tensor, config: QuantConfig, *, blocksize: int = 128,
+                        percdamp: float = 0.01, act_order: bool = False, static_groups: bool = False) -> QuantizedWeight:
+    """The baseline of ``gptq_quantize`` (same signature and result up to float rounding): after each
+    column, update all later columns with the OBS step on the full inverse Hessian and then remove
+    that column from the inverse by Gaussian elimination (paper Eq. 3). ``blocksize`` is ignored."""
+    W, H, perm, groups, g = _prepare(weight, H, config, act_order, static_groups)
+    O, I = W.shape
+    Hinv = torch.linalg.inv(_damp(H, percdamp))
+    codes = torch.zeros(O, I, dtype=torch.int64)
+    scales, zeros = [], []
+    scale = zero = None
+    for col in range(I):
+        params, new = _params_for(col, perm, groups, g, config, lambda: W[:, col:col + g])
+        if params is not None:
+            scale, zero = params
+            if new:
+                scales.append(scale)
+                zeros.append(zero)
+        q = quantize_codes(W[:, col], scale, zero, config.maxq)
+        codes[:, col] = q
+        err = (W[:, col] - dequantize_codes(q, scale, zero).double()) / Hinv[col, col]
+        W[:, col:] -= err[:, None] * Hinv[col, col:][None, :]
+        Hinv = Hinv - Hinv[:, col:col + 1] @ Hinv[col:col + 1, :] / Hinv[col, col]  # eliminate column col
+    if groups is not None:
+        scales, zeros = [s for s, _ in groups], [z for _, z in groups]
+    return _finish(codes, scales, zeros, perm, g, config, dynamic_groups=groups is None)

@@ -1,0 +1,154 @@
+"""Round-to-nearest (RTN) quantization: the baseline of GPTQ and AWQ.
+
+Each group of ``group_size`` consecutive input columns of one output row gets its own scale and
+zero point from the group's min and max (asymmetric) or max |w| (symmetric):
+
+    asymmetric: scale = (max - min) / (2^b - 1),   zero = round(-min / scale)
+    symmetric:  scale = 2 max|w| / (2^b - 1),       zero = 2^(b-1)   (the middle code)
+    codes = clamp(round(w / scale) + zero, 0, 2^b - 1),   w_hat = scale * (codes - zero)
+
+The range always includes 0 (min <= 0 <= max), as in the GPTQ reference code, so that a zero
+weight stays exactly zero. A group size that does not divide in_features is **handled**: the last
+group is shorter (576 columns in groups of 128 are 4 groups of 128 and one of 64). ``group_size=-1``
+means one group per row (per-channel).
+
+Sources: Frantar et al. 2023 (GPTQ), Sec. 2 and the quantizer of its reference implementation;
+Jacob et al. 2018 (integer-arithmetic-only inference) for the affine scheme.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How to quantize a weight.
+
+    Fields:
+        bits: 2..8.
+        group_size: input columns per (scale, zero) pair; -1 = per output channel.
+        sym: symmetric (zero fixed at the middle code) instead of asymmetric.
+
+    Raises:
+        ValueError: naming the field.
+    """
+
+    bits: int = 4
+    group_size: int = 128
+    sym: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
+            raise ValueError(f"bits: must be an integer in 2..8, got {self.bits!r}")
+        if not isinstance(self.group_size, int) or (self.group_size != -1 and self.group_size < 2):
+            raise ValueError(f"group_size: must be -1 (per channel) or >= 2, got {self.group_size!r}")
+
+    @property
+    def maxq(self) -> int:
+        return (1 << self.bits) - 1
+
+    def group_of_columns(self, in_features: int) -> int:
+        """Columns per group for a layer with ``in_features`` inputs."""
+        return in_features if self.group_size == -1 else self.group_size
+
+
+@dataclass
+class QuantizedWeight:
+    """A quantized (out_features, in_features) weight.
+
+    Fields:
+        codes: (O, I) int32 in [0, 2^bits - 1].
+        scales: (O, G) float32, G = number of groups.
+        zeros: (O, G) int32 zero points (codes).
+        g_idx: (I,) int32, the group of each input column (``j // group_size`` unless GPTQ ran with
+            act_order and dynamic groups).
+        config: the ``QuantConfig``.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    g_idx: torch.Tensor
+    config: QuantConfig
+
+    def dequantize(self) -> torch.Tensor:
+        """(O, I) float32: ``scales[:, g_idx] * (codes - zeros[:, g_idx])``."""
+        g = self.g_idx.long()
+        return dequantize_codes(self.codes, self.scales[:, g], self.zeros[:, g])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+
+def find_params(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero for each row of ``w`` (O, n) -> ((O,) float32, (O,) int32).
+
+    The range [min(w_min, 0), max(w_max, 0)] is mapped onto the codes 0..2^b-1; an all-zero row gets
+    scale 1 (asymmetric: range [-1, 1]) so nothing divides by zero.
+    """
+    w = w.float()
+    xmin = w.min(dim=1).values.clamp(max=0)
+    xmax = w.max(dim=1).values.clamp(min=0)
+    if config.sym:
+        xmax = torch.maximum(xmin.abs(), xmax)
+        xmin = torch.where(xmin < 0, -xmax, xmin)
+    empty = (xmin == 0) & (xmax == 0)
+    xmin = torch.where(empty, -1.0, xmin)
+    xmax = torch.where(empty, 1.0, xmax)
+    scale = (xmax - xmin) / config.maxq
+    if config.sym:
+        zero = torch.full_like(scale, (config.maxq + 1) // 2)
+    else:
+        zero = torch.round(-xmin / scale)
+    return scale, zero.to(torch.int32)
+
+
+def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Codes of ``w`` (..., n) with per-row ``scale``/``zero`` broadcast against it -> int32."""
+    return torch.clamp(torch.round(w.float() / scale) + zero, 0, maxq).to(torch.int32)
+
+
+def dequantize_codes(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """``scale * (codes - zero)`` in float32: the one formula every path uses (so they agree bit for bit)."""
+    return scale * (codes - zero).float()
+
+
+def fake_quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:
+    """Quantize then dequantize: the float values the quantized weight stands for."""
+    return dequantize_codes(quantize_codes(w, scale, zero, maxq), scale, zero)
+
+
+def group_index(in_features: int, config: QuantConfig) -> torch.Tensor:
+    """(I,) int32 group of each input column, ``j // group_size`` (a shorter last group when it does
+    not divide)."""
+    return (torch.arange(in_features) // config.group_of_columns(in_features)).to(torch.int32)
+
+
+def rtn_quantize(weight: torch.Tensor, config: QuantConfig) -> QuantizedWeight:
+    """Round-to-nearest quantization of ``weight`` (O, I).
+
+    Returns:
+        QuantizedWeight with G = ceil(I / group_size) groups (1 when per-channel).
+
+    Raises:
+        ValueError: weight is not 2-D or holds non-finite values.
+    """
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected (out_features, in_features), got shape {tuple(weight.shape)}")
+    if not torch.isfinite(weight).all():
+        raise ValueError("weight: holds NaN or inf; quantize a finite weight")
+    O, I = weight.shape
+    g = config.group_of_columns(I)
+    scales, zeros, codes = [], [], []
+    for start in range(0, I, g):
+        block = weight[:, start:start + g]  # (O, g), shorter for a partial last group
+        s, z = find_params(block, config)
+        scales.append(s)
+        zeros.append(z)
+        codes.append(quantize_codes(block, s[:, None], z[:, None], config.maxq))
+    return QuantizedWeight(torch.cat(codes, dim=1), torch.stack(scales, 1), torch.stack(zeros, 1),
+                           group_index(I, config), config)
