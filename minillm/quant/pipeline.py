@@ -55,14 +55,28 @@ def _module(block, name):
     return getattr(getattr(block, parent), attr), getattr(block, parent), attr
 
 
+class _Stop(Exception):
+    pass
+
+
 def _capture(module, fn):
-    """Run ``fn()`` and return the input ``module`` saw (its first positional argument)."""
+    """Run ``fn()`` up to ``module`` and return the input it was about to see (its first argument);
+    ``module`` itself and whatever follows it do not run."""
     seen = []
-    handle = module.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+
+    def hook(m, args):
+        seen.append(args[0].detach())
+        raise _Stop
+
+    handle = module.register_forward_pre_hook(hook)
     try:
         fn()
+    except _Stop:
+        pass
     finally:
         handle.remove()
+    if not seen:
+        raise RuntimeError(f"{module} was not reached")
     return seen[0]
 
 
@@ -121,23 +135,23 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         X = model.embed(calib).float()  # (N, T, C)
     for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
         if awq:
-            report["layers"] += _awq_scale_block(model, block, i, X, rope, mask, config, awq_grid, awq_tokens)
+            report["layers"] += awq_scale_block(model, block, i, X, rope, mask, config, awq_grid, awq_tokens)
         if X is None:  # RTN without calibration: no inputs needed
             for name in LAYERS:
                 lin, parent, attr = _module(block, name)
                 setattr(parent, attr, QuantLinear(rtn_quantize(lin.weight, config), lin.bias, fast))
                 report["layers"].append({"name": f"layers.{i}.{name}", "rel_error": float("nan")})
             continue
-        # execution order: each layer's inputs come from the block with the layers before it quantized
-        for name in LAYERS:
+        # execution order: each layer is calibrated on inputs computed with the layers before it
+        # already quantized; one pass through the block (its pieces run once each)
+        def quantize(name, x):
             lin, parent, attr = _module(block, name)
-            x = _capture(lin, lambda: block(X, i, rope, None, mask))  # (N, T, in)
             W = lin.weight.float()
             if awq and awq_clip:
                 rows = None
                 if name == "attn.wqkv":  # q and k rows are not clipped (AWQ)
                     c = model.config
-                    rows = slice(c.n_heads * c.head_dim + c.n_kv_heads * c.head_dim, W.shape[0])
+                    rows = slice((c.n_heads + c.n_kv_heads) * c.head_dim, W.shape[0])
                 W = search_clip(W, _subsample(x, min(awq_tokens, 512)), config, rows)
             if gptq:
                 h = Hessian(W.shape[1], device=W.device)
@@ -146,16 +160,26 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
                                    static_groups=static_groups)
             else:
                 qw = rtn_quantize(W, config)
-            x2 = x.reshape(-1, x.shape[-1])
+            x2 = _subsample(x, 4096)
             ref = x2 @ lin.weight.float().t()
             rel = ((x2 @ qw.dequantize().t() - ref).norm() / ref.norm()).item()
             report["layers"].append({"name": f"layers.{i}.{name}", "rel_error": rel})
-            setattr(parent, attr, QuantLinear(qw, lin.bias, fast))
-        X = block(X, i, rope, None, mask)
+            new = QuantLinear(qw, lin.bias, fast)
+            setattr(parent, attr, new)
+            return new
+
+        a = block.attn_norm(X)  # (N, T, C): input of q/k/v
+        quantize("attn.wqkv", a)
+        o_in = _capture(block.attn.wo, lambda: block.attn(a, i, rope, None, mask))  # (N, T, H*D)
+        X = X + quantize("attn.wo", o_in)(o_in)
+        m = block.ffn_norm(X)
+        quantize("mlp.w_gate_up", m)
+        d_in = _capture(block.mlp.w_down, lambda: block.mlp(m))  # (N, T, F)
+        X = X + quantize("mlp.w_down", d_in)(d_in)
     return report
 
 
-def _awq_scale_block(model, block, i, X, rope, mask, config, n_grid, n_tokens) -> list[dict]:
+def awq_scale_block(model, block, i, X, rope, mask, config, n_grid, n_tokens) -> list[dict]:
     """Search and fold AWQ scales for one float block; returns the chosen alphas."""
     c = model.config
     ins = {}
@@ -208,8 +232,9 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
     """Write ``model`` (quantized by ``quantize_model``) to one ``.safetensors`` file.
 
     The file holds the packed ``QuantLinear`` buffers (``layers.{i}.attn.wqkv.qweight`` / ``qzeros``
-    / ``scales`` / ``g_idx``), the norms, and the token embedding as GGUF Q8_0 blocks (uint8
-    ``tok_embeddings.q8_0``; the embedded model's embedding *is* Q8_0, so this is lossless for it);
+    / ``scales`` / ``g_idx``), the norms, and the token embedding: as GGUF Q8_0 blocks (uint8
+    ``tok_embeddings.q8_0``) when that is lossless (the embedded model's embedding *is* Q8_0: 30 MB
+    instead of 113 MB), else in float32;
     the metadata holds the model config, the quantization config and ``tokenizer_source`` (the GGUF
     the tokenizer comes from).
 
@@ -219,6 +244,7 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
 
     from safetensors.torch import save_file
 
+    from ..gguf_blocks import dequantize_q8_0
     from .gguf_quant import quantize_q8_0
 
     state = {}
@@ -232,8 +258,12 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
         state[f"layers.{i}.attn_norm.weight"] = block.attn_norm.weight.detach().float()
         state[f"layers.{i}.ffn_norm.weight"] = block.ffn_norm.weight.detach().float()
     state["norm.weight"] = model.norm.weight.detach().float()
-    emb = model.embedding_weight().float()
-    state["tok_embeddings.q8_0"] = torch.from_numpy(quantize_q8_0(emb))
+    emb = model.embedding_weight().float().contiguous()
+    q8 = quantize_q8_0(emb) if emb.shape[1] % 32 == 0 else None
+    if q8 is not None and torch.equal(dequantize_q8_0(q8.reshape(-1, 34)).reshape(emb.shape), emb):
+        state["tok_embeddings.q8_0"] = torch.from_numpy(q8)  # lossless: the embedding was Q8_0 already
+    else:
+        state["tok_embeddings.weight"] = emb
     if not model.config.tie_embeddings:
         state["output.weight"] = model.output.weight.detach().float()
     meta = {"format": "minillm-quantized-1", "model_config": json.dumps(asdict(model.config)),
@@ -272,7 +302,11 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
     q = json.loads(meta["quant_config"])
     qconfig = QuantConfig(q["bits"], q["group_size"], q["sym"])
     try:
-        emb = dequantize_q8_0(state.pop("tok_embeddings.q8_0").numpy()).reshape(config.vocab_size, config.dim)
+        if "tok_embeddings.q8_0" in state:
+            emb = dequantize_q8_0(state.pop("tok_embeddings.q8_0").numpy().reshape(-1, 34))
+            emb = emb.reshape(config.vocab_size, config.dim)
+        else:
+            emb = state["tok_embeddings.weight"]
         float_state = {"tok_embeddings.weight": emb, "norm.weight": state["norm.weight"]}
         if "output.weight" in state:
             float_state["output.weight"] = state["output.weight"]

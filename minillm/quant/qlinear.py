@@ -9,10 +9,10 @@ Two forwards with the same signature:
   ``_weight_int4pack_mm`` on CUDA). It reads about 1/7 of the float32 bytes. Both kernels take
   bfloat16 activations, scales and zero offsets, so the fast path differs from the reference by
   bfloat16 rounding (relative error ~1e-2 of the output; tested). They need the codes in 4 bits
-  (so 2-, 3- and 4-bit codes qualify), contiguous groups of 32, 64, 128 or 256 columns that divide
-  in_features (per-channel scales are repeated per group of 64 or 32; act-order ``g_idx`` is
-  handled by permuting the input columns once at load, as ExLlama does). Other layouts fall back to
-  the reference path (``fast`` says which one runs).
+  (so 2-, 3- and 4-bit codes qualify) and groups made of whole kernel groups of 32, 64, 128 or 256
+  columns (a group of 128 becomes two kernel groups of 64 with the same scale, per-channel rows repeat
+  their scale; act-order ``g_idx`` is handled by permuting the input columns once at load, as ExLlama
+  does). Other layouts (8 bits, groups of 48) fall back to the reference path (``fast`` says which).
 
 Measured on the 2-core AVX2 CPU (SmolLM2-135M shapes, batch 1): (3072 x 576) 56 us int4 vs
 100-116 us float32; bfloat16 activations are needed: the kernel's float32 path is ~30x slower.
@@ -96,15 +96,11 @@ class QuantLinear(nn.Module):
         # the kernel wants contiguous groups: sort input columns by group once (identity unless act_order)
         perm = torch.argsort(qw.g_idx.long(), stable=True)
         g_sorted = qw.g_idx.long()[perm]
-        sizes = torch.bincount(g_sorted)
-        G = sizes.numel()
-        if G == 1:
-            kg = next((k for k in KERNEL_GROUP_SIZES if I % k == 0), None)  # repeat the row's scale
-        else:
-            kg = int(sizes[0])
-            if kg not in KERNEL_GROUP_SIZES or (sizes != kg).any():
-                kg = None
-        if kg is None or I % kg:
+        sizes = torch.bincount(g_sorted)  # columns per group (a shorter last group is fine)
+        # kernel groups: the largest supported size that tiles every group (a group of 128 is two
+        # kernel groups of 64 sharing a scale; per-channel rows repeat their one scale)
+        kg = next((k for k in KERNEL_GROUP_SIZES if I % k == 0 and bool((sizes % k == 0).all())), None)
+        if kg is None:
             return False
         codes = qw.codes[:, perm]  # (O, I) in kernel order
         group_of_kernel_group = g_sorted.reshape(-1, kg)[:, 0]  # (I / kg,)

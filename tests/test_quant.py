@@ -1,0 +1,377 @@
+"""Weight quantization: RTN, GPTQ, AWQ, packing, QuantLinear, the pipeline, GGUF block quantizers."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader, quants
+
+from minillm.evaluation import perplexity, reference_logprobs
+from minillm.quant import QuantConfig, rtn_quantize
+from minillm.quant.awq import fold_scales, search_clip, search_scales
+from minillm.quant.gguf_quant import quantize_q4_0, quantize_q4_1, quantize_q8_0, write_gguf
+from minillm.quant.gptq import Hessian, gptq_quantize, gptq_quantize_naive, inverse_hessian_cholesky
+from minillm.quant.pack import pack_weight, pack_zeros, unpack_weight, unpack_zeros
+from minillm.quant.pipeline import awq_scale_block, calibration_tokens, load_quantized, quantize_model, save_quantized
+from minillm.quant.qlinear import QuantLinear, quant_linear_naive
+
+from helpers import write_tiny_gguf
+
+
+def correlated(n=2048, dim=576, rank=48, seed=0):
+    """Inputs with a few large, correlated channels, as real activations have."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, rank, generator=g) @ torch.randn(rank, dim, generator=g) * 0.3
+    x[:, :8] *= 10  # outlier channels
+    return x + 0.1 * torch.randn(n, dim, generator=g)
+
+
+def hessian(x):
+    h = Hessian(x.shape[1])
+    h.add_batch(x)
+    return h.H
+
+
+def out_err(x, w_hat, w):
+    return ((x @ (w_hat - w).t()).norm() / (x @ w.t()).norm()).item()
+
+
+# ---- RTN --------------------------------------------------------------------------------------
+
+def test_rtn_hand_computed():
+    w = torch.tensor([[0.0, 1.0, 2.0, 3.0], [-1.0, -0.5, 0.5, 1.0]])
+    qw = rtn_quantize(w, QuantConfig(bits=2, group_size=-1))
+    # row 0: range [0, 3], scale 1, zero 0 -> exact; row 1: range [-1, 1], scale 2/3, zero round(1.5) = 2
+    assert qw.codes[0].tolist() == [0, 1, 2, 3] and qw.zeros[:, 0].tolist() == [0, 2]
+    assert qw.codes[1].tolist() == [0, 1, 3, 3]  # -0.5/(2/3) = -0.75 -> -1 (+2 = 1); 1/(2/3) = 1.5 -> 2 (+2 = 4 -> 3)
+    torch.testing.assert_close(qw.dequantize()[1], torch.tensor([-4 / 3, -2 / 3, 2 / 3, 2 / 3]))
+
+
+def test_rtn_symmetric_keeps_zero_at_the_middle_code():
+    w = torch.tensor([[-2.0, 0.0, 1.0, 2.0]])
+    qw = rtn_quantize(w, QuantConfig(bits=4, group_size=-1, sym=True))
+    assert qw.zeros.item() == 8 and qw.codes[0, 1].item() == 8
+    assert qw.dequantize()[0, 1].item() == 0.0
+
+
+def test_partial_last_group_is_handled():
+    w = torch.randn(8, 576)
+    qw = rtn_quantize(w, QuantConfig(bits=4, group_size=128))
+    assert qw.scales.shape == (8, 5)  # 4 groups of 128 and one of 64
+    assert qw.g_idx[-64:].tolist() == [4] * 64 and qw.g_idx[511].item() == 3
+    # the last group's scale comes from its 64 columns only
+    alone = rtn_quantize(w[:, 512:], QuantConfig(bits=4, group_size=-1))
+    torch.testing.assert_close(qw.scales[:, 4], alone.scales[:, 0])
+
+
+def test_rtn_error_falls_with_bits_and_smaller_groups():
+    w = torch.randn(64, 576)
+    err = {(b, g): (rtn_quantize(w, QuantConfig(b, g)).dequantize() - w).norm().item()
+           for b in (2, 3, 4, 8) for g in (32, -1)}
+    assert err[(2, 32)] > err[(3, 32)] > err[(4, 32)] > err[(8, 32)]
+    assert all(err[(b, 32)] < err[(b, -1)] for b in (2, 3, 4, 8))
+
+
+def test_bad_configs_are_refused():
+    with pytest.raises(ValueError, match="bits"):
+        QuantConfig(bits=1)
+    with pytest.raises(ValueError, match="group_size"):
+        QuantConfig(group_size=0)
+    with pytest.raises(ValueError, match="NaN"):
+        rtn_quantize(torch.tensor([[float("nan"), 1.0]]), QuantConfig(4, -1))
+
+
+# ---- GPTQ -------------------------------------------------------------------------------------
+
+def test_inverse_hessian_cholesky_hand_computed():
+    # H = [[4, 2], [2, 3]]: H^-1 = [[3/8, -1/4], [-1/4, 1/2]] = U^T U with U upper triangular
+    U = inverse_hessian_cholesky(torch.tensor([[4.0, 2.0], [2.0, 3.0]], dtype=torch.float64), percdamp=0.0)
+    expected = torch.tensor([[math.sqrt(3 / 8), -0.25 / math.sqrt(3 / 8)], [0.0, 1 / math.sqrt(3)]], dtype=torch.float64)
+    torch.testing.assert_close(U, expected)
+    # dampening adds 1% of the mean diagonal (3.5) to the diagonal before inverting
+    U = inverse_hessian_cholesky(torch.tensor([[4.0, 2.0], [2.0, 3.0]], dtype=torch.float64), percdamp=0.01)
+    Hd = torch.tensor([[4.035, 2.0], [2.0, 3.035]], dtype=torch.float64)
+    torch.testing.assert_close(U.t() @ U, torch.linalg.inv(Hd))
+
+
+CASES = [dict(), dict(act_order=True), dict(act_order=True, static_groups=True)]
+
+
+@pytest.mark.parametrize("opts", CASES, ids=["plain", "act_order", "act_order+static_groups"])
+@pytest.mark.parametrize("group_size", [64, 128, -1])
+def test_gptq_does_not_depend_on_block_size_and_equals_the_naive_obs_loop(opts, group_size):
+    x = correlated(dim=320)
+    w = torch.randn(48, 320)
+    H, cfg = hessian(x), QuantConfig(4, group_size)
+    ref = gptq_quantize(w, H, cfg, blocksize=128, **opts)
+    for bs in (1, 7, 320):
+        other = gptq_quantize(w, H, cfg, blocksize=bs, **opts)
+        assert torch.equal(other.codes, ref.codes) and torch.equal(other.scales, ref.scales), bs
+    naive = gptq_quantize_naive(w, H, cfg, **opts)
+    assert (naive.codes == ref.codes).float().mean() > 0.999  # same algorithm, different float rounding
+    assert out_err(x, naive.dequantize(), w) == pytest.approx(out_err(x, ref.dequantize(), w), rel=1e-3)
+
+
+@pytest.mark.parametrize("bits,group_size", [(4, 64), (4, -1), (3, 64), (2, 32)])
+def test_gptq_output_error_is_below_rtn_on_correlated_inputs(bits, group_size):
+    x, w = correlated(), torch.randn(96, 576) * 0.05
+    cfg = QuantConfig(bits, group_size)
+    rtn = out_err(x, rtn_quantize(w, cfg).dequantize(), w)
+    gptq = out_err(x, gptq_quantize(w, hessian(x), cfg, act_order=True).dequantize(), w)
+    assert gptq < 0.7 * rtn
+
+
+def test_dead_inputs_give_no_nan_and_zero_weights():
+    x = correlated(dim=128)
+    x[:, [3, 50]] = 0  # two inputs that are always zero
+    H = hessian(x)
+    assert H[3, 3] == 0
+    w = torch.randn(16, 128)
+    qw = gptq_quantize(w, H, QuantConfig(4, 32), act_order=True)
+    w_hat = qw.dequantize()
+    assert torch.isfinite(w_hat).all()
+    assert (w_hat[:, [3, 50]] == 0).all()
+
+
+def test_act_order_g_idx():
+    x = correlated(dim=256)
+    H = hessian(x)
+    qw = gptq_quantize(torch.randn(32, 256), H, QuantConfig(4, 64), act_order=True)
+    perm = torch.argsort(torch.diag(H), descending=True)
+    # group k holds the k-th run of 64 columns in decreasing order of diag(H)
+    assert qw.g_idx[perm].tolist() == [j // 64 for j in range(256)]
+    assert not torch.equal(qw.g_idx, torch.arange(256) // 64)  # really permuted
+    static = gptq_quantize(torch.randn(32, 256), H, QuantConfig(4, 64), act_order=True, static_groups=True)
+    assert static.g_idx.tolist() == [j // 64 for j in range(256)]
+
+
+def test_gptq_refuses_mismatched_hessian():
+    with pytest.raises(ValueError, match="H"):
+        gptq_quantize(torch.randn(4, 8), torch.eye(7), QuantConfig(4, -1))
+
+
+# ---- packing and QuantLinear ------------------------------------------------------------------
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_pack_round_trip(bits):
+    g = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (37, 101), generator=g, dtype=torch.int32)
+    q = pack_weight(codes, bits)
+    assert q.dtype == torch.int32 and q.shape == (math.ceil(101 / (32 // bits)), 37)
+    assert torch.equal(unpack_weight(q, bits, 101), codes)
+    zeros = torch.randint(0, 1 << bits, (37, 5), generator=g, dtype=torch.int32)
+    assert torch.equal(unpack_zeros(pack_zeros(zeros, bits), bits, 37), zeros)
+
+
+def test_pack_order_is_documented_order():
+    codes = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 15]])  # one output row, 8 inputs -> one word
+    word = pack_weight(codes, 4)[0, 0].item() & 0xFFFFFFFF
+    assert word == 0xF7654321  # first input in the lowest nibble
+    with pytest.raises(ValueError, match="codes"):
+        pack_weight(torch.tensor([[16]]), 4)
+
+
+@pytest.mark.parametrize("opts", CASES[:2], ids=["plain", "act_order"])
+@pytest.mark.parametrize("bits,group_size", [(4, 32), (4, 64), (4, 128), (4, -1), (3, 64), (8, 32), (4, 48)])
+def test_quant_linear_dequantizes_bit_exactly_and_fast_path_agrees(bits, group_size, opts):
+    x = correlated(n=512)
+    w = torch.randn(96, 576) * 0.05
+    qw = gptq_quantize(w, hessian(x), QuantConfig(bits, group_size), **opts)
+    layer = QuantLinear(qw, bias=torch.randn(96))
+    assert torch.equal(layer.dequantize(), qw.dequantize())  # pack -> unpack -> dequantize, bit for bit
+    y_ref = quant_linear_naive(x[:5], layer)
+    torch.testing.assert_close(y_ref, x[:5] @ qw.dequantize().t() + layer.bias)
+    assert layer.fast == (bits <= 4 and group_size != 48)  # 48 is not made of kernel groups of 32..256
+    y = layer(x[:5])
+    assert ((y - y_ref).norm() / y_ref.norm()).item() < 2e-2  # bfloat16 activations in the kernel
+
+
+def test_quant_linear_storage_is_small():
+    layer = QuantLinear(rtn_quantize(torch.randn(1536, 576), QuantConfig(4, 64)))
+    assert layer.nbytes() < 0.16 * 1536 * 576 * 4  # 4-bit codes + float32 scales + 4-bit zeros per 64
+
+
+# ---- AWQ --------------------------------------------------------------------------------------
+
+def test_awq_search_is_never_worse_than_rtn_and_protects_salient_channels():
+    x, w = correlated(n=1024), torch.randn(128, 576) * 0.05
+    cfg = QuantConfig(3, 64)
+    s, alpha, errors = search_scales(x, [w], cfg)
+    assert errors[0] == pytest.approx(((x @ rtn_quantize(w, cfg).dequantize().t() - x @ w.t()) ** 2).mean().item(), rel=1e-4)
+    assert min(errors) <= errors[0] and alpha > 0
+    assert s[:8].mean() > s[8:].mean()  # the outlier channels get the larger scales
+
+
+def test_awq_clip_lowers_output_error():
+    x, w = correlated(n=512), torch.randn(64, 576) * 0.05
+    w[:, 100] *= 8  # a few large weights stretch their groups' ranges
+    cfg = QuantConfig(3, 32)
+    clipped = search_clip(w, x, cfg)
+    assert out_err(x, rtn_quantize(clipped, cfg).dequantize(), w) < out_err(x, rtn_quantize(w, cfg).dequantize(), w)
+
+
+def test_fold_scales_keeps_a_layer_pair_equal():
+    g = torch.Generator().manual_seed(0)
+    prev, w, x = torch.randn(64, 32, generator=g), torch.randn(16, 64, generator=g), torch.randn(5, 32, generator=g)
+    y = (x @ prev.t()) @ w.t()  # prev's rows produce the inputs w reads
+    prev2, w2 = prev.clone(), w.clone()
+    fold_scales(prev2, [w2], torch.rand(64, generator=g) + 0.5)
+    assert not torch.equal(w2, w)
+    torch.testing.assert_close((x @ prev2.t()) @ w2.t(), y, rtol=1e-4, atol=1e-4 * y.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from minillm import load_model
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_gguf(path)
+    model, _ = load_model(path)
+    return model, path
+
+
+def tiny_inputs(model, n=4, T=32):
+    calib = torch.randint(0, model.config.vocab_size, (n, T), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(T)
+    return calib, (model.rope_cos[pos], model.rope_sin[pos]), pos[None, :] <= pos[:, None]
+
+
+@pytest.mark.parametrize("mha", [False, True])
+def test_awq_folding_leaves_the_float_model_unchanged(tiny, tmp_path, mha):
+    """Scales folded into the norms, the up rows (and the v rows when H == Hkv) change no logit."""
+    from minillm import load_model
+
+    from helpers import TINY
+
+    if mha:
+        cfg = dict(TINY, n_kv_heads=TINY["n_heads"])
+        path = tmp_path / "mha.gguf"
+        from helpers import tiny_llama_weights
+        write_tiny_gguf(path, tiny_llama_weights(cfg=cfg), cfg=cfg)
+        model = load_model(path)[0]
+    else:
+        model = copy.deepcopy(tiny[0])
+    calib, rope, mask = tiny_inputs(model)
+    before = model(calib, torch.arange(calib.shape[1]))
+    X = model.embed(calib)
+    alphas = []
+    for i, block in enumerate(model.layers):
+        alphas += awq_scale_block(model, block, i, X, rope, mask, QuantConfig(3, 32), 10, 1024)
+        X = block(X, i, rope, None, mask)
+    assert len(alphas) == model.config.n_layers * (4 if mha else 3)
+    assert any(a["awq_alpha"] > 0 for a in alphas)  # something was really scaled
+    torch.testing.assert_close(model(calib, torch.arange(calib.shape[1])), before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["rtn", "gptq", "awq", "awq+gptq"])
+def test_pipeline_quantizes_every_layer_and_round_trips_through_safetensors(tiny, tmp_path, method):
+    model = copy.deepcopy(tiny[0])
+    calib = tiny_inputs(model)[0]
+    tokens = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
+    before = model(tokens, torch.arange(40))
+    report = quantize_model(model, method, QuantConfig(4, 32), calib, act_order=method.endswith("gptq"), progress=False)
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * model.config.n_layers
+    assert all(0 < r["rel_error"] < 0.5 for r in report["layers"] if "rel_error" in r)
+    after = model(tokens, torch.arange(40))
+    assert 0 < (after - before).abs().max() < 0.5 * before.abs().max()
+    path = save_quantized(model, tmp_path / "q.safetensors", report)
+    loaded, meta = load_quantized(path)
+    assert meta["quant_config"]["method"] == method
+    torch.testing.assert_close(loaded(tokens, torch.arange(40)), after)
+
+
+def test_load_quantized_refuses_other_files(tmp_path):
+    from safetensors.torch import save_file
+
+    from minillm.loading import ModelFileError
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ModelFileError, match="not a minillm quantized model"):
+        load_quantized(tmp_path / "other.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 10)
+    with pytest.raises(ModelFileError, match="junk"):
+        load_quantized(tmp_path / "junk.safetensors")
+
+
+def test_pipeline_errors():
+    from minillm.model import Decoder  # noqa: F401
+
+    with pytest.raises(ValueError, match="method"):
+        quantize_model(None, "smoothquant", QuantConfig())
+
+
+# ---- GGUF block formats -----------------------------------------------------------------------
+
+GGUF_QUANTIZERS = [(quantize_q8_0, Q.Q8_0), (quantize_q4_0, Q.Q4_0), (quantize_q4_1, Q.Q4_1)]
+
+
+@pytest.mark.parametrize("fn,qtype", GGUF_QUANTIZERS, ids=lambda v: getattr(v, "name", ""))
+def test_gguf_quantizers_are_bit_exact_with_the_gguf_package(fn, qtype, model):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 256, generator=g) * 0.05
+    x[0, :32] = 0  # an all-zero block
+    x[1, :32] = torch.arange(32) * 0.5  # exact halves (rounding ties)
+    x[2, 7] = -x[2, :32].abs().max() * 2  # a negative largest magnitude
+    real = model.layers[0].mlp.w_down.weight[:64]  # a real weight (dequantized Q4_1)
+    for w in (x, real):
+        assert np.array_equal(fn(w), quants.quantize(w.numpy(), qtype))
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        fn(torch.zeros(2, 48))
+
+
+def test_q8_0_requantizes_the_embedded_embedding_losslessly(model, reader):
+    t = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    assert t.tensor_type == Q.Q8_0
+    assert np.array_equal(quantize_q8_0(model.embedding_weight()).reshape(-1), np.asarray(t.data).reshape(-1))
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_write_gguf_round_trip(tmp_path, qtype):
+    from minillm import gguf_blocks, load_model
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+    dst = write_gguf(src, tmp_path / f"tiny-{qtype}.gguf", qtype)
+    a, b = GGUFReader(src), GGUFReader(dst)
+    assert {f for f in a.fields if not f.startswith("GGUF.")} == {f for f in b.fields if not f.startswith("GGUF.")}
+    fn = dict((q.name, f) for f, q in GGUF_QUANTIZERS)[qtype]
+    for ta, tb in zip(a.tensors, b.tensors):
+        shape = tuple(int(s) for s in reversed(ta.shape))
+        w = gguf_blocks.dequantize(ta.data, ta.tensor_type, shape)
+        if len(shape) == 2:
+            assert tb.tensor_type == Q[qtype]
+            assert np.array_equal(np.asarray(tb.data), fn(w))
+            torch.testing.assert_close(gguf_blocks.dequantize(tb.data, tb.tensor_type, shape),
+                                       torch.from_numpy(quants.dequantize(fn(w), Q[qtype])).reshape(shape))
+        else:
+            assert np.array_equal(np.asarray(tb.data), np.asarray(ta.data))
+    load_model(dst)  # minillm reads it back as a model
+    with pytest.raises(ValueError, match="qtype"):
+        write_gguf(src, tmp_path / "x.gguf", "Q5_K")
+
+
+# ---- evaluation -------------------------------------------------------------------------------
+
+def test_kl_of_a_model_to_itself_is_zero_and_grows_with_quantization_error(tiny):
+    model = tiny[0]
+    tokens = torch.randint(0, model.config.vocab_size, (256,), generator=torch.Generator().manual_seed(2)).tolist()
+    ref = reference_logprobs(model, tokens, 64)
+    same = perplexity(model, tokens, 64, reference=ref)
+    assert abs(same["kl"]) < 1e-6 and same["top1_agreement"] == 1.0
+    kl = {}
+    for bits in (2, 8):
+        q = copy.deepcopy(model)
+        quantize_model(q, "rtn", QuantConfig(bits, 32), progress=False)
+        kl[bits] = perplexity(q, tokens, 64, reference=ref)["kl"]
+    assert kl[2] > 10 * kl[8] > 0
+    with pytest.raises(ValueError, match="reference"):
+        perplexity(model, tokens, 32, reference=ref)
+
+
+def test_calibration_tokens_are_seeded_windows_of_the_calibration_play(tokenizer):
+    a = calibration_tokens(tokenizer, 4, 64, seed=0)
+    assert a.shape == (4, 64) and torch.equal(a, calibration_tokens(tokenizer, 4, 64, seed=0))
+    assert not torch.equal(a, calibration_tokens(tokenizer, 4, 64, seed=1))
