@@ -52,8 +52,9 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     """Load a model and its tokenizer.
 
     Args:
-        path: a .gguf file, a Hugging Face checkpoint folder, or None for the embedded
-            SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float).
+        path: a .gguf file, a Hugging Face checkpoint folder, a quantized ``.safetensors`` written by
+            ``python -m minillm quantize``, or None for the embedded SmolLM2-135M-Instruct (Q4_1
+            GGUF, dequantized to float).
         dtype: torch dtype (or its name: "float32", "float16", "bfloat16") of the weights.
         device: "cpu", "cuda", ...
         progress: show a progress bar while dequantizing.
@@ -77,6 +78,8 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
 
     dtype = parse_dtype(dtype)
     path = default_model_path() if path is None else Path(path)
+    if path.suffix == ".safetensors" and path.is_file():
+        return _load_quantized(path, dtype, device, n_shards)
     if path.is_dir():
         config, state = load_hf_checkpoint(path)
         try:
@@ -101,6 +104,22 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     if config.arch == "llama":
         model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     return model.eval(), tokenizer
+
+
+def _load_quantized(path: Path, dtype, device, n_shards):
+    """A model written by ``python -m minillm quantize`` (``minillm.quant.pipeline.save_quantized``),
+    with the tokenizer of the GGUF it was made from (or the embedded model's)."""
+    from .gguf_file import read_gguf
+    from .quant.pipeline import load_quantized
+    from .tokenizer import Tokenizer
+
+    if dtype != torch.float32:
+        raise ValueError(f"dtype: a quantized model computes in float32 (its int4 kernel in bfloat16); got {dtype}")
+    model, meta = load_quantized(path, n_shards=n_shards if torch.device(device).type == "cpu" else 1)
+    source = Path(meta.get("tokenizer_source") or default_model_path())
+    if not source.is_file():
+        source = default_model_path()
+    return model.to(device), Tokenizer.from_gguf(read_gguf(source))
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -59,7 +59,7 @@ class _Stop(Exception):
     pass
 
 
-def _capture(module, fn):
+def capture_input(module, fn):
     """Run ``fn()`` up to ``module`` and return the input it was about to see (its first argument);
     ``module`` itself and whatever follows it do not run."""
     seen = []
@@ -170,11 +170,11 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
 
         a = block.attn_norm(X)  # (N, T, C): input of q/k/v
         quantize("attn.wqkv", a)
-        o_in = _capture(block.attn.wo, lambda: block.attn(a, i, rope, None, mask))  # (N, T, H*D)
+        o_in = capture_input(block.attn.wo, lambda: block.attn(a, i, rope, None, mask))  # (N, T, H*D)
         X = X + quantize("attn.wo", o_in)(o_in)
         m = block.ffn_norm(X)
         quantize("mlp.w_gate_up", m)
-        d_in = _capture(block.mlp.w_down, lambda: block.mlp(m))  # (N, T, F)
+        d_in = capture_input(block.mlp.w_down, lambda: block.mlp(m))  # (N, T, F)
         X = X + quantize("mlp.w_down", d_in)(d_in)
     return report
 

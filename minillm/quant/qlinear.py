@@ -119,6 +119,12 @@ class QuantLinear(nn.Module):
         self.fast = True
         return True
 
+    def _apply(self, fn, recurse=True):  # .to(device): rebuild the kernel's tensors where the buffers went
+        out = super()._apply(fn, recurse)
+        if self.fast:
+            self.prepare_fast()
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., I) -> (..., O)
         if not self.fast:
             return self.forward_reference(x)

