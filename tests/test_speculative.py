@@ -7,8 +7,9 @@ import torch
 from minillm import SamplingParams, generate_cached
 from minillm.model import Decoder, ModelConfig
 from minillm.sampling import logits_to_probs
+from minillm.draft import save_llama_checkpoint, self_draft
 from minillm.speculative import (
-    DraftModelProposer, NgramProposer, acceptance_probability, rejection_sample, residual_distribution,
+    DraftModelProposer, NgramProposer, acceptance_probability, draw, rejection_sample, residual_distribution,
     speculative_generate,
 )
 
@@ -69,11 +70,11 @@ def test_sampled_tokens_follow_the_target_distribution():
     assert tv < 0.02
 
 
-def random_draft(vocab_size):
+def random_draft(vocab_size, scale=1.0):
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=vocab_size,
                       max_seq_len=512)
-    state = {"tok_embeddings.weight": torch.randn(vocab_size, 64), "norm.weight": torch.ones(64)}
+    state = {"tok_embeddings.weight": scale * torch.randn(vocab_size, 64), "norm.weight": torch.ones(64)}
     for i in range(2):
         p = f"layers.{i}"
         state.update({f"{p}.attn_norm.weight": torch.ones(64), f"{p}.ffn_norm.weight": torch.ones(64),
@@ -105,7 +106,6 @@ def test_gamma_must_be_positive(model):
 
 def test_self_draft_shares_weights_and_round_trips_through_a_checkpoint(model, tmp_path):
     from minillm import load_model
-    from minillm.speculative import save_llama_checkpoint, self_draft
 
     draft = self_draft(model, 3)
     assert draft.config.n_layers == 3 and len(model.layers) == 30
@@ -116,3 +116,128 @@ def test_self_draft_shares_weights_and_round_trips_through_a_checkpoint(model, t
     torch.testing.assert_close(loaded(x, torch.arange(4)), draft(x, torch.arange(4)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="n_layers: must be in 1..30"):
         self_draft(model, 31)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling on the real model: emitted-token frequencies against the target's own distribution
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's chi-square goodness of fit of ``counts`` (V,) to ``probs`` (V,). The categories are
+    fixed from ``probs`` alone: tokens in decreasing probability, grouped in order until each group
+    is expected at least ``min_expected`` times (a likely token is a group of its own; the tail is
+    pooled). The p-value is the chi-square survival function Q(df / 2, statistic / 2) (regularised
+    upper incomplete gamma).
+
+    Raises:
+        ValueError: too few draws for two groups."""
+    order = probs.double().argsort(descending=True)
+    obs, exp, o, e = [], [], 0.0, 0.0
+    for oi, ei in zip(counts[order].tolist(), (counts.sum().double() * probs.double()[order]).tolist()):
+        o, e = o + oi, e + ei
+        if e >= min_expected:
+            obs.append(o)
+            exp.append(e)
+            o, e = 0.0, 0.0
+    if len(exp) < 2:
+        raise ValueError(f"counts: {int(counts.sum())} draws are too few for two groups of {min_expected} expected")
+    obs[-1], exp[-1] = obs[-1] + o, exp[-1] + e  # the remainder joins the last group
+    obs, exp = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+FALSE_ALARM = 1e-3  # each test fails with probability 1e-3 when the algorithm is right (seeded: reproducibly)
+SAMPLED = {"T=1": SamplingParams(temperature=1.0), "T=0.7, top-p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+           "T=1.5, top-k 40": SamplingParams(temperature=1.5, top_k=40)}
+# prompt lookup drafts " blue", to which the target gives 0.27-0.74 depending on the sampling
+PROMPT = "My favourite colours are red and blue. I painted the door red and"
+
+
+@pytest.fixture(scope="module")
+def target_logits(model, tokenizer):
+    """The target's logits (V,) after PROMPT, and the prompt's ids."""
+    ids = tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1], ids
+
+
+def emitted_counts(propose, target_probs, n, seed=0):
+    """First tokens emitted by n seeded speculative steps with gamma = 1, and the drafted tokens.
+
+    ``propose(generator)`` returns (draft ids, draft_probs). The target row after the draft (for the
+    bonus token) is only read when the draft is accepted, and the first emitted token is then the
+    draft itself: the first emitted token depends on target_probs at the prompt's end only."""
+    g = torch.Generator().manual_seed(seed)
+    V = target_probs.shape[0]
+    emitted, drafted = torch.zeros(V), torch.zeros(V)
+    both_rows = torch.stack([target_probs, target_probs])  # (gamma + 1, V)
+    for _ in range(n):
+        draft, draft_probs = propose(g)
+        out, _ = rejection_sample(draft, draft_probs, both_rows, g)
+        emitted[out[0]] += 1
+        drafted[draft[0]] += 1
+    return emitted, drafted
+
+
+def self_draft_proposal(model, ids, params):
+    """One proposal of DraftModelProposer with the target's first 24 layers (it shares ~20-28% of
+    the target's probability mass here), and a proposer drawing from that same draft_probs."""
+    _, draft_probs = DraftModelProposer(self_draft(model, 24), 64).propose(ids, 1, params, torch.Generator())
+    return draft_probs[0], lambda g: ([draw(draft_probs[0], g)], draft_probs)
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+@pytest.mark.parametrize("kind", ["ngram", "self-draft (24 layers)"])
+def test_sampled_speculation_follows_the_target_on_the_real_model(model, target_logits, kind, name):
+    """Over 3,000 seeded steps the first emitted token never falls outside the target's support and
+    its frequencies pass a chi-square test against the target's own distribution (FALSE_ALARM)."""
+    logits, ids = target_logits
+    params = SAMPLED[name]
+    target_probs = logits_to_probs(logits[None], params)[0]
+    if kind == "ngram":
+        proposer = NgramProposer(model.config.vocab_size)
+        propose = lambda g: proposer.propose(ids, 1, params, g)  # noqa: E731
+    else:
+        draft_probs, propose = self_draft_proposal(model, ids, params)
+        assert 0.1 < float(torch.minimum(target_probs, draft_probs).sum()) < 0.9  # partial overlap
+    emitted, drafted = emitted_counts(propose, target_probs, 3000)
+    if kind == "ngram":
+        assert drafted.count_nonzero() == 1 and 0.2 < target_probs[int(drafted.argmax())] < 0.8
+    assert emitted[target_probs == 0].sum() == 0
+    assert chi_square_p_value(emitted, target_probs) > FALSE_ALARM
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self-draft (24 layers)"])
+def test_the_chi_square_test_detects_a_wrong_residual(model, target_logits, monkeypatch, kind):
+    """The check above can fail: replacing the residual max(0, target - draft) by the target itself
+    (a plausible bug) makes the drafted tokens too frequent, and the p-value collapses."""
+    import minillm.speculative as spec
+
+    logits, ids = target_logits
+    params = SAMPLED["T=1"]
+    target_probs = logits_to_probs(logits[None], params)[0]
+    proposer = NgramProposer(model.config.vocab_size)
+    propose = (lambda g: proposer.propose(ids, 1, params, g)) if kind == "ngram" else \
+        self_draft_proposal(model, ids, params)[1]
+    monkeypatch.setattr(spec, "residual_distribution", lambda target_probs, draft_probs: target_probs)
+    emitted, _ = emitted_counts(propose, target_probs, 3000)
+    assert chi_square_p_value(emitted, target_probs) < 1e-6
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+def test_sampled_random_draft_model_follows_the_target(model, target_logits, name):
+    """A random-weight draft model drafts through DraftModelProposer.propose (its own KV cache, rolled
+    back every step), putting its mass where the target has little or none: the drafted tokens
+    follow the draft_probs it reports, and the first emitted tokens follow the target."""
+    logits, ids = target_logits
+    params = SAMPLED[name]
+    target_probs = logits_to_probs(logits[None], params)[0]
+    draft_model = random_draft(model.config.vocab_size, scale=0.2)
+    proposer = DraftModelProposer(draft_model, 64)
+    with torch.inference_mode():
+        draft_probs = logits_to_probs(draft_model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1:], params)[0]
+    emitted, drafted = emitted_counts(lambda g: proposer.propose(ids, 1, params, g), target_probs, 1000)
+    assert chi_square_p_value(drafted, draft_probs) > FALSE_ALARM
+    assert emitted[target_probs == 0].sum() == 0
+    assert chi_square_p_value(emitted, target_probs) > FALSE_ALARM
