@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from minillm import SamplingParams, generate_cached
+from minillm.draft import save_llama_checkpoint, self_draft
 from minillm.model import Decoder, ModelConfig
 from minillm.sampling import logits_to_probs
-from minillm.draft import save_llama_checkpoint, self_draft
 from minillm.speculative import (
-    DraftModelProposer, NgramProposer, acceptance_probability, draw, rejection_sample, residual_distribution,
-    speculative_generate,
+    DraftModelProposer, NgramProposer, acceptance_probability, draw, emitted_distribution, rejection_sample,
+    residual_distribution, speculative_generate,
 )
 
 
@@ -42,6 +42,7 @@ CASES = {
 def test_one_step_emits_exactly_the_target_distribution(name):
     target, draft = (torch.tensor(v, dtype=torch.float64) for v in CASES[name])
     torch.testing.assert_close(emitted_first_token_distribution(target, draft), target)
+    torch.testing.assert_close(emitted_distribution(target, draft), target)
 
 
 def test_exact_with_top_k_processed_draft():
@@ -92,11 +93,59 @@ def test_greedy_speculative_equals_target_greedy(model, tokenizer, proposer_kind
     ref = generate_cached(model, prompt, params)
     proposer = (NgramProposer(model.config.vocab_size) if proposer_kind == "ngram"
                 else DraftModelProposer(random_draft(model.config.vocab_size), 256))
-    out, stats = speculative_generate(model, proposer, prompt, params, num_speculative_tokens=4)
-    assert out.tokens == ref.tokens
+    streamed = []
+    out, stats = speculative_generate(model, proposer, prompt, params, num_speculative_tokens=4, on_token=streamed.append)
+    assert out.tokens == ref.tokens == streamed
     assert len(stats.accepted) <= 32 and 0 <= stats.acceptance_rate <= 1
     if proposer_kind == "ngram":
         assert stats.acceptance_rate > 0.2  # the text repeats itself, so lookups hit
+
+
+def test_stats_alpha_positions_and_predicted_speedup():
+    from minillm.speculative import SpeculativeStats, expected_tokens_per_pass, leviathan_speedup, predicted_speedup
+
+    # passes: 4 drafted, 2 accepted (3 examined); 0 drafted; 4 drafted, all accepted; 2 drafted, 0 accepted
+    st = SpeculativeStats(drafted=[4, 0, 4, 2], accepted=[2, 0, 4, 0])
+    assert st.acceptance_rate == 6 / 10 and st.alpha == 6 / (3 + 0 + 4 + 1)
+    assert st.tokens_per_target_pass == (3 + 1 + 5 + 1) / 4
+    assert st.acceptance_by_position() == [2 / 3, 2 / 2, 1 / 2, 1 / 1]
+    verify = {1: 1.0, 3: 1.5, 5: 2.0}  # seconds; only k + 1 in {1, 3, 5} occur
+    pred = predicted_speedup(st, verify, draft_cost=0.1)
+    cost = ((2.0 + 0.4) + 1.0 + (2.0 + 0.4) + (1.5 + 0.2)) / 4
+    assert pred["cost_per_pass"] == pytest.approx(cost) and pred["predicted_speedup"] == pytest.approx(2.5 / cost)
+    assert pred["tokens_per_pass_alpha"] == pytest.approx(
+        sum(expected_tokens_per_pass(0.75, k) for k in (4, 0, 4, 2)) / 4)
+    assert expected_tokens_per_pass(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens_per_pass(1.0, 3) == 4 and leviathan_speedup(0.0, 5, 0.0) == 1
+    assert leviathan_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
+    with pytest.raises(ValueError, match="verify_cost: needs the forward time for k = 1 and \\[3\\]"):
+        predicted_speedup(st, {1: 1.0, 5: 2.0})
+
+
+def test_draw_never_picks_a_zero_probability_token():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(2000)]), minlength=5)
+    assert counts[[0, 2, 4]].sum() == 0 and abs(int(counts[1]) - 1000) < 4 * 23  # 4 standard deviations
+
+
+def test_distill_draft_lowers_the_loss_and_leaves_the_target_alone(model, tokenizer, play_text, tmp_path):
+    from minillm import load_model
+    from minillm.draft import distill_draft
+
+    before = model.layers[0].attn.wqkv.weight_shards.clone()
+    draft, log = distill_draft(model, tokenizer.encode(play_text[:4000]), n_layers=2, seq_len=32, n_windows=4,
+                               steps=8, lr=1e-3, progress=False)
+    assert draft.config.n_layers == 2 and draft.output is model.output
+    assert draft.layers[0] is not model.layers[0] and torch.equal(model.layers[0].attn.wqkv.weight_shards, before)
+    assert sum(log["losses"][-4:]) < sum(log["losses"][:4])  # the same 4 windows, seen twice
+    assert not any(p.requires_grad for p in draft.parameters())
+    save_llama_checkpoint(draft, tmp_path)
+    loaded, _ = load_model(tmp_path)
+    x = torch.tensor([[5, 17, 300, 4000]])
+    torch.testing.assert_close(loaded(x, torch.arange(4)), draft(x, torch.arange(4)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="tokens: need at least seq_len \\+ 1 = 33 tokens"):
+        distill_draft(model, [1, 2, 3], seq_len=32)
 
 
 def test_gamma_must_be_positive(model):
