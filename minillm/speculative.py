@@ -1,5 +1,6 @@
-"""Speculative decoding with rejection sampling (work in progress: the algorithm and its exactness
-tests; the shipped draft model, notebook and benchmark are still to come).
+"""Speculative decoding with rejection sampling: the algorithm, two proposers (n-gram prompt lookup
+and a draft model), the generation loop with KV-cache rollback, and the speedup models. The draft
+model built for the embedded target is in ``minillm.draft``; the benchmark in ``minillm.bench_spec``.
 
 A proposer drafts gamma tokens; the target scores all of them in one forward pass over its KV
 cache; draft token x is accepted with probability ``min(1, target_probs(x) / draft_probs(x))``; at
