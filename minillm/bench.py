@@ -186,7 +186,8 @@ def plot_step_times(naive_s: list[float], cached_s: list[float], prompt_len: int
 def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT, figures: Path = FIGURES) -> dict:
     """Every technique so far against its naive baseline on the embedded model, as one table.
 
-    Today: naive vs KV-cached generation (static, dynamic, int8; same greedy tokens, tokens/s, speedup). Writes
+    Today: naive vs KV-cached generation (static, dynamic, int8; same greedy tokens, tokens/s, speedup), and
+    speculative decoding with n-gram drafts vs plain cached decoding on an input-grounded chat prompt. Writes
     figures/tour_decode_step_time.png.
     """
     prompt_tokens = tokenizer.encode(prompt)
@@ -212,9 +213,27 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
             "speedup": r.decode_tokens_per_s / naive.decode_tokens_per_s,
             "check": "greedy tokens identical" if same == len(naive.tokens) else f"{same}/{len(naive.tokens)} greedy tokens equal",
         })
+    rows.append(speculative_row(model, tokenizer, new_tokens))
     fig = plot_step_times(naive.step_s, cached.step_s, len(prompt_tokens), Path(figures) / "tour_decode_step_time.png")
     return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "prompt_tokens": len(prompt_tokens),
             "new_tokens": new_tokens, "rows": rows, "figures": [str(fig)]}
+
+
+def speculative_row(model, tokenizer, new_tokens: int) -> dict:
+    """The tour's speculative-decoding row: prompt lookup (gamma 4) vs plain cached decoding, greedy,
+    on the "rewrite" workload of ``bench spec`` (the answer copies the prompt)."""
+    from .bench_spec import SPEC_WORKLOADS
+    from .speculative import NgramProposer, speculative_generate
+
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": SPEC_WORKLOADS["rewrite (input-grounded)"]}])
+    params = SamplingParams(max_new_tokens=new_tokens)
+    plain = generate_cached(model, ids, params, tokenizer=tokenizer)
+    spec, stats = speculative_generate(model, NgramProposer(model.config.vocab_size), ids, params,
+                                       num_speculative_tokens=4, tokenizer=tokenizer)
+    return {"technique": "speculative (n-gram)", "baseline": "cached decode, rewrite a passage",
+            "baseline_tokens_per_s": plain.decode_tokens_per_s, "tokens_per_s": spec.decode_tokens_per_s,
+            "speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s,
+            "check": f"greedy tokens identical, alpha {stats.alpha:.2f}" if spec.tokens == plain.tokens else "TOKENS DIFFER"}
 
 
 def format_tour(report: dict) -> str:
@@ -275,75 +294,3 @@ def total_time(coeffs: list[float], prompt_tokens: int, new_tokens: int) -> floa
     import numpy as np
 
     return float(np.polyval(coeffs, np.arange(prompt_tokens, prompt_tokens + new_tokens, dtype=float)).sum())
-
-
-SPEC_WORKLOADS = {
-    "story (open-ended)": "Write a short story about a lighthouse keeper.",
-    "chat answer": "What are three benefits of regular exercise?",
-    "rewrite (input-grounded)": "Rewrite the following sentence, keeping every word: The old lighthouse keeper climbed "
-                                "the spiral stairs every evening to light the great lamp that guided ships safely past "
-                                "the rocks.",
-    "summarise (input-grounded)": "Summarise this passage in one sentence, reusing its words: When shall we three meet "
-                                  "again, in thunder, lightning, or in rain? When the hurlyburly's done, when the battle's "
-                                  "lost and won. That will be ere the set of sun.",
-    "edit code (input-grounded)": "Rename the variable x to total in this code and show the whole code:\n"
-                                  "def add_all(numbers):\n    x = 0\n    for n in numbers:\n        x = x + n\n    return x",
-}
-
-
-def bench_spec(model, tokenizer, *, num_speculative_tokens: int = 4, new_tokens: int = 64, repeats: int = 1,
-               progress: bool = True) -> dict:
-    """Plain cached decode vs speculative decoding with n-gram (prompt lookup) drafts, greedy, batch 1,
-    on chat workloads. Reports per workload: tokens/s of both, measured speedup, acceptance rate alpha,
-    tokens per target pass, and the speedup predicted from alpha and the measured verify cost
-    (Leviathan et al. 2023, Sec. 3: E[tokens per pass] = (1 - alpha^(gamma+1)) / (1 - alpha); the
-    n-gram draft costs ~0, so the cost per pass is the verify cost of gamma + 1 tokens)."""
-    from tqdm.auto import tqdm
-
-    from .roofline import measure_verify
-    from .speculative import NgramProposer, speculative_generate
-
-    gamma = num_speculative_tokens
-    params = SamplingParams(max_new_tokens=new_tokens)  # stop at the end of the answer, as a user would
-    verify = measure_verify(model, ks=(1, gamma + 1))
-    verify_ratio = verify[gamma + 1] / verify[1]
-    generate_cached(model, tokenizer.encode("warm up"), SamplingParams(max_new_tokens=4))
-    rows = []
-    for name, prompt in tqdm(SPEC_WORKLOADS.items(), desc="bench spec", disable=not progress, leave=False):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        plain = max((generate_cached(model, ids, params, tokenizer=tokenizer) for _ in range(repeats)),
-                    key=lambda r: r.decode_tokens_per_s)
-        best = None
-        for _ in range(repeats):
-            r, st = speculative_generate(model, NgramProposer(model.config.vocab_size), ids, params,
-                                         num_speculative_tokens=gamma, tokenizer=tokenizer)
-            if best is None or r.decode_tokens_per_s > best[0].decode_tokens_per_s:
-                best = (r, st)
-        spec, st = best
-        alpha = st.acceptance_rate
-        expected = (gamma + 1) if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-        rows.append({
-            "workload": name, "plain_tokens_per_s": plain.decode_tokens_per_s,
-            "spec_tokens_per_s": spec.decode_tokens_per_s,
-            "measured_speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s,
-            "alpha": alpha, "tokens_per_target_pass": st.tokens_per_target_pass,
-            "expected_tokens_per_pass": expected, "predicted_speedup": expected / verify_ratio,
-            "same_tokens": spec.tokens == plain.tokens, "new_tokens": len(plain.tokens),
-        })
-    return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "proposer": "ngram",
-            "num_speculative_tokens": gamma, "new_tokens": new_tokens, "verify_cost_ratio": verify_ratio,
-            "rows": rows}
-
-
-def format_spec(report: dict) -> str:
-    lines = [f"machine: {report['machine']}",
-             f"dtype {report['dtype']}, batch 1, greedy, up to {report['new_tokens']} new tokens (stop at EOS), n-gram drafts, "
-             f"gamma {report['num_speculative_tokens']}; verifying gamma+1 tokens costs "
-             f"{report['verify_cost_ratio']:.2f}x one decode step",
-             f"{'workload':28s} {'tokens':>6s} {'plain tok/s':>11s} {'spec tok/s':>10s} {'speedup':>8s} {'alpha':>6s} "
-             f"{'tok/pass':>8s} {'predicted':>9s}  same tokens"]
-    for r in report["rows"]:
-        lines.append(f"{r['workload']:28s} {r['new_tokens']:6d} {r['plain_tokens_per_s']:11.1f} {r['spec_tokens_per_s']:10.1f} "
-                     f"{r['measured_speedup']:7.2f}x {r['alpha']:6.2f} {r['tokens_per_target_pass']:8.2f} "
-                     f"{r['predicted_speedup']:8.2f}x  {r['same_tokens']}")
-    return "\n".join(lines)

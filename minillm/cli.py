@@ -1,4 +1,6 @@
-"""Command line: ``python -m minillm generate | bench decode | bench spec | roofline | perplexity | quantize | tour``.
+"""Command line: ``python -m minillm <command>``.
+
+Commands: generate, bench decode | spec | quant, distill-draft, roofline, perplexity, quantize, tour.
 
 Other tools call these; the options and the JSON keys are kept stable.
 """
@@ -85,10 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt-lengths", default="128", help="prefill lengths, comma-separated ('' for none)")
     _model_args(r)
 
-    bs = bsub.add_parser("spec", help="plain cached decode vs speculative decoding (n-gram drafts) on workloads")
+    bs = bsub.add_parser("spec", help="plain cached decode vs speculative decoding on workloads, predicted and measured")
     bs.add_argument("--num-speculative-tokens", type=_at_least(1), default=4)
     bs.add_argument("--new-tokens", type=_at_least(2), default=64)
     bs.add_argument("--repeats", type=_at_least(1), default=1)
+    bs.add_argument("--draft", default="ngram", help="'ngram' (prompt lookup, default) or a draft model path")
+    bs.add_argument("--gammas", default=None,
+                    help="also sweep gamma on the input-grounded workloads, e.g. 1,2,3,4,6,8")
     _model_args(bs)
 
     pp = sub.add_parser("perplexity", help="perplexity (and KL from the float model) on held-out text")
@@ -110,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     bq.add_argument("--out", default="figures/05_quant_table.json", help="where to write the table (JSON)")
     _model_args(bq)
 
+    dd = sub.add_parser("distill-draft", help="build a draft model for speculative decoding: the target's first "
+                        "layers, distilled on the target's own distributions (a few minutes on a CPU)")
+    dd.add_argument("--out", required=True, help="folder to write (config.json + model.safetensors)")
+    dd.add_argument("--layers", type=_at_least(1), default=4)
+    dd.add_argument("--steps", type=_at_least(1), default=300)
+    _model_args(dd)
+
     t = sub.add_parser("tour", help="every technique vs its naive baseline on the embedded model")
     t.add_argument("--new-tokens", type=_at_least(2), default=128)
     _model_args(t)
@@ -128,6 +140,25 @@ def _load(args):
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {args.device!r} is not available on this machine (torch sees no CUDA GPU); use --device cpu")
     return load_model(args.model, dtype=args.dtype, device=device, progress=not args.json, n_shards=args.shards)
+
+
+def _load_draft(args, model):
+    """The draft model at ``args.draft``, checked to share the target's vocabulary."""
+    from .loading import load_model
+
+    draft, _ = load_model(args.draft, dtype=args.dtype, device=model.device, n_shards=args.shards)
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"draft: {args.draft} has a vocabulary of {draft.config.vocab_size}, "
+                         f"the target {model.config.vocab_size}; the draft must share the tokenizer")
+    return draft
+
+
+def _proposer(args, model, ctx):
+    from .speculative import DraftModelProposer, NgramProposer
+
+    if args.draft == "ngram":
+        return NgramProposer(model.config.vocab_size)
+    return DraftModelProposer(_load_draft(args, model), ctx)
 
 
 def cmd_generate(args) -> int:
@@ -169,26 +200,15 @@ def cmd_generate(args) -> int:
 
     stats = None
     if args.draft:
-        from .loading import load_model
-        from .speculative import DraftModelProposer, NgramProposer, speculative_generate
+        from .speculative import speculative_generate
 
         if args.cache != "contiguous" or args.kv_dtype:
             raise ValueError("draft: speculative decoding uses the contiguous float cache; drop --cache/--kv-dtype")
         ctx = min(args.max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
-        if args.draft == "ngram":
-            proposer = NgramProposer(model.config.vocab_size)
-        else:
-            draft_model, _ = load_model(args.draft, dtype=args.dtype, device=model.device, n_shards=args.shards)
-            if draft_model.config.vocab_size != model.config.vocab_size:
-                raise ValueError(f"draft: {args.draft} has a vocabulary of {draft_model.config.vocab_size}, "
-                                 f"the target {model.config.vocab_size}; the draft must share the tokenizer")
-            proposer = DraftModelProposer(draft_model, ctx)
+        proposer = _proposer(args, model, ctx)
         result, stats = speculative_generate(model, proposer, prompt_tokens, params,
                                              num_speculative_tokens=args.num_speculative_tokens,
-                                             max_seq_len=args.max_seq_len, tokenizer=tokenizer)
-        if on_token is not None:
-            for t in result.tokens:
-                on_token(t)
+                                             max_seq_len=args.max_seq_len, tokenizer=tokenizer, on_token=on_token)
     else:
         result = generate(model, prompt_tokens, params, cache=args.cache, kv_dtype=args.kv_dtype,
                           max_seq_len=args.max_seq_len, tokenizer=tokenizer, on_token=on_token)
@@ -211,7 +231,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench import bench_decode, bench_spec, format_bench, format_spec
+    from .bench import bench_decode, format_bench
 
     model, tokenizer = _load(args)
     if args.bench == "quant":
@@ -229,13 +249,47 @@ def cmd_bench(args) -> int:
         print(json.dumps(table) if args.json else format_table(table) + f"\nwrote {out}")
         return 0
     if args.bench == "spec":
+        from .bench_spec import bench_spec, format_spec, format_sweep, sweep_gamma
+
+        draft = None if args.draft == "ngram" else _load_draft(args, model)
         report = bench_spec(model, tokenizer, num_speculative_tokens=args.num_speculative_tokens,
-                            new_tokens=args.new_tokens, repeats=args.repeats, progress=not args.json)
-        print(json.dumps(report) if args.json else format_spec(report))
+                            new_tokens=args.new_tokens, repeats=args.repeats, draft=draft, draft_name=args.draft,
+                            progress=not args.json)
+        if args.gammas:
+            gammas = tuple(int(g) for g in args.gammas.split(","))
+            if min(gammas) < 1:
+                raise ValueError(f"gammas: each must be >= 1, got {args.gammas}")
+            report["sweep"] = sweep_gamma(model, tokenizer, gammas=gammas, new_tokens=args.new_tokens,
+                                          repeats=args.repeats, draft=draft, progress=not args.json)
+        if args.json:
+            print(json.dumps(report))
+        else:
+            print(format_spec(report))
+            if args.gammas:
+                print(format_sweep(report["sweep"]))
         return 0
     report = bench_decode(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
                           peer=not args.no_peer, model_path=args.model, progress=not args.json)
     print(json.dumps(report, default=str) if args.json else format_bench(report))
+    return 0
+
+
+def cmd_distill_draft(args) -> int:
+    from .data import CALIBRATION_PLAY, play_text
+    from .draft import distill_draft, save_llama_checkpoint
+
+    model, tokenizer = _load(args)
+    if args.layers >= model.config.n_layers:
+        raise ValueError(f"layers: a draft needs fewer layers than the target's {model.config.n_layers}")
+    draft, log = distill_draft(model, tokenizer.encode(play_text(CALIBRATION_PLAY)), n_layers=args.layers,
+                               steps=args.steps, progress=not args.json)
+    save_llama_checkpoint(draft, args.out)
+    report = {"out": args.out, **{k: v for k, v in log.items() if k != "losses"},
+              "first_loss": log["losses"][0], "last_loss": sum(log["losses"][-20:]) / len(log["losses"][-20:])}
+    print(json.dumps(report) if args.json else
+          f"wrote {args.out}: {args.layers} layers, {args.steps} steps in {log['seconds']:.0f} s, "
+          f"loss {report['first_loss']:.2f} -> {report['last_loss']:.2f} (mean of the last 20 steps); "
+          f"measure it with: python -m minillm bench spec --draft {args.out}")
     return 0
 
 
@@ -369,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_generate(args)
         if args.command == "bench":
             return cmd_bench(args)
+        if args.command == "distill-draft":
+            return cmd_distill_draft(args)
         if args.command == "roofline":
             return cmd_roofline(args)
         if args.command == "perplexity":

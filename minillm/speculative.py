@@ -1,5 +1,6 @@
-"""Speculative decoding with rejection sampling (work in progress: the algorithm and its exactness
-tests; the shipped draft model, notebook and benchmark are still to come).
+"""Speculative decoding with rejection sampling: the algorithm, two proposers (n-gram prompt lookup
+and a draft model), the generation loop with KV-cache rollback, and the speedup models. The draft
+model built for the embedded target is in ``minillm.draft``; the benchmark in ``minillm.bench_spec``.
 
 A proposer drafts gamma tokens; the target scores all of them in one forward pass over its KV
 cache; draft token x is accepted with probability ``min(1, target_probs(x) / draft_probs(x))``; at
@@ -16,12 +17,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
-from .generation import GenerationResult, check_prompt, finish, stop_ids
+from .generation import GenerationResult, check_prompt, finish, stop_ids, synchronize
 from .kv_cache import KVCache
 from .sampling import SamplingParams, logits_to_probs, make_generator
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
+    """One token id from ``probs`` (V,) by inverse transform: the first index whose cumulative
+    probability exceeds u * total, u ~ U[0, 1). Zero-probability ids are never drawn. Same law as
+    ``torch.multinomial(probs, 1)``, which takes ~2 ms per draw over SmolLM2's 49,152 ids on one
+    core; this takes ~0.1 ms."""
+    cdf = probs.cumsum(-1)
+    i = int(torch.searchsorted(cdf, torch.rand((), generator=generator, dtype=cdf.dtype) * cdf[-1], right=True))
+    return i if i < len(cdf) else int(probs.nonzero()[-1])  # u * total rounded up to the total
 
 
 def acceptance_probability(target_probs: torch.Tensor, draft_probs: torch.Tensor, token: int) -> float:
@@ -36,6 +48,15 @@ def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor)
     r = (target_probs - draft_probs).clamp_min(0)
     s = r.sum()
     return target_probs if s <= 0 else r / s
+
+
+def emitted_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
+    """The exact law (V,) of the first token one step emits, without sampling: the draft x is kept
+    with probability draft_probs(x) min(1, target_probs(x) / draft_probs(x)) = min(draft_probs(x),
+    target_probs(x)), and with the remaining probability 1 - sum(min(...)) a token is drawn from the
+    residual. Equals target_probs for any draft_probs (Leviathan et al. 2023, Appendix A.1)."""
+    kept = torch.minimum(target_probs, draft_probs)
+    return kept + (1 - kept.sum()) * residual_distribution(target_probs, draft_probs)
 
 
 def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
@@ -54,15 +75,13 @@ def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor, target_
         (emitted tokens: the accepted drafts then one token from the residual or the bonus,
          number of drafts accepted).
     """
-    device = target_probs.device
     for i, x in enumerate(draft_tokens):
-        u = torch.rand((), generator=generator, device=device)
+        u = torch.rand((), generator=generator)
         if float(u) >= acceptance_probability(target_probs[i], draft_probs[i], x):
-            replacement = torch.multinomial(residual_distribution(target_probs[i], draft_probs[i]), 1,
-                                            generator=generator)
-            return list(draft_tokens[:i]) + [int(replacement)], i
-    bonus = torch.multinomial(target_probs[len(draft_tokens)], 1, generator=generator)
-    return list(draft_tokens) + [int(bonus)], len(draft_tokens)
+            replacement = draw(residual_distribution(target_probs[i], draft_probs[i]), generator)
+            return list(draft_tokens[:i]) + [replacement], i
+    bonus = draw(target_probs[len(draft_tokens)], generator)
+    return list(draft_tokens) + [bonus], len(draft_tokens)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,9 +90,13 @@ def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor, target_
 
 class NgramProposer:
     """Prompt lookup decoding (Saxena 2023): find the latest earlier occurrence of the last n tokens
-    (n = max_n .. min_n) and propose the tokens that followed it. Deterministic: one-hot draft_probs."""
+    (n = max_n .. min_n) and propose the tokens that followed it. Deterministic: one-hot draft_probs.
 
-    def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
+    min_n = 2 by default: a one-token match drafts on almost every pass and is nearly always wrong,
+    and each wrong draft makes the target's pass cost more (measured on ``bench spec``'s open-ended
+    and summarising workloads: 0.56-0.75x of plain decoding with min_n = 1, 0.82-1.03x with 2)."""
+
+    def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 2):
         self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
 
     def propose(self, tokens: list[int], gamma: int, params: SamplingParams, generator=None):
@@ -115,7 +138,7 @@ class DraftModelProposer:
             logits = self.model(torch.tensor([feed], device=device), pos, self.cache)[0, -1]
             self.cached += feed
             p = logits_to_probs(logits[None], params)[0].cpu()  # the generator lives on the CPU
-            x = int(p.argmax()) if params.greedy else int(torch.multinomial(p, 1, generator=generator))
+            x = int(p.argmax()) if params.greedy else draw(p, generator)
             draft.append(x)
             probs.append(p)
             feed = [x]
@@ -124,36 +147,67 @@ class DraftModelProposer:
 
 @dataclass
 class SpeculativeStats:
-    """Per-step counts: drafted and accepted tokens, target forwards."""
+    """Per target pass: tokens drafted (k, which varies for prompt lookup: 0 when nothing matches),
+    drafts accepted, and seconds spent drafting and verifying (verification includes the target's
+    forward over 1 + k tokens, ``logits_to_probs`` and ``rejection_sample``)."""
 
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    draft_s: list[float] = field(default_factory=list)
+    verify_s: list[float] = field(default_factory=list)
 
     @property
     def acceptance_rate(self) -> float:
-        """Accepted drafts / drafted tokens."""
+        """Accepted drafts / drafted tokens (drafts after a rejection count as drafted, not accepted)."""
         return sum(self.accepted) / max(1, sum(self.drafted))
 
     @property
+    def alpha(self) -> float:
+        """Leviathan et al.'s alpha (Sec. 3.1, the expected acceptance probability of one draft
+        token), estimated as accepted / examined: drafts after the first rejection are never tested,
+        so they are not counted (with i.i.d. acceptances this is the maximum-likelihood estimate)."""
+        examined = sum(min(a + 1, k) for k, a in zip(self.drafted, self.accepted))
+        return sum(self.accepted) / max(1, examined)
+
+    @property
     def tokens_per_target_pass(self) -> float:
+        """Emitted tokens per target forward: accepted drafts + 1 (the replacement or bonus)."""
         return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft j accepted | drafts 1..j-1 accepted) for j = 1..max k; nan where never reached."""
+        reached, ok = [0] * max(self.drafted, default=0), [0] * max(self.drafted, default=0)
+        for k, a in zip(self.drafted, self.accepted):
+            for j in range(min(a + 1, k)):
+                reached[j] += 1
+                ok[j] += j < a
+        return [o / r if r else float("nan") for o, r in zip(ok, reached)]
 
 
 @torch.inference_mode()
 def speculative_generate(target, proposer, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
                          num_speculative_tokens: int = 4, max_seq_len: int | None = None, tokenizer=None,
+                         on_token: Callable[[int], None] | None = None,
                          eos_ids: set[int] | None = None) -> tuple[GenerationResult, SpeculativeStats]:
-    """Generate with speculative decoding (batch 1). At temperature 0 the tokens equal the target's
-    greedy tokens for any proposer; when sampling they follow the target's distribution.
+    """Generate with speculative decoding (batch 1; Leviathan et al. 2023, Algorithm 1, looped).
+    At temperature 0 the tokens equal the target's greedy tokens for any proposer; when sampling
+    they follow the target's distribution.
+
+    Each pass: the proposer drafts k <= gamma tokens; the target runs one forward over the pending
+    token and the k drafts, (1, 1 + k), giving target_probs (1 + k, V); ``rejection_sample`` keeps
+    a prefix; the cache is truncated to the kept positions (``KVCache.truncate``: a rollback that
+    only moves the fill length, so a paged cache can free the blocks past it the same way).
 
     Args:
         target: the ``Decoder`` whose distribution is reproduced.
         proposer: a ``NgramProposer``, ``DraftModelProposer`` or any object with ``propose``.
-        num_speculative_tokens: gamma, drafts per target pass (>= 1).
+        num_speculative_tokens: gamma, the most drafts per target pass (>= 1).
+        on_token: called with each emitted id as soon as its pass is verified (streaming).
         Other arguments as ``minillm.generation.generate_cached``.
 
     Returns:
-        (GenerationResult, SpeculativeStats).
+        (GenerationResult, SpeculativeStats). ``step_s`` shares each pass's time equally among the
+        tokens it emitted; the prompt's prefill (all tokens but the last) is not timed.
 
     Raises:
         ValueError: gamma < 1, or the prompt errors of ``generate_cached``.
@@ -170,25 +224,31 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
     # invariant: the target cache holds every token but the last one, which is "pending"
     if len(tokens) > 1:
         target(torch.tensor([tokens[:-1]], device=device), torch.arange(len(tokens) - 1, device=device), cache)
+    synchronize(device)
     t0 = time.perf_counter()
     while len(result.tokens) < params.max_new_tokens and len(tokens) < ctx:
         room = min(num_speculative_tokens, ctx - len(tokens) - 1, params.max_new_tokens - len(result.tokens) - 1)
         draft, draft_probs = proposer.propose(tokens, room, params, gen) if room > 0 else ([], None)
         draft = draft[:room]
+        t1 = time.perf_counter()
         start = len(tokens) - 1
-        feed = torch.tensor([[tokens[-1]] + draft], device=device)  # (1, 1 + gamma)
+        feed = torch.tensor([[tokens[-1]] + draft], device=device)  # (1, 1 + k)
         logits = target(feed, torch.arange(start, start + feed.shape[1], device=device), cache)[0]
-        target_probs = logits_to_probs(logits, params).cpu()  # (1 + gamma, V)
+        target_probs = logits_to_probs(logits, params).cpu()  # (1 + k, V)
         # greedy: target and draft probabilities are one-hot, so acceptance is an exact comparison
         emitted, n_ok = rejection_sample(draft, draft_probs, target_probs, gen)
         cache.truncate(start + 1 + n_ok)  # roll back the rejected drafts' keys and values
+        now = time.perf_counter()
         stats.drafted.append(len(draft))
         stats.accepted.append(n_ok)
-        now = time.perf_counter()
+        stats.draft_s.append(t1 - t0)
+        stats.verify_s.append(now - t1)
         for x in emitted:
             result.tokens.append(x)
             result.step_s.append((now - t0) / len(emitted))
             tokens.append(x)
+            if on_token is not None:
+                on_token(x)
             if (x in eos and not params.ignore_eos) or len(result.tokens) >= params.max_new_tokens:
                 break
         t0 = now
@@ -201,57 +261,50 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
 
 
 # ---------------------------------------------------------------------------------------------
-# A draft for the embedded model: the target's own first layers (a self-draft, no training)
+# Theory: tokens per pass and speedup (Leviathan et al. 2023, Sec. 3.1-3.4)
 
 
-def self_draft(target, n_layers: int):
-    """A draft made of the target's first ``n_layers`` blocks, its final norm and its output layer
-    (early exit; cf. Elhoushi et al. 2024, "LayerSkip", which also trains for it; untrained here).
-    Shares the target's tensors: no copy, no file.
+def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
+    """E[tokens emitted per target pass] = (1 - alpha^(gamma+1)) / (1 - alpha) for i.i.d.
+    acceptances with probability alpha (Leviathan et al. 2023, Eq. 1); gamma + 1 when alpha = 1."""
+    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
+    """Expected walltime improvement (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), with c the
+    draft's cost per token relative to a target decode step (Leviathan et al. 2023, Theorem 3.8).
+    It assumes that verifying gamma + 1 tokens costs one decode step and that every pass drafts gamma."""
+    return expected_tokens_per_pass(alpha, gamma) / (gamma * c + 1)
+
+
+def predicted_speedup(stats: SpeculativeStats, verify_cost: dict[int, float], draft_cost: float = 0.0) -> dict:
+    """Speedup over plain decoding predicted from measured quantities, pass by pass.
+
+    Cost of pass i in decode steps: verify_cost[1 + k_i] / verify_cost[1] + draft_cost * k_i, with
+    k_i the tokens drafted in that pass (prompt lookup often drafts 0). Tokens of pass i: either the
+    measured a_i + 1, or (i.i.d. model) ``expected_tokens_per_pass(alpha, k_i)``.
+
+    Args:
+        stats: one run's ``SpeculativeStats``.
+        verify_cost: {k: seconds of one target forward over k tokens} for k = 1 .. max k + 1
+            (``roofline.measure_verify``); k = 1 is a decode step.
+        draft_cost: c, seconds of one draft token / seconds of one target decode step (0 for n-gram).
+
+    Returns:
+        dict: cost_per_pass (decode steps), tokens_per_pass (measured), tokens_per_pass_alpha,
+        predicted_speedup (measured tokens / cost), predicted_speedup_alpha.
 
     Raises:
-        ValueError: n_layers outside 1..target layers.
+        ValueError: no passes, or a k + 1 missing from verify_cost.
     """
-    import copy
-
-    if not 1 <= n_layers <= target.config.n_layers:
-        raise ValueError(f"n_layers: must be in 1..{target.config.n_layers}, got {n_layers}")
-    draft = copy.copy(target)  # shallow: the modules (and their weights) are shared
-    draft._modules = dict(target._modules)
-    draft.layers = torch.nn.ModuleList(list(target.layers)[:n_layers])
-    from dataclasses import replace
-
-    draft.config = replace(target.config, n_layers=n_layers)
-    return draft
-
-
-def save_llama_checkpoint(model, folder) -> None:
-    """Write a Llama ``Decoder`` as a Hugging Face LlamaForCausalLM folder (config.json +
-    model.safetensors, no pickle), which ``load_model(folder)`` and transformers read back."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    c = model.config
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    H, Hkv, D = c.n_heads, c.n_kv_heads, c.head_dim
-    state = {"model.embed_tokens.weight": model.embedding_weight(), "model.norm.weight": model.norm.weight}
-    for i, layer in enumerate(model.layers):
-        p = f"model.layers.{i}"
-        q, k, v = layer.attn.wqkv.weight.split([H * D, Hkv * D, Hkv * D])
-        gate, up = layer.mlp.w_gate_up.weight.chunk(2)
-        state.update({f"{p}.input_layernorm.weight": layer.attn_norm.weight,
-                      f"{p}.post_attention_layernorm.weight": layer.ffn_norm.weight,
-                      f"{p}.self_attn.q_proj.weight": q, f"{p}.self_attn.k_proj.weight": k,
-                      f"{p}.self_attn.v_proj.weight": v, f"{p}.self_attn.o_proj.weight": layer.attn.wo.weight,
-                      f"{p}.mlp.gate_proj.weight": gate, f"{p}.mlp.up_proj.weight": up,
-                      f"{p}.mlp.down_proj.weight": layer.mlp.w_down.weight})
-    save_file({k: v.detach().float().contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.dim,
-        "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers, "num_attention_heads": H,
-        "num_key_value_heads": Hkv, "head_dim": D, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_seq_len,
-        "rope_theta": c.rope_base, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
-        "hidden_act": "silu", "torch_dtype": "float32"}, indent=2))
+    if not stats.drafted:
+        raise ValueError("stats: no target passes recorded")
+    missing = sorted({k + 1 for k in stats.drafted} - verify_cost.keys())
+    if missing or 1 not in verify_cost:
+        raise ValueError(f"verify_cost: needs the forward time for k = 1 and {missing}")
+    n, alpha = len(stats.drafted), stats.alpha
+    cost = sum(verify_cost[1 + k] / verify_cost[1] + draft_cost * k for k in stats.drafted) / n
+    tokens = stats.tokens_per_target_pass
+    tokens_alpha = sum(expected_tokens_per_pass(alpha, k) for k in stats.drafted) / n
+    return {"cost_per_pass": cost, "tokens_per_pass": tokens, "tokens_per_pass_alpha": tokens_alpha,
+            "predicted_speedup": tokens / cost, "predicted_speedup_alpha": tokens_alpha / cost}

@@ -59,6 +59,8 @@ def test_bench_decode_and_tour(tmp_path):
     assert p.returncode == 0, p.stderr
     tour = json.loads(p.stdout)
     assert tour["rows"][0]["check"] == "greedy tokens identical"
+    assert tour["rows"][-1]["technique"] == "speculative (n-gram)"
+    assert tour["rows"][-1]["check"].startswith("greedy tokens identical, alpha ")
     assert (tmp_path / "tour_decode_step_time.png").stat().st_size > 1000
 
 
@@ -72,10 +74,26 @@ def test_generate_with_ngram_draft_gives_the_same_greedy_tokens():
     assert spec["tokens"] == plain["tokens"] and 0 <= spec["acceptance_rate"] <= 1
 
 
-def test_bench_spec_reports_every_workload():
-    p = run("bench", "spec", "--new-tokens", "8", "--json")
+def test_generate_with_ngram_draft_streams_the_same_text():
+    prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog"
+    plain = run("generate", "--prompt", prompt, "--max-new-tokens", "24")
+    spec = run("generate", "--prompt", prompt, "--max-new-tokens", "24", "--draft", "ngram")
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and len(spec.stdout.strip()) > 20
+
+
+def test_bench_spec_reports_every_workload_and_the_gamma_sweep():
+    from minillm.bench_spec import INPUT_GROUNDED, SPEC_WORKLOADS
+
+    p = run("bench", "spec", "--new-tokens", "6", "--gammas", "1,3", "--json")
     assert p.returncode == 0, p.stderr
     report = json.loads(p.stdout)
-    assert len(report["rows"]) == 5 and report["num_speculative_tokens"] == 4
+    assert len(report["rows"]) == len(SPEC_WORKLOADS) == 6 and report["num_speculative_tokens"] == 4
+    assert set(report["verify_s"]) == {"1", "2", "3", "4", "5"} and report["draft_cost_ratio"] == 0
     for r in report["rows"]:
         assert r["same_tokens"] and 0 <= r["alpha"] <= 1 and r["tokens_per_target_pass"] >= 1
+        assert r["cost_per_pass"] >= 1 and r["predicted_speedup"] == r["tokens_per_pass"] / r["cost_per_pass"]
+    sweep = report["sweep"]
+    assert [(r["workload"], r["gamma"]) for r in sweep["rows"]] == [(w, g) for w in INPUT_GROUNDED for g in (1, 3)]
+    assert all(r["same_tokens"] for r in sweep["rows"]) and set(sweep["best"]) == set(INPUT_GROUNDED)
+    assert run("bench", "spec", "--gammas", "0,2").returncode == 2

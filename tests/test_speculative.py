@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from minillm import SamplingParams, generate_cached
+from minillm.draft import save_llama_checkpoint, self_draft
 from minillm.model import Decoder, ModelConfig
 from minillm.sampling import logits_to_probs
 from minillm.speculative import (
-    DraftModelProposer, NgramProposer, acceptance_probability, rejection_sample, residual_distribution,
-    speculative_generate,
+    DraftModelProposer, NgramProposer, acceptance_probability, draw, emitted_distribution, rejection_sample,
+    residual_distribution, speculative_generate,
 )
 
 
@@ -41,6 +42,7 @@ CASES = {
 def test_one_step_emits_exactly_the_target_distribution(name):
     target, draft = (torch.tensor(v, dtype=torch.float64) for v in CASES[name])
     torch.testing.assert_close(emitted_first_token_distribution(target, draft), target)
+    torch.testing.assert_close(emitted_distribution(target, draft), target)
 
 
 def test_exact_with_top_k_processed_draft():
@@ -69,11 +71,11 @@ def test_sampled_tokens_follow_the_target_distribution():
     assert tv < 0.02
 
 
-def random_draft(vocab_size):
+def random_draft(vocab_size, scale=1.0):
     torch.manual_seed(0)
     cfg = ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=vocab_size,
                       max_seq_len=512)
-    state = {"tok_embeddings.weight": torch.randn(vocab_size, 64), "norm.weight": torch.ones(64)}
+    state = {"tok_embeddings.weight": scale * torch.randn(vocab_size, 64), "norm.weight": torch.ones(64)}
     for i in range(2):
         p = f"layers.{i}"
         state.update({f"{p}.attn_norm.weight": torch.ones(64), f"{p}.ffn_norm.weight": torch.ones(64),
@@ -91,11 +93,59 @@ def test_greedy_speculative_equals_target_greedy(model, tokenizer, proposer_kind
     ref = generate_cached(model, prompt, params)
     proposer = (NgramProposer(model.config.vocab_size) if proposer_kind == "ngram"
                 else DraftModelProposer(random_draft(model.config.vocab_size), 256))
-    out, stats = speculative_generate(model, proposer, prompt, params, num_speculative_tokens=4)
-    assert out.tokens == ref.tokens
+    streamed = []
+    out, stats = speculative_generate(model, proposer, prompt, params, num_speculative_tokens=4, on_token=streamed.append)
+    assert out.tokens == ref.tokens == streamed
     assert len(stats.accepted) <= 32 and 0 <= stats.acceptance_rate <= 1
     if proposer_kind == "ngram":
         assert stats.acceptance_rate > 0.2  # the text repeats itself, so lookups hit
+
+
+def test_stats_alpha_positions_and_predicted_speedup():
+    from minillm.speculative import SpeculativeStats, expected_tokens_per_pass, leviathan_speedup, predicted_speedup
+
+    # passes: 4 drafted, 2 accepted (3 examined); 0 drafted; 4 drafted, all accepted; 2 drafted, 0 accepted
+    st = SpeculativeStats(drafted=[4, 0, 4, 2], accepted=[2, 0, 4, 0])
+    assert st.acceptance_rate == 6 / 10 and st.alpha == 6 / (3 + 0 + 4 + 1)
+    assert st.tokens_per_target_pass == (3 + 1 + 5 + 1) / 4
+    assert st.acceptance_by_position() == [2 / 3, 2 / 2, 1 / 2, 1 / 1]
+    verify = {1: 1.0, 3: 1.5, 5: 2.0}  # seconds; only k + 1 in {1, 3, 5} occur
+    pred = predicted_speedup(st, verify, draft_cost=0.1)
+    cost = ((2.0 + 0.4) + 1.0 + (2.0 + 0.4) + (1.5 + 0.2)) / 4
+    assert pred["cost_per_pass"] == pytest.approx(cost) and pred["predicted_speedup"] == pytest.approx(2.5 / cost)
+    assert pred["tokens_per_pass_alpha"] == pytest.approx(
+        sum(expected_tokens_per_pass(0.75, k) for k in (4, 0, 4, 2)) / 4)
+    assert expected_tokens_per_pass(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens_per_pass(1.0, 3) == 4 and leviathan_speedup(0.0, 5, 0.0) == 1
+    assert leviathan_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)
+    with pytest.raises(ValueError, match="verify_cost: needs the forward time for k = 1 and \\[3\\]"):
+        predicted_speedup(st, {1: 1.0, 5: 2.0})
+
+
+def test_draw_never_picks_a_zero_probability_token():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0])
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.tensor([draw(probs, g) for _ in range(2000)]), minlength=5)
+    assert counts[[0, 2, 4]].sum() == 0 and abs(int(counts[1]) - 1000) < 4 * 23  # 4 standard deviations
+
+
+def test_distill_draft_lowers_the_loss_and_leaves_the_target_alone(model, tokenizer, play_text, tmp_path):
+    from minillm import load_model
+    from minillm.draft import distill_draft
+
+    before = model.layers[0].attn.wqkv.weight_shards.clone()
+    draft, log = distill_draft(model, tokenizer.encode(play_text[:4000]), n_layers=2, seq_len=32, n_windows=4,
+                               steps=8, lr=1e-3, progress=False)
+    assert draft.config.n_layers == 2 and draft.output is model.output
+    assert draft.layers[0] is not model.layers[0] and torch.equal(model.layers[0].attn.wqkv.weight_shards, before)
+    assert sum(log["losses"][-4:]) < sum(log["losses"][:4])  # the same 4 windows, seen twice
+    assert not any(p.requires_grad for p in draft.parameters())
+    save_llama_checkpoint(draft, tmp_path)
+    loaded, _ = load_model(tmp_path)
+    x = torch.tensor([[5, 17, 300, 4000]])
+    torch.testing.assert_close(loaded(x, torch.arange(4)), draft(x, torch.arange(4)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="tokens: need at least seq_len \\+ 1 = 33 tokens"):
+        distill_draft(model, [1, 2, 3], seq_len=32)
 
 
 def test_gamma_must_be_positive(model):
@@ -105,7 +155,6 @@ def test_gamma_must_be_positive(model):
 
 def test_self_draft_shares_weights_and_round_trips_through_a_checkpoint(model, tmp_path):
     from minillm import load_model
-    from minillm.speculative import save_llama_checkpoint, self_draft
 
     draft = self_draft(model, 3)
     assert draft.config.n_layers == 3 and len(model.layers) == 30
@@ -116,3 +165,128 @@ def test_self_draft_shares_weights_and_round_trips_through_a_checkpoint(model, t
     torch.testing.assert_close(loaded(x, torch.arange(4)), draft(x, torch.arange(4)), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="n_layers: must be in 1..30"):
         self_draft(model, 31)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling on the real model: emitted-token frequencies against the target's own distribution
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Pearson's chi-square goodness of fit of ``counts`` (V,) to ``probs`` (V,). The categories are
+    fixed from ``probs`` alone: tokens in decreasing probability, grouped in order until each group
+    is expected at least ``min_expected`` times (a likely token is a group of its own; the tail is
+    pooled). The p-value is the chi-square survival function Q(df / 2, statistic / 2) (regularised
+    upper incomplete gamma).
+
+    Raises:
+        ValueError: too few draws for two groups."""
+    order = probs.double().argsort(descending=True)
+    obs, exp, o, e = [], [], 0.0, 0.0
+    for oi, ei in zip(counts[order].tolist(), (counts.sum().double() * probs.double()[order]).tolist()):
+        o, e = o + oi, e + ei
+        if e >= min_expected:
+            obs.append(o)
+            exp.append(e)
+            o, e = 0.0, 0.0
+    if len(exp) < 2:
+        raise ValueError(f"counts: {int(counts.sum())} draws are too few for two groups of {min_expected} expected")
+    obs[-1], exp[-1] = obs[-1] + o, exp[-1] + e  # the remainder joins the last group
+    obs, exp = torch.tensor(obs, dtype=torch.float64), torch.tensor(exp, dtype=torch.float64)
+    stat = ((obs - exp) ** 2 / exp).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+FALSE_ALARM = 1e-3  # each test fails with probability 1e-3 when the algorithm is right (seeded: reproducibly)
+SAMPLED = {"T=1": SamplingParams(temperature=1.0), "T=0.7, top-p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
+           "T=1.5, top-k 40": SamplingParams(temperature=1.5, top_k=40)}
+# prompt lookup drafts " blue", to which the target gives 0.27-0.74 depending on the sampling
+PROMPT = "My favourite colours are red and blue. I painted the door red and"
+
+
+@pytest.fixture(scope="module")
+def target_logits(model, tokenizer):
+    """The target's logits (V,) after PROMPT, and the prompt's ids."""
+    ids = tokenizer.encode(PROMPT)
+    with torch.inference_mode():
+        return model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1], ids
+
+
+def emitted_counts(propose, target_probs, n, seed=0):
+    """First tokens emitted by n seeded speculative steps with gamma = 1, and the drafted tokens.
+
+    ``propose(generator)`` returns (draft ids, draft_probs). The target row after the draft (for the
+    bonus token) is only read when the draft is accepted, and the first emitted token is then the
+    draft itself: the first emitted token depends on target_probs at the prompt's end only."""
+    g = torch.Generator().manual_seed(seed)
+    V = target_probs.shape[0]
+    emitted, drafted = torch.zeros(V), torch.zeros(V)
+    both_rows = torch.stack([target_probs, target_probs])  # (gamma + 1, V)
+    for _ in range(n):
+        draft, draft_probs = propose(g)
+        out, _ = rejection_sample(draft, draft_probs, both_rows, g)
+        emitted[out[0]] += 1
+        drafted[draft[0]] += 1
+    return emitted, drafted
+
+
+def self_draft_proposal(model, ids, params):
+    """One proposal of DraftModelProposer with the target's first 24 layers (it shares ~20-28% of
+    the target's probability mass here), and a proposer drawing from that same draft_probs."""
+    _, draft_probs = DraftModelProposer(self_draft(model, 24), 64).propose(ids, 1, params, torch.Generator())
+    return draft_probs[0], lambda g: ([draw(draft_probs[0], g)], draft_probs)
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+@pytest.mark.parametrize("kind", ["ngram", "self-draft (24 layers)"])
+def test_sampled_speculation_follows_the_target_on_the_real_model(model, target_logits, kind, name):
+    """Over 3,000 seeded steps the first emitted token never falls outside the target's support and
+    its frequencies pass a chi-square test against the target's own distribution (FALSE_ALARM)."""
+    logits, ids = target_logits
+    params = SAMPLED[name]
+    target_probs = logits_to_probs(logits[None], params)[0]
+    if kind == "ngram":
+        proposer = NgramProposer(model.config.vocab_size)
+        propose = lambda g: proposer.propose(ids, 1, params, g)  # noqa: E731
+    else:
+        draft_probs, propose = self_draft_proposal(model, ids, params)
+        assert 0.1 < float(torch.minimum(target_probs, draft_probs).sum()) < 0.9  # partial overlap
+    emitted, drafted = emitted_counts(propose, target_probs, 3000)
+    if kind == "ngram":
+        assert drafted.count_nonzero() == 1 and 0.2 < target_probs[int(drafted.argmax())] < 0.8
+    assert emitted[target_probs == 0].sum() == 0
+    assert chi_square_p_value(emitted, target_probs) > FALSE_ALARM
+
+
+@pytest.mark.parametrize("kind", ["ngram", "self-draft (24 layers)"])
+def test_the_chi_square_test_detects_a_wrong_residual(model, target_logits, monkeypatch, kind):
+    """The check above can fail: replacing the residual max(0, target - draft) by the target itself
+    (a plausible bug) makes the drafted tokens too frequent, and the p-value collapses."""
+    import minillm.speculative as spec
+
+    logits, ids = target_logits
+    params = SAMPLED["T=1"]
+    target_probs = logits_to_probs(logits[None], params)[0]
+    proposer = NgramProposer(model.config.vocab_size)
+    propose = (lambda g: proposer.propose(ids, 1, params, g)) if kind == "ngram" else \
+        self_draft_proposal(model, ids, params)[1]
+    monkeypatch.setattr(spec, "residual_distribution", lambda target_probs, draft_probs: target_probs)
+    emitted, _ = emitted_counts(propose, target_probs, 3000)
+    assert chi_square_p_value(emitted, target_probs) < 1e-6
+
+
+@pytest.mark.parametrize("name", SAMPLED)
+def test_sampled_random_draft_model_follows_the_target(model, target_logits, name):
+    """A random-weight draft model drafts through DraftModelProposer.propose (its own KV cache, rolled
+    back every step), putting its mass where the target has little or none: the drafted tokens
+    follow the draft_probs it reports, and the first emitted tokens follow the target."""
+    logits, ids = target_logits
+    params = SAMPLED[name]
+    target_probs = logits_to_probs(logits[None], params)[0]
+    draft_model = random_draft(model.config.vocab_size, scale=0.2)
+    proposer = DraftModelProposer(draft_model, 64)
+    with torch.inference_mode():
+        draft_probs = logits_to_probs(draft_model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1:], params)[0]
+    emitted, drafted = emitted_counts(lambda g: proposer.propose(ids, 1, params, g), target_probs, 1000)
+    assert chi_square_p_value(drafted, draft_probs) > FALSE_ALARM
+    assert emitted[target_probs == 0].sum() == 0
+    assert chi_square_p_value(emitted, target_probs) > FALSE_ALARM
