@@ -187,7 +187,8 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
     """Every technique so far against its naive baseline on the embedded model, as one table.
 
     Today: naive vs KV-cached generation (static, dynamic, int8; same greedy tokens, tokens/s, speedup), and
-    speculative decoding with n-gram drafts vs plain cached decoding on an input-grounded chat prompt. Writes
+    speculative decoding with n-gram drafts vs plain cached decoding on an input-grounded chat prompt, and
+    4-bit weights (RTN, group 64, torch's int4 kernel) vs float32 weights. Writes
     figures/tour_decode_step_time.png.
     """
     prompt_tokens = tokenizer.encode(prompt)
@@ -214,6 +215,7 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
             "check": "greedy tokens identical" if same == len(naive.tokens) else f"{same}/{len(naive.tokens)} greedy tokens equal",
         })
     rows.append(speculative_row(model, tokenizer, new_tokens))
+    rows.append(quantization_row(model, prompt_tokens, params, cached))
     fig = plot_step_times(naive.step_s, cached.step_s, len(prompt_tokens), Path(figures) / "tour_decode_step_time.png")
     return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "prompt_tokens": len(prompt_tokens),
             "new_tokens": new_tokens, "rows": rows, "figures": [str(fig)]}
@@ -234,6 +236,26 @@ def speculative_row(model, tokenizer, new_tokens: int) -> dict:
             "baseline_tokens_per_s": plain.decode_tokens_per_s, "tokens_per_s": spec.decode_tokens_per_s,
             "speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s,
             "check": f"greedy tokens identical, alpha {stats.alpha:.2f}" if spec.tokens == plain.tokens else "TOKENS DIFFER"}
+
+
+def quantization_row(model, prompt_tokens, params, cached) -> dict:
+    """The tour's quantization row: the same cached decode with every block's linear layers in 4 bits
+    (RTN, group 64: no calibration, so the tour stays quick; GPTQ/AWQ change accuracy, not speed) run by
+    the int4 kernel, vs the float32 model. The check counts greedy tokens equal to the float model's."""
+    import copy
+
+    from .quant import QuantConfig
+    from .quant.pipeline import quantize_model
+
+    q = copy.deepcopy(model)
+    quantize_model(q, "rtn", QuantConfig(4, 64), progress=False)
+    generate_cached(q, prompt_tokens, SamplingParams(max_new_tokens=4))  # warm-up
+    r = generate_cached(q, prompt_tokens, params)
+    same = next((i for i, (a, b) in enumerate(zip(r.tokens, cached.tokens)) if a != b), len(r.tokens))
+    return {"technique": "int4 weights (RTN g64)", "baseline": "float32 weights, cached decode",
+            "baseline_tokens_per_s": cached.decode_tokens_per_s, "tokens_per_s": r.decode_tokens_per_s,
+            "speedup": r.decode_tokens_per_s / cached.decode_tokens_per_s,
+            "check": f"first {same}/{len(r.tokens)} greedy tokens equal float's"}
 
 
 def format_tour(report: dict) -> str:

@@ -110,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bq = bsub.add_parser("quant", help="the quantization table: RTN/GPTQ/AWQ/AWQ+GPTQ at 4 and 3 bits")
     bq.add_argument("--max-tokens", type=_at_least(2), default=4096, help="held-out tokens scored")
-    bq.add_argument("--calib-samples", type=_at_least(1), default=32)
+    bq.add_argument("--calib-samples", type=_at_least(1), default=16, help="calibration windows of 512 tokens")
     bq.add_argument("--quick", action="store_true", help="only 4-bit group 64 and 3-bit group 64")
     bq.add_argument("--out", default="figures/05_quant_table.json", help="where to write the table (JSON)")
     _model_args(bq)

@@ -59,8 +59,11 @@ def test_bench_decode_and_tour(tmp_path):
     assert p.returncode == 0, p.stderr
     tour = json.loads(p.stdout)
     assert tour["rows"][0]["check"] == "greedy tokens identical"
-    assert tour["rows"][-1]["technique"] == "speculative (n-gram)"
-    assert tour["rows"][-1]["check"].startswith("greedy tokens identical, alpha ")
+    spec = next(r for r in tour["rows"] if r["technique"] == "speculative (n-gram)")
+    assert spec["check"].startswith("greedy tokens identical, alpha ")
+    quant = tour["rows"][-1]
+    assert quant["technique"] == "int4 weights (RTN g64)" and quant["tokens_per_s"] > 0
+    assert quant["check"].endswith("greedy tokens equal float's")
     assert (tmp_path / "tour_decode_step_time.png").stat().st_size > 1000
 
 
