@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .rtn import QuantConfig, find_params, rtn_quantize, dequantize_codes, quantize_codes
+from .rtn import QuantConfig, fake_quantize, find_params, rtn_quantize
 
 
 def channel_magnitude(x: torch.Tensor) -> torch.Tensor:
@@ -110,8 +110,7 @@ def search_clip(W: torch.Tensor, x: torch.Tensor, config: QuantConfig, rows: sli
             Wc = torch.maximum(torch.minimum(Wg, wmax * ratio), wmin * ratio)
             flat = Wc.reshape(-1, g)
             scale, zero = find_params(flat, config)
-            Wq = dequantize_codes(quantize_codes(flat, scale[:, None], zero[:, None], config.maxq),
-                                  scale[:, None], zero[:, None]).reshape(Wg.shape)
+            Wq = fake_quantize(flat, scale[:, None], zero[:, None], config.maxq).reshape(Wg.shape)
             err = (torch.einsum("ngk,ogk->nog", xg, Wq) - ref).pow(2).mean(dim=0)  # (o, ng)
             better = err < best_err
             best_err = torch.where(better, err, best_err)

@@ -146,7 +146,8 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         # already quantized; one pass through the block (its pieces run once each)
         def quantize(name, x):
             lin, parent, attr = _module(block, name)
-            W = lin.weight.float()
+            W_float = lin.weight.float()  # (O, I), reassembled from the shards once
+            W = W_float
             if awq and awq_clip:
                 rows = None
                 if name == "attn.wqkv":  # q and k rows are not clipped (AWQ)
@@ -161,7 +162,7 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
             else:
                 qw = rtn_quantize(W, config)
             x2 = _subsample(x, 4096)
-            ref = x2 @ lin.weight.float().t()
+            ref = x2 @ W_float.t()
             rel = ((x2 @ qw.dequantize().t() - ref).norm() / ref.norm()).item()
             report["layers"].append({"name": f"layers.{i}.{name}", "rel_error": rel})
             new = QuantLinear(qw, lin.bias, fast)
