@@ -223,19 +223,15 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
 
 def speculative_row(model, tokenizer, new_tokens: int) -> dict:
     """The tour's speculative-decoding row: prompt lookup (gamma 4) vs plain cached decoding, greedy,
-    on the "rewrite" workload of ``bench spec`` (the answer copies the prompt)."""
-    from .bench_spec import SPEC_WORKLOADS
-    from .speculative import NgramProposer, speculative_generate
+    on the "rewrite" workload of ``bench spec`` (the answer copies the prompt), via ``compare_once``."""
+    from .bench_spec import SPEC_WORKLOADS, compare_once
 
     ids = tokenizer.apply_chat_template([{"role": "user", "content": SPEC_WORKLOADS["rewrite (input-grounded)"]}])
-    params = SamplingParams(max_new_tokens=new_tokens)
-    plain = generate_cached(model, ids, params, tokenizer=tokenizer)
-    spec, stats = speculative_generate(model, NgramProposer(model.config.vocab_size), ids, params,
-                                       num_speculative_tokens=4, tokenizer=tokenizer)
+    r = compare_once(model, tokenizer, ids, SamplingParams(max_new_tokens=new_tokens), gamma=4)
     return {"technique": "speculative (n-gram)", "baseline": "cached decode, rewrite a passage",
-            "baseline_tokens_per_s": plain.decode_tokens_per_s, "tokens_per_s": spec.decode_tokens_per_s,
-            "speedup": spec.decode_tokens_per_s / plain.decode_tokens_per_s,
-            "check": f"greedy tokens identical, alpha {stats.alpha:.2f}" if spec.tokens == plain.tokens else "TOKENS DIFFER"}
+            "baseline_tokens_per_s": r["plain_tokens_per_s"], "tokens_per_s": r["spec_tokens_per_s"],
+            "speedup": r["measured_speedup"],
+            "check": f"greedy tokens identical, alpha {r['alpha']:.2f}" if r["same_tokens"] else "TOKENS DIFFER"}
 
 
 def quantization_row(model, prompt_tokens, params, cached) -> dict:
