@@ -32,6 +32,7 @@ SPEC_WORKLOADS = {
     "fix spelling (input-grounded)": f"Correct the spelling mistakes in this paragraph and write it out in full: "
                                      f"{MISSPELLED}",
     "summarise (input-grounded)": f"Summarise this passage in one sentence, reusing its words: {PASSAGE}",
+    "shorten (input-grounded)": f"Shorten this passage by removing the second sentence: {PASSAGE}",
     "edit code (input-grounded)": "Rename the variable x to total in this code and show the whole code:\n```python\n"
                                   "def add_all(numbers):\n    x = 0\n    for n in numbers:\n        x = x + n\n"
                                   "    return x\n```",

@@ -25,6 +25,16 @@ from torch import nn
 ARCHITECTURES = ("llama", "gpt2")
 
 
+def _onednn_linear_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN = _onednn_linear_available()  # oneDNN's packed float32 linear (see Linear)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Hyper-parameters of a decoder, read from the model file (never hard-coded).
@@ -114,23 +124,36 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 class Linear(nn.Module):
-    """``y = x W^T + b``, with W stored as ``n_shards`` column blocks, one per CPU core.
+    """``y = x W^T + b``, with W stored as ``n_shards`` column blocks, one per CPU core, and (on a
+    CPU in float32, for products of several rows) a second copy packed in oneDNN's blocked layout.
 
     ``weight_shards`` is (n_shards, in_features, out_features / n_shards): shard s holds output
-    columns ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous. The forward is one batched matmul
-    over the shards, which torch spreads over the cores.
+    columns ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous. A one-row product is one batched
+    matmul over the shards, which torch spreads over the cores. Products of two rows or more (a
+    batch, a prefill, the k tokens a speculative step verifies) go through oneDNN's ``linear`` with
+    W reordered once into its blocked layout (the kernel ``torch.compile`` uses for frozen float32
+    linears on CPU).
 
-    Why: at batch 1 a decode step is a matrix-vector product, and MKL runs ``x @ W`` for a single
-    row on one core, whatever ``torch.get_num_threads()`` says. On the 2-core AVX2 machine this
-    project targets, SmolLM2-135M's float32 decode matmuls take 47 ms as ``F.linear(x, W)``,
-    31-35 ms as ``x @ W^T`` with W^T contiguous, and 23.5-31 ms as 2 shards through ``torch.bmm``
-    (about 15 -> 18-23 GB/s of the ~30 GB/s a copy reaches; notebook 01 measures it). It is tensor
-    parallelism across cores (Megatron-LM's column-parallel linear, Shoeybi et al. 2019) in one process.
-    ``linear_naive`` is the plain form the tests compare with.
+    Why: MKL runs ``x @ W`` for a single row on one core, whatever ``torch.get_num_threads()``
+    says, and its small-batch GEMMs stream the weights slowly. Measured on the 2-core AVX2 machine
+    this project targets, all the matmuls of one SmolLM2-135M step (538 MB of float32 weights)
+    take, for 1 / 4 / 16 rows: 47 / 67 / 77 ms as ``F.linear(x, W)``, 38 / 76 / 86 ms as
+    ``x @ W^T`` with W^T contiguous, 27 / 39 / 61 ms as 2 shards through ``torch.bmm``, and
+    33 / 27 / 37 ms through oneDNN's packed weight. The same bytes are read each time; the kernel
+    decides how close to the memory bandwidth they stream. Notebook 01 measures it on the machine
+    at hand. This is tensor parallelism across cores (Megatron-LM's column-parallel linear, Shoeybi
+    et al. 2019) for one row, and a layout change for several. ``linear_naive`` is the plain form
+    the tests compare with.
 
-    The catch: each sharded matmul waits for its slowest core. When another process keeps one core
-    busy, a decode step was measured 15-30x slower (OpenMP threads descheduled at every one of the
-    ~120 matmuls of a step); load the model with ``n_shards=1`` on a shared machine.
+    The packed copy (``packed_weight``) costs memory equal to W; it is built on the first such
+    forward, and rebuilt when ``weight_shards`` is replaced or modified in place (through the
+    Parameter: torch does not track writes through ``.data``). Forwards that need gradients, and
+    other devices and dtypes, use the shards.
+
+    The catch: each multi-threaded matmul waits for its slowest core. When another process keeps one
+    core busy, a decode step was measured 15-30x slower (OpenMP threads descheduled at every one of the
+    ~120 matmuls of a step); there, load the model with ``n_shards=1`` and call
+    ``torch.set_num_threads(1)``.
 
     Args:
         weight: (out_features, in_features), in PyTorch's usual layout.
@@ -148,6 +171,8 @@ class Linear(nn.Module):
         shards = weight.t().reshape(self.in_features, n_shards, -1).transpose(0, 1)  # (S, in, out/S)
         self.weight_shards = nn.Parameter(shards.contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
+        self._packed = None  # oneDNN copy of W: never saved, copied or moved
+        self._packed_key = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -159,7 +184,25 @@ class Linear(nn.Module):
         per_shard = self.out_features // self.n_shards
         return self.weight_shards[index // per_shard, :, index % per_shard]
 
+    def packed_weight(self) -> torch.Tensor:
+        """W reordered into oneDNN's blocked layout (an opaque tensor), built once per weight."""
+        w = self.weight_shards
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        if self._packed_key != key:
+            self._packed = None  # free the old copy first
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous())
+            self._packed_key = key
+        return self._packed
+
+    def _uses_onednn(self, x: torch.Tensor) -> bool:
+        w = self.weight_shards
+        return (_ONEDNN and x.numel() > self.in_features and w.device.type == "cpu"
+                and w.dtype == torch.float32 and x.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if self._uses_onednn(x):
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
         if self.n_shards == 1:
             y = x @ self.weight_shards[0]
         else:
@@ -168,9 +211,12 @@ class Linear(nn.Module):
             y = y.transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
+    def __getstate__(self):  # copy.deepcopy / pickle: the packed copy is rebuilt, not copied
+        return {**self.__dict__, "_packed": None, "_packed_key": None}
+
 
 def linear_naive(x: torch.Tensor, layer: Linear) -> torch.Tensor:
-    """The baseline of ``Linear.forward``: ``F.linear`` on the (out, in) weight."""
+    """The baseline of ``Linear.forward`` (same result): ``F.linear`` on the (out, in) weight."""
     return F.linear(x, layer.weight, layer.bias)
 
 

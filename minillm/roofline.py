@@ -28,7 +28,7 @@ import torch
 
 from .generation import synchronize
 from .kv_cache import KVCache, kv_cache_bytes
-from .model import ModelConfig
+from .model import _ONEDNN, ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}
 
@@ -379,13 +379,14 @@ def plot_predicted_vs_measured(rows: list[dict], path, title: str | None = None)
 
 @torch.inference_mode()
 def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict[str, float]:
-    """Seconds to run every linear layer of one decode step (B rows) in three weight layouts:
+    """Seconds to run every linear layer of one decode step (B rows) in four weight layouts:
 
-    * ``F.linear(x, W)`` with W (out, in) contiguous: PyTorch's default (``nn.Linear``);
+    * ``F.linear(x, W)`` with W (out, in) contiguous: PyTorch's default (``nn.Linear``, MKL);
     * ``x @ W^T`` with W^T (in, out) contiguous;
-    * minillm's ``Linear``: W^T split into one column block per core, one ``torch.bmm``.
+    * W^T split into one column block per core, one ``torch.bmm`` (minillm's ``Linear`` for one row);
+    * oneDNN's ``linear`` on W reordered into its blocked layout (minillm's ``Linear`` for 2+ rows);
 
-    The same bytes are read in each; the difference is the kernel the BLAS library picks.
+    and minillm's ``Linear`` itself. The same bytes are read in each; the difference is the kernel.
     """
     import torch.nn.functional as F
 
@@ -402,6 +403,13 @@ def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict
     weights_t = [m.weight.t().contiguous() for m in layers]  # (in, out)
     out["x @ W^T, W^T (in, out)"] = time_median(lambda: [xs[w.shape[0]] @ w for w in weights_t], device, repeats)
     del weights_t
-    out[f"minillm Linear ({layers[0].n_shards} column shards, bmm)"] = time_median(
-        lambda: [m(xs[m.in_features]) for m in layers], device, repeats)
+    shards = layers[0].n_shards
+    out[f"W^T in {shards} column shards, bmm"] = time_median(lambda: [torch.bmm(
+        xs[m.in_features].expand(m.n_shards, -1, -1), m.weight_shards) for m in layers], device, repeats)
+    if device.type == "cpu" and model.dtype == torch.float32 and _ONEDNN:
+        packed = [(m.in_features, m.packed_weight()) for m in layers]
+        out["oneDNN linear, W packed (blocked)"] = time_median(lambda: [torch.ops.mkldnn._linear_pointwise(
+            xs[n], p, None, "none", [], "") for n, p in packed], device, repeats)
+        del packed
+    out["minillm Linear"] = time_median(lambda: [m(xs[m.in_features]) for m in layers], device, repeats)
     return out

@@ -1,9 +1,12 @@
 """The decoder vs transformers, and each optimized piece vs its naive baseline."""
 
+import copy
+
 import pytest
 import torch
 from conftest import DEVICES
 
+import minillm.model
 from minillm.model import Linear, apply_rope, attention, attention_naive, linear_naive, rope_tables
 
 PROMPTS = [
@@ -34,13 +37,42 @@ def test_logits_equal_transformers(model, tokenizer, hf_model, play_text, n_toke
 def test_sharded_linear_equals_f_linear(n_shards, rows):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
-    x = torch.randn(2, rows, 40, generator=g)
+    x = torch.randn(rows, 1, 40, generator=g)
     layer = Linear(w, b, n_shards=n_shards)
     assert layer.n_shards == n_shards
     assert torch.equal(layer.weight, w)
     torch.testing.assert_close(layer(x), linear_naive(x, layer), rtol=1e-5, atol=1e-5)
+    # one row goes through the shards, several through oneDNN's packed copy (when torch has it)
+    assert (layer._packed is not None) == (minillm.model._ONEDNN and rows > 1)
     idx = torch.tensor([[0, 95, 33, 64]])
     assert torch.equal(layer.rows(idx), w[idx])
+
+
+def test_linear_packed_copy_follows_the_weight():
+    g = torch.Generator().manual_seed(1)
+    layer, x = Linear(torch.randn(24, 16, generator=g)), torch.randn(3, 16, generator=g)
+    layer(x)
+    with torch.no_grad():
+        layer.weight_shards.mul_(2)  # in place: the packed copy must not go stale
+    torch.testing.assert_close(layer(x), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
+    layer.weight_shards.data = torch.randn(1, 16, 24, generator=g)  # replaced
+    torch.testing.assert_close(layer(x), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
+    twin = copy.deepcopy(layer)  # the opaque packed tensor is not copied, it is rebuilt
+    with torch.no_grad():
+        twin.weight_shards.zero_()
+    assert torch.count_nonzero(twin(x)) == 0 and torch.count_nonzero(layer(x)) > 0
+
+
+def test_linear_other_dtypes_and_gradients_use_the_shards():
+    g = torch.Generator().manual_seed(2)
+    layer, x = Linear(torch.randn(8, 4, generator=g)), torch.randn(2, 4, generator=g)
+    layer.weight_shards.requires_grad_(True)
+    layer(x).sum().backward()  # through the shards: the packed kernel has no backward
+    torch.testing.assert_close(layer.weight_shards.grad[0], x.sum(0)[:, None].expand(4, 8))
+    layer.weight_shards.requires_grad_(False)
+    layer64 = Linear(layer.weight.double())
+    torch.testing.assert_close(layer64(x.double()), x.double() @ layer.weight.double().t())
+    assert layer64._packed is None
 
 
 def test_linear_falls_back_to_one_shard():

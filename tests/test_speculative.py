@@ -290,3 +290,14 @@ def test_sampled_random_draft_model_follows_the_target(model, target_logits, nam
     assert chi_square_p_value(drafted, draft_probs) > FALSE_ALARM
     assert emitted[target_probs == 0].sum() == 0
     assert chi_square_p_value(emitted, target_probs) > FALSE_ALARM
+
+
+def test_ngram_proposer_prefers_the_longest_latest_match():
+    params = SamplingParams()  # greedy
+    tokens = [5, 6, 7, 9, 1, 2, 5, 8, 3, 1, 2, 5]
+    # the 3-token suffix [1, 2, 5] occurred at index 4: propose what followed it
+    draft, probs = NgramProposer(10).propose(tokens, 3, params)
+    assert draft == [8, 3, 1] and torch.equal(probs, torch.eye(10)[[8, 3, 1]])
+    # only a one-token match ([4] -> 6): drafted with min_n = 1 (default), not with min_n = 2
+    assert NgramProposer(10).propose([4, 6, 0, 4], 2, params)[0] == [6, 0]
+    assert NgramProposer(10, min_n=2).propose([4, 6, 0, 4], 2, params)[0] == []
