@@ -46,6 +46,8 @@ def _quant_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--bits", type=int, default=4, help="2..8 (default 4)")
     p.add_argument("--group-size", type=int, default=64, help="input columns per scale; -1 = per channel (default 64)")
     p.add_argument("--sym", action="store_true", help="symmetric quantization (zero point fixed)")
+    p.add_argument("--mse", action="store_true", help="search each group's range (shrink min/max) to minimise "
+                   "the rounding error, as the GPTQ reference quantizer's mse option")
     p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing activation")
     p.add_argument("--static-groups", action="store_true", help="GPTQ act-order: groups fixed before quantizing")
     p.add_argument("--calib-samples", type=_at_least(1), default=32, help="calibration windows (default 32)")
@@ -327,7 +329,7 @@ def _quantize(args, model, tokenizer) -> dict:
     from .quant import QuantConfig
     from .quant.pipeline import calibration_tokens, quantize_model
 
-    config = QuantConfig(args.bits, args.group_size, args.sym)
+    config = QuantConfig(args.bits, args.group_size, args.sym, args.mse)
     calib = None
     if args.quant != "rtn":
         calib = calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)

@@ -67,6 +67,17 @@ def test_partial_last_group_is_handled():
     torch.testing.assert_close(qw.scales[:, 4], alone.scales[:, 0])
 
 
+@pytest.mark.parametrize("sym", [False, True])
+def test_mse_range_search_never_loses_to_min_max(sym):
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(32, 64, generator=g)
+    plain, searched = QuantConfig(3, 32, sym), QuantConfig(3, 32, sym, mse=True)
+    err = {c.mse: ((rtn_quantize(w, c).dequantize() - w).abs() ** 2.4).reshape(32, 2, 32).sum(-1) for c in (plain, searched)}
+    assert (err[True] <= err[False] * (1 + 1e-6)).all()  # p = 1 (min / max) is on the grid
+    assert err[True].sum() < 0.9 * err[False].sum()  # 3-bit Gaussian groups: a narrower range pays
+    assert (rtn_quantize(w, searched).scales <= rtn_quantize(w, plain).scales * (1 + 1e-6)).all()
+
+
 def test_rtn_error_falls_with_bits_and_smaller_groups():
     w = torch.randn(64, 576)
     err = {(b, g): (rtn_quantize(w, QuantConfig(b, g)).dequantize() - w).norm().item()

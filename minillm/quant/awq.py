@@ -23,6 +23,8 @@ AutoAWQ).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from .rtn import QuantConfig, fake_quantize, find_params, rtn_quantize
@@ -46,6 +48,7 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], config: QuantCon
     Returns:
         (s (I,) float32, best alpha, the output error (mean squared) at every alpha).
     """
+    config = replace(config, mse=False)  # min / max inside the search (a range search per alpha costs ~80x)
     x = x.reshape(-1, x.shape[-1]).float()
     W = torch.cat(weights).float()  # (sum O_k, I)
     ref = x @ W.t()
@@ -92,6 +95,7 @@ def search_clip(W: torch.Tensor, x: torch.Tensor, config: QuantConfig, rows: sli
     Args:
         rows: the rows that may be clipped (default: all).
     """
+    config = replace(config, mse=False)  # this search is AWQ's own range search
     W = W.float()
     out = W.clone()
     rows = rows or slice(0, W.shape[0])

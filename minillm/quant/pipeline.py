@@ -123,7 +123,7 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
     if model.config.arch != "llama":
         raise ValueError(f"model: quantization supports the llama architecture, not {model.config.arch!r}")
     report = {"method": method, "bits": config.bits, "group_size": config.group_size, "sym": config.sym,
-              "act_order": act_order, "static_groups": static_groups, "layers": []}
+              "mse": config.mse, "act_order": act_order, "static_groups": static_groups, "layers": []}
     X = None
     if calib is not None:
         calib = calib.to(model.device)
@@ -268,8 +268,8 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
     if not model.config.tie_embeddings:
         state["output.weight"] = model.output.weight.detach().float()
     meta = {"format": "minillm-quantized-1", "model_config": json.dumps(asdict(model.config)),
-            "quant_config": json.dumps({k: report[k] for k in ("method", "bits", "group_size", "sym", "act_order",
-                                                               "static_groups")}),
+            "quant_config": json.dumps({k: report[k] for k in ("method", "bits", "group_size", "sym", "mse",
+                                                               "act_order", "static_groups")}),
             "tokenizer_source": tokenizer_source or ""}
     path = Path(path)
     save_file(state, str(path), metadata=meta)
@@ -301,7 +301,7 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
                              "write one with `python -m minillm quantize`")
     config = ModelConfig(**json.loads(meta["model_config"]))
     q = json.loads(meta["quant_config"])
-    qconfig = QuantConfig(q["bits"], q["group_size"], q["sym"])
+    qconfig = QuantConfig(q["bits"], q["group_size"], q["sym"], q.get("mse", False))
     try:
         if "tok_embeddings.q8_0" in state:
             emb = dequantize_q8_0(state.pop("tok_embeddings.q8_0").numpy().reshape(-1, 34))
