@@ -172,7 +172,8 @@ class Linear(nn.Module):
         self.weight_shards = nn.Parameter(shards.contiguous(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
         self._packed = None  # oneDNN copy of W: never saved, copied or moved
-        self._packed_key = None
+        self._packed_from = None  # the tensor it was made from, kept alive so that its address is not reused
+        self._packed_version = None
 
     @property
     def weight(self) -> torch.Tensor:
@@ -186,12 +187,12 @@ class Linear(nn.Module):
 
     def packed_weight(self) -> torch.Tensor:
         """W reordered into oneDNN's blocked layout (an opaque tensor), built once per weight."""
-        w = self.weight_shards
-        key = (w.data_ptr(), w._version, tuple(w.shape))
-        if self._packed_key != key:
+        w, src = self.weight_shards, self._packed_from
+        # same storage (still held by src, so a new tensor cannot sit at its address) and no in-place write
+        if src is None or src.data_ptr() != w.data_ptr() or src.shape != w.shape or self._packed_version != w._version:
             self._packed = None  # free the old copy first
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous())
-            self._packed_key = key
+            self._packed_from, self._packed_version = w.detach(), w._version
         return self._packed
 
     def _uses_onednn(self, x: torch.Tensor) -> bool:
@@ -212,7 +213,7 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def __getstate__(self):  # copy.deepcopy / pickle: the packed copy is rebuilt, not copied
-        return {**self.__dict__, "_packed": None, "_packed_key": None}
+        return {**self.__dict__, "_packed": None, "_packed_from": None, "_packed_version": None}
 
 
 def linear_naive(x: torch.Tensor, layer: Linear) -> torch.Tensor:

@@ -57,6 +57,10 @@ def test_linear_packed_copy_follows_the_weight():
     torch.testing.assert_close(layer(x), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
     layer.weight_shards.data = torch.randn(1, 16, 24, generator=g)  # replaced
     torch.testing.assert_close(layer(x), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
+    for _ in range(3):  # replaced twice between forwards: the allocator may hand back the first address
+        layer.weight_shards.data = torch.randn(1, 16, 24, generator=g)
+        layer.weight_shards.data = torch.randn(1, 16, 24, generator=g)
+        torch.testing.assert_close(layer(x), x @ layer.weight.t(), rtol=1e-5, atol=1e-5)
     twin = copy.deepcopy(layer)  # the opaque packed tensor is not copied, it is rebuilt
     with torch.no_grad():
         twin.weight_shards.zero_()
