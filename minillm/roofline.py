@@ -403,13 +403,10 @@ def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict
     weights_t = [m.weight.t().contiguous() for m in layers]  # (in, out)
     out["x @ W^T, W^T (in, out)"] = time_median(lambda: [xs[w.shape[0]] @ w for w in weights_t], device, repeats)
     del weights_t
-    shards = layers[0].n_shards
-    out[f"W^T in {shards} column shards, bmm"] = time_median(lambda: [torch.bmm(
-        xs[m.in_features].expand(m.n_shards, -1, -1), m.weight_shards) for m in layers], device, repeats)
+    out[f"W^T in {layers[0].n_shards} column shards, bmm"] = time_median(
+        lambda: [m.forward_shards(xs[m.in_features]) for m in layers], device, repeats)
     if device.type == "cpu" and model.dtype == torch.float32 and _ONEDNN:
-        packed = [(m.in_features, m.packed_weight()) for m in layers]
-        out["oneDNN linear, W packed (blocked)"] = time_median(lambda: [torch.ops.mkldnn._linear_pointwise(
-            xs[n], p, None, "none", [], "") for n, p in packed], device, repeats)
-        del packed
+        out["oneDNN linear, W packed (blocked)"] = time_median(
+            lambda: [m.forward_onednn(xs[m.in_features]) for m in layers], device, repeats)
     out["minillm Linear"] = time_median(lambda: [m(xs[m.in_features]) for m in layers], device, repeats)
     return out

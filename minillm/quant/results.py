@@ -78,8 +78,8 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
     for method, bits, group in tqdm(configs, desc="quant table", disable=not progress):
         q = copy.deepcopy(model)
         t0 = time.perf_counter()
-        mse = gptq_mse and method.endswith("gptq")
-        rep = quantize_model(q, method, QuantConfig(bits, group, mse=mse), calib, act_order=act_order and method.endswith("gptq"),
+        gptq = method.endswith("gptq")
+        rep = quantize_model(q, method, QuantConfig(bits, group, mse=gptq_mse and gptq), calib, act_order=act_order and gptq,
                              percdamp=percdamp, awq_tokens=awq_tokens, progress=False)
         quant_s = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as d:

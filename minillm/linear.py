@@ -1,0 +1,124 @@
+"""minillm's linear layer: W as one column block per CPU core for one-row products, and a copy in
+oneDNN's blocked layout for products of several rows (see ``Linear``); ``linear_naive`` is its baseline."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _onednn_linear_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_ONEDNN = _onednn_linear_available()  # oneDNN's packed float32 linear (see Linear)
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b``, with W stored as ``n_shards`` column blocks, one per CPU core, and (on a
+    CPU in float32, for products of several rows) a second copy packed in oneDNN's blocked layout.
+
+    ``weight_shards`` is (n_shards, in_features, out_features / n_shards): shard s holds output
+    columns ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous. A one-row product is one batched
+    matmul over the shards, which torch spreads over the cores. Products of two rows or more (a
+    batch, a prefill, the k tokens a speculative step verifies) go through oneDNN's ``linear`` with
+    W reordered once into its blocked layout (the kernel ``torch.compile`` uses for frozen float32
+    linears on CPU).
+
+    Why: MKL runs ``x @ W`` for a single row on one core, whatever ``torch.get_num_threads()``
+    says, and its small-batch GEMMs stream the weights slowly. Measured on the 2-core AVX2 machine
+    this project targets, all the matmuls of one SmolLM2-135M step (538 MB of float32 weights)
+    take, for 1 / 4 / 16 rows: 47 / 67 / 77 ms as ``F.linear(x, W)``, 38 / 76 / 86 ms as
+    ``x @ W^T`` with W^T contiguous, 27 / 39 / 61 ms as 2 shards through ``torch.bmm``, and
+    33 / 27 / 37 ms through oneDNN's packed weight. The same bytes are read each time; the kernel
+    decides how close to the memory bandwidth they stream. Notebook 01 measures it on the machine
+    at hand. This is tensor parallelism across cores (Megatron-LM's column-parallel linear, Shoeybi
+    et al. 2019) for one row, and a layout change for several. ``linear_naive`` is the plain form
+    the tests compare with.
+
+    The packed copy (``packed_weight``) costs memory equal to W; it is built on the first such
+    forward, and rebuilt when ``weight_shards`` is replaced or modified in place (through the
+    Parameter: torch does not track writes through ``.data``). Forwards that need gradients, and
+    other devices and dtypes, use the shards.
+
+    The catch: each multi-threaded matmul waits for its slowest core. When another process keeps one
+    core busy, a decode step was measured 15-30x slower (OpenMP threads descheduled at every one of the
+    ~120 matmuls of a step); there, load the model with ``n_shards=1`` and call
+    ``torch.set_num_threads(1)``.
+
+    Args:
+        weight: (out_features, in_features), in PyTorch's usual layout.
+        bias: (out_features,) or None.
+        n_shards: column blocks (1 = a plain ``x @ W^T``); falls back to 1 when it does not divide
+            out_features.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, n_shards: int = 1):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        if n_shards < 1 or self.out_features % n_shards:
+            n_shards = 1
+        self.n_shards = n_shards
+        shards = weight.t().reshape(self.in_features, n_shards, -1).transpose(0, 1)  # (S, in, out/S)
+        self.weight_shards = nn.Parameter(shards.contiguous(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.clone(), requires_grad=False)
+        self._packed = None  # oneDNN copy of W: never saved, copied or moved
+        self._packed_from = None  # the tensor it was made from, kept alive so that its address is not reused
+        self._packed_version = None
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """(out_features, in_features), reassembled (a copy when sharded)."""
+        return self.weight_shards.transpose(0, 1).reshape(self.in_features, self.out_features).t()
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``W[index]`` (..., in_features) without reassembling W (tied-embedding lookups)."""
+        per_shard = self.out_features // self.n_shards
+        return self.weight_shards[index // per_shard, :, index % per_shard]
+
+    def packed_weight(self) -> torch.Tensor:
+        """W reordered into oneDNN's blocked layout (an opaque tensor), built once per weight."""
+        w, src = self.weight_shards, self._packed_from
+        # same storage (still held by src, so a new tensor cannot sit at its address) and no in-place write
+        if src is None or src.data_ptr() != w.data_ptr() or src.shape != w.shape or self._packed_version != w._version:
+            self._packed = None  # free the old copy first
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().contiguous())
+            self._packed_from, self._packed_version = w.detach(), w._version
+        return self._packed
+
+    def _uses_onednn(self, x: torch.Tensor) -> bool:
+        w = self.weight_shards
+        return (_ONEDNN and x.numel() > self.in_features and w.device.type == "cpu"
+                and w.dtype == torch.float32 and x.dtype == torch.float32
+                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        return self.forward_onednn(x) if self._uses_onednn(x) else self.forward_shards(x)
+
+    def forward_onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """The product through the packed oneDNN copy (CPU, float32)."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+
+    def forward_shards(self, x: torch.Tensor) -> torch.Tensor:
+        """The product through the column shards (one ``torch.bmm``)."""
+        if self.n_shards == 1:
+            y = x @ self.weight_shards[0]
+        else:
+            x2 = x.reshape(1, -1, self.in_features).expand(self.n_shards, -1, -1)  # (S, N, in)
+            y = torch.bmm(x2, self.weight_shards)  # (S, N, out/S)
+            y = y.transpose(0, 1).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+    def __getstate__(self):  # copy.deepcopy / pickle: the packed copy is rebuilt, not copied
+        return {**self.__dict__, "_packed": None, "_packed_from": None, "_packed_version": None}
+
+
+def linear_naive(x: torch.Tensor, layer: Linear) -> torch.Tensor:
+    """The baseline of ``Linear.forward`` (same result): ``F.linear`` on the (out, in) weight."""
+    return F.linear(x, layer.weight, layer.bias)
+
+
