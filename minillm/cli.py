@@ -112,7 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bq = bsub.add_parser("quant", help="the quantization table: RTN/GPTQ/AWQ/AWQ+GPTQ at 4 and 3 bits")
     bq.add_argument("--max-tokens", type=_at_least(2), default=4096, help="held-out tokens scored")
-    bq.add_argument("--calib-samples", type=_at_least(1), default=16, help="calibration windows of 512 tokens")
+    bq.add_argument("--calib-samples", type=_at_least(1), default=32, help="calibration windows of 512 tokens")
+    bq.add_argument("--no-mse", action="store_true", help="GPTQ with min/max group ranges instead of the range search")
     bq.add_argument("--quick", action="store_true", help="only 4-bit group 64 and 3-bit group 64")
     bq.add_argument("--out", default="figures/05_quant_table.json", help="where to write the table (JSON)")
     _model_args(bq)
@@ -243,7 +244,7 @@ def cmd_bench(args) -> int:
 
         configs = [c for c in TABLE_CONFIGS if c[2] == 64] if args.quick else TABLE_CONFIGS
         table = quant_table(model, tokenizer, configs, max_tokens=args.max_tokens, calib_samples=args.calib_samples,
-                            progress=not args.json)
+                            gptq_mse=not args.no_mse, progress=not args.json)
         out = save_table(table, args.out)
         figs = Path(out).parent
         plot_ppl_vs_bits(table, figs / "05_ppl_vs_bits.png")

@@ -294,6 +294,21 @@ def test_pipeline_quantizes_every_layer_and_round_trips_through_safetensors(tiny
     torch.testing.assert_close(loaded(tokens, torch.arange(40)), after)
 
 
+def test_awq_gptq_skips_the_clip_search_by_default(tiny):
+    """AWQ+GPTQ: AWQ's scales, then GPTQ on the unclipped weights (clipping first would change the target)."""
+    calib = tiny_inputs(tiny[0])[0]
+
+    def run(**kw):
+        m = copy.deepcopy(tiny[0])
+        rep = quantize_model(m, "awq+gptq", QuantConfig(3, 32), calib, act_order=True, progress=False, **kw)
+        return rep, [mod.qweight.clone() for mod in m.modules() if isinstance(mod, QuantLinear)]
+
+    default, no_clip, clip = run(), run(awq_clip=False), run(awq_clip=True)
+    assert default[0]["awq_clip"] is False and clip[0]["awq_clip"] is True
+    assert all(torch.equal(a, b) for a, b in zip(default[1], no_clip[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(default[1], clip[1]))
+
+
 def test_load_quantized_refuses_other_files(tmp_path):
     from safetensors.torch import save_file
 
