@@ -50,6 +50,8 @@ def _quant_args(p: argparse.ArgumentParser, required: bool) -> None:
                    "the rounding error, as the GPTQ reference quantizer's mse option")
     p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing activation")
     p.add_argument("--static-groups", action="store_true", help="GPTQ act-order: groups fixed before quantizing")
+    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=None,
+                   help="AWQ's clip search (default: on, except awq+gptq with --mse)")
     p.add_argument("--calib-samples", type=_at_least(1), default=32, help="calibration windows (default 32)")
     p.add_argument("--calib-seqlen", type=_at_least(2), default=512, help="tokens per calibration window")
 
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     bq = bsub.add_parser("quant", help="the quantization table: RTN/GPTQ/AWQ/AWQ+GPTQ at 4 and 3 bits")
     bq.add_argument("--max-tokens", type=_at_least(2), default=4096, help="held-out tokens scored")
     bq.add_argument("--calib-samples", type=_at_least(1), default=32, help="calibration windows of 512 tokens")
-    bq.add_argument("--no-mse", action="store_true", help="GPTQ with min/max group ranges instead of the range search")
+    bq.add_argument("--no-mse", action="store_true", help="GPTQ with min/max group ranges instead of the range search (AWQ+GPTQ then keeps AWQ's clip)")
     bq.add_argument("--quick", action="store_true", help="only 4-bit group 64 and 3-bit group 64")
     bq.add_argument("--out", default="figures/05_quant_table.json", help="where to write the table (JSON)")
     _model_args(bq)
@@ -335,13 +337,17 @@ def _quantize(args, model, tokenizer) -> dict:
     if args.quant != "rtn":
         calib = calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
     return quantize_model(model, args.quant, config, calib, act_order=args.act_order, static_groups=args.static_groups,
-                          progress=not args.json)
+                          awq_clip=args.awq_clip, progress=not args.json)
 
 
 def cmd_perplexity(args) -> int:
     from .data import HELD_OUT_PLAY, play_text
     from .evaluation import perplexity, reference_logprobs
 
+    if args.quant:  # bad quantization options fail before the model and the float reference are computed
+        from .quant import QuantConfig
+
+        QuantConfig(args.bits, args.group_size, args.sym, args.mse)
     model, tokenizer = _load(args)
     if tokenizer is None:
         raise ValueError("model: this checkpoint has no tokenizer minillm can use")

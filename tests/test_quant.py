@@ -294,19 +294,25 @@ def test_pipeline_quantizes_every_layer_and_round_trips_through_safetensors(tiny
     torch.testing.assert_close(loaded(tokens, torch.arange(40)), after)
 
 
-def test_awq_gptq_skips_the_clip_search_by_default(tiny):
-    """AWQ+GPTQ: AWQ's scales, then GPTQ on the unclipped weights (clipping first would change the target)."""
+def test_awq_clip_default_skips_the_clip_only_before_gptq_with_range_search(tiny):
+    """AWQ+GPTQ with mse: AWQ's scales, then GPTQ on the unclipped weights (clipping first would change the
+    target); without mse, and for AWQ alone, the clip search runs."""
     calib = tiny_inputs(tiny[0])[0]
 
-    def run(**kw):
+    def run(method, mse, **kw):
         m = copy.deepcopy(tiny[0])
-        rep = quantize_model(m, "awq+gptq", QuantConfig(3, 32), calib, act_order=True, progress=False, **kw)
-        return rep, [mod.qweight.clone() for mod in m.modules() if isinstance(mod, QuantLinear)]
+        rep = quantize_model(m, method, QuantConfig(3, 32, mse=mse), calib, act_order=method.endswith("gptq"),
+                             progress=False, **kw)
+        return rep["awq_clip"], [mod.qweight.clone() for mod in m.modules() if isinstance(mod, QuantLinear)]
 
-    default, no_clip, clip = run(), run(awq_clip=False), run(awq_clip=True)
-    assert default[0]["awq_clip"] is False and clip[0]["awq_clip"] is True
-    assert all(torch.equal(a, b) for a, b in zip(default[1], no_clip[1]))
-    assert not all(torch.equal(a, b) for a, b in zip(default[1], clip[1]))
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+    for method, mse, clips in (("awq+gptq", True, False), ("awq+gptq", False, True), ("awq", False, True)):
+        default, off, on = run(method, mse), run(method, mse, awq_clip=False), run(method, mse, awq_clip=True)
+        assert default[0] is clips and off[0] is False and on[0] is True
+        assert same(default, on if clips else off) and not same(on, off)
+    assert run("gptq", True)[0] is False
 
 
 def test_load_quantized_refuses_other_files(tmp_path):

