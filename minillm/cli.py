@@ -328,11 +328,18 @@ def cmd_roofline(args) -> int:
     return 0
 
 
-def _quantize(args, model, tokenizer) -> dict:
+def _quant_config(args):
+    """The QuantConfig of --bits/--group-size/--sym/--mse (ValueError naming a bad one): built before the
+    model is loaded, so bad options fail at once."""
     from .quant import QuantConfig
+
+    return QuantConfig(args.bits, args.group_size, args.sym, args.mse)
+
+
+def _quantize(args, model, tokenizer, config=None) -> dict:
     from .quant.pipeline import calibration_tokens, quantize_model
 
-    config = QuantConfig(args.bits, args.group_size, args.sym, args.mse)
+    config = config or _quant_config(args)
     calib = None
     if args.quant != "rtn":
         calib = calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
@@ -344,10 +351,7 @@ def cmd_perplexity(args) -> int:
     from .data import HELD_OUT_PLAY, play_text
     from .evaluation import perplexity, reference_logprobs
 
-    if args.quant:  # bad quantization options fail before the model and the float reference are computed
-        from .quant import QuantConfig
-
-        QuantConfig(args.bits, args.group_size, args.sym, args.mse)
+    config = _quant_config(args) if args.quant else None
     model, tokenizer = _load(args)
     if tokenizer is None:
         raise ValueError("model: this checkpoint has no tokenizer minillm can use")
@@ -365,7 +369,7 @@ def cmd_perplexity(args) -> int:
     if args.quant:
         reference = reference_logprobs(model, tokens, args.seqlen, args.max_tokens, progress=not args.json)
         float_ppl = perplexity(model, tokens, args.seqlen, args.max_tokens)["perplexity"]
-        q = _quantize(args, model, tokenizer)
+        q = _quantize(args, model, tokenizer, config)
         report.update(quant=args.quant, bits=args.bits, group_size=args.group_size, act_order=args.act_order,
                       float_perplexity=float_ppl, calib_samples=q.get("calib_samples"), calib_seqlen=q.get("calib_seqlen"))
     report.update(perplexity(model, tokens, args.seqlen, args.max_tokens, progress=not args.json, reference=reference))
@@ -403,8 +407,9 @@ def cmd_quantize(args) -> int:
 
         if not args.out.endswith(".safetensors"):
             raise ValueError(f"out: {args.quant} writes safetensors; give a path ending in .safetensors, got {args.out!r}")
+        config = _quant_config(args)
         model, tokenizer = _load(args)
-        q = _quantize(args, model, tokenizer)
+        q = _quantize(args, model, tokenizer, config)
         src = args.model if (args.model or "").endswith(".gguf") else str(default_model_path())
         out = save_quantized(model, args.out, q, tokenizer_source=src)
         report = {"out": str(out), "format": "safetensors", "bytes": os.path.getsize(out),
