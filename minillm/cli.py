@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("roofline", help="measured ceilings, ridge point, predicted vs measured decode tokens/s")
     r.add_argument("--batch-sizes", default="1,8", help="decode batch sizes, comma-separated")
     r.add_argument("--prompt-lengths", default="128", help="prefill lengths, comma-separated ('' for none)")
+    r.add_argument("--compile", action="store_true",
+                   help="decode through torch.compile (minillm.compiled; compiling takes 1-2 minutes on 2 cores)")
     _model_args(r)
 
     bs = bsub.add_parser("spec", help="plain cached decode vs speculative decoding on workloads, predicted and measured")
@@ -305,6 +307,10 @@ def cmd_roofline(args) -> int:
     model, _ = _load(args)
     ceilings = roofline.measure(args.device)
     ints = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
+    if args.compile:
+        from .compiled import compile_decode
+
+        compile_decode(model)  # compiles at the first decode step, inside compare's warm-up
     rows = roofline.compare(model, ceilings, ints(args.batch_sizes), ints(args.prompt_lengths), progress=not args.json)
     report = {"machine": machine(), "device": args.device, "copy_bandwidth": ceilings.copy_bandwidth,
               "read_bandwidth": ceilings.read_bandwidth, "bandwidth": ceilings.bandwidth,
@@ -323,8 +329,10 @@ def cmd_roofline(args) -> int:
           f"{'measured/predicted time':>24s}")
     for r in rows:
         t = r["tokens"] // r["batch_size"]
-        print(f"{r['kind']:8s} {r['batch_size']:3d} {t:5d} {r['intensity']:7.1f} {r['bound']:>7s} "
+        print(f"{r['kind'] + ('*' if r['compiled'] else ''):8s} {r['batch_size']:3d} {t:5d} {r['intensity']:7.1f} {r['bound']:>7s} "
               f"{r['predicted_tokens_per_s']:16.1f} {r['measured_tokens_per_s']:15.1f} {r['measured_over_predicted']:24.2f}")
+    if args.compile:
+        print("* decode compiled with torch.compile (minillm.compiled)")
     return 0
 
 

@@ -25,8 +25,14 @@ from .model import ModelConfig
 
 
 class KVCache:
-    """A contiguous, preallocated cache: one (n_layers, B, Hkv, max_seq_len, D) tensor for keys
-    and one for values, slot = position. Nothing is allocated while decoding.
+    """A contiguous, preallocated cache: per layer one (B, Hkv, max_seq_len, D) tensor for keys
+    and one for values (``k[layer]``, ``v[layer]``), slot = position. Nothing is allocated while
+    decoding.
+
+    Each layer's tensors are allocated separately, not as views of one (n_layers, ...) tensor:
+    ``torch.compile`` (``minillm.compiled``) then writes the new position in place, whereas with
+    views of one tensor it copied every layer's whole reservation each step (measured on the 2-core
+    CPU: 82 ms instead of 21 ms per decode step with 2,048 slots reserved).
 
     Args:
         config: the model's config (layers, KV heads, head dim).
@@ -46,9 +52,9 @@ class KVCache:
                 f"max_seq_len: {max_seq_len} must be between 1 and the model's context length "
                 f"({config.max_seq_len})"
             )
-        shape = (config.n_layers, batch_size, config.n_kv_heads, max_seq_len, config.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch_size, config.n_kv_heads, max_seq_len, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.max_seq_len = max_seq_len
         self.seq_len = 0
         self._pos: torch.Tensor | None = None
@@ -56,7 +62,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         """Bytes held by the key and value tensors (the whole reservation, used or not)."""
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def prepare(self, input_pos: torch.Tensor) -> int:
         """Check that ``input_pos`` (T,) continues the stored sequence; returns the new seq_len.
@@ -87,9 +93,9 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v (B, Hkv, T, D) at the prepared positions; return (B, Hkv, seq_len, D) views."""
-        self.k[layer].index_copy_(2, self._pos, k)
-        self.v[layer].index_copy_(2, self._pos, v)
-        return self.k[layer, :, :, : self.seq_len], self.v[layer, :, :, : self.seq_len]
+        self.k[layer][:, :, self._pos] = k  # (B, Hkv, T, D) into slots input_pos
+        self.v[layer][:, :, self._pos] = v
+        return self.k[layer][:, :, : self.seq_len], self.v[layer][:, :, : self.seq_len]
 
     def truncate(self, n: int) -> None:
         """Keep positions ``0..n-1`` only; the next write starts at position n.
@@ -187,23 +193,23 @@ class Int8KVCache(KVCache):
     def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         super().__init__(config, batch_size, max_seq_len, torch.int8, device)
-        shape = self.k.shape[:-1] + (1,)  # (layers, B, Hkv, S, 1)
-        self.k_scale = torch.zeros(shape, dtype=torch.float32, device=device)
-        self.v_scale = torch.zeros(shape, dtype=torch.float32, device=device)
+        shape = self.k[0].shape[:-1] + (1,)  # (B, Hkv, S, 1) per layer
+        self.k_scale = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in self.k]
+        self.v_scale = [torch.zeros(shape, dtype=torch.float32, device=device) for _ in self.v]
         self.dtype = dtype
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + 2 * self.k_scale.numel() * 4
+        return super().nbytes + sum(t.numel() * 4 for t in self.k_scale + self.v_scale)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, s = quantize_int8(x)
-            codes[layer].index_copy_(2, self._pos, q)
-            scales[layer].index_copy_(2, self._pos, s)
+            codes[layer][:, :, self._pos] = q
+            scales[layer][:, :, self._pos] = s
         n = self.seq_len
-        return (dequantize_int8(self.k[layer, :, :, :n], self.k_scale[layer, :, :, :n], self.dtype),
-                dequantize_int8(self.v[layer, :, :, :n], self.v_scale[layer, :, :, :n], self.dtype))
+        return (dequantize_int8(self.k[layer][:, :, :n], self.k_scale[layer][:, :, :n], self.dtype),
+                dequantize_int8(self.v[layer][:, :, :n], self.v_scale[layer][:, :, :n], self.dtype))
 
 
 CACHES = {"contiguous": KVCache, "dynamic": DynamicKVCache}

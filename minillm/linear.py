@@ -97,6 +97,8 @@ class Linear(nn.Module):
                 and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        if torch.compiler.is_compiling():  # traced by torch.compile: its own GEMM picks the layout
+            return F.linear(x, self.weight, self.bias)
         return self.forward_onednn(x) if self._uses_onednn(x) else self.forward_shards(x)
 
     def forward_onednn(self, x: torch.Tensor) -> torch.Tensor:

@@ -367,6 +367,18 @@ class Decoder(nn.Module):
             real = key_pos[None, :] >= row_offsets[:, None]  # (B, S)
             mask = mask & (real[:, None, :] | (key_pos[None, :] == input_pos[:, None]))  # (B, T, S)
             mask = mask[:, None]  # (B, 1, T, S)
+        compiled = self.__dict__.get("_compiled_decode")  # set by minillm.compiled.compile_decode
+        if compiled is not None and T == 1 and not torch.is_grad_enabled():
+            return compiled(x, rope, cache, mask)
+        return self.forward_layers(x, rope, cache, mask)
+
+    def forward_layers(self, x: torch.Tensor, rope, cache, mask) -> torch.Tensor:
+        """The blocks, the final norm and the output projection: x (B, T, C) -> (B, T, V) float32
+        logits. ``forward`` checks its inputs and prepares rope (cos, sin), the cache and the mask,
+        then calls this; ``minillm.compiled.compile_decode`` compiles it for one-token steps."""
         for i, layer in enumerate(self.layers):
             x = layer(x, i, rope, cache, mask)
         return self.output(self.norm(x)).float()
+
+    def __getstate__(self):  # copy.deepcopy / pickle: a compiled decode belongs to this object only
+        return {**self.__dict__, "_compiled_decode": None}

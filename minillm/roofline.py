@@ -290,11 +290,14 @@ def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), cont
     """Predicted and measured time per forward for the model as loaded (its dtype and device).
 
     Rows: decode at each batch size (one token per row after ``context`` positions) and prefill at
-    each prompt length (batch 1). Each row: kind, batch_size, tokens, flops, bytes, intensity,
+    each prompt length (batch 1). Each row: kind, dtype, compiled (decode through
+    ``minillm.compiled.compile_decode``; prefill is never compiled), batch_size, tokens, flops, bytes, intensity,
     bound, predicted_s, measured_s, predicted_tokens_per_s, measured_tokens_per_s,
     measured/predicted ratio and achieved FLOP/s and bytes/s.
     """
     from tqdm.auto import tqdm
+
+    from .compiled import is_compiled
 
     dtype = str(model.dtype).replace("torch.", "")
     nbytes = DTYPE_BYTES[dtype]
@@ -310,7 +313,8 @@ def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), cont
             measured = measure_prefill(model, t, b)
         predicted = cost.time(peak, ceilings.bandwidth)
         rows.append({
-            "kind": kind, "dtype": dtype, "batch_size": b, "tokens": cost.tokens, "flops": cost.flops,
+            "kind": kind, "dtype": dtype, "compiled": kind == "decode" and is_compiled(model),
+            "batch_size": b, "tokens": cost.tokens, "flops": cost.flops,
             "bytes": cost.bytes, "intensity": cost.intensity, "bound": cost.bound(peak, ceilings.bandwidth),
             "predicted_s": predicted, "measured_s": measured,
             "predicted_tokens_per_s": cost.tokens / predicted, "measured_tokens_per_s": cost.tokens / measured,

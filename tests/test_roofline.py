@@ -58,7 +58,7 @@ def test_article_example_70b_fp16_at_2_tb_per_s():
 def test_kv_bytes_match_real_cache_tensors(model):
     cache = KVCache(model.config, batch_size=3, max_seq_len=40)
     c = forward_cost(model.config, 3, 0, 40)  # reading a full cache of 40 positions, nothing new
-    assert c.kv_bytes == cache.nbytes == cache.k.numel() * 4 * 2
+    assert c.kv_bytes == cache.nbytes == sum(t.numel() for t in cache.k + cache.v) * 4
     assert c.flops == 0
 
 

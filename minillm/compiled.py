@@ -1,0 +1,86 @@
+"""Compiled decode: ``torch.compile`` over the decoder's layers for one-token steps.
+
+Why: in eager PyTorch a batch-1 decode step of SmolLM2-135M is 121 matrix-vector products, which
+torch's BLAS kernels stream at ~22 GB/s on the 2-core CPU this project targets, plus ~900 small
+operations (norms, RoPE, attention, cache writes, residual adds) of a few microseconds each
+(notebook 01 measures both). ``torch.compile`` (Ansel et al. 2024, "PyTorch 2", ASPLOS) traces the
+step into one graph; its inductor backend fuses the elementwise operations into generated C++ (or
+Triton) loops, ``max_autotune`` times its own GEMM template against ATen's kernel for each weight
+shape and keeps the faster, and ``freezing`` treats the weights as constants so that they are
+packed once, at compile time. gpt-fast compiles its decode step the same way; vLLM compiles its
+model with ``torch.compile`` and replays it with CUDA graphs.
+
+Only one-token forwards (decode steps, B rows) take the compiled path; prefill and multi-token
+verification stay eager. The baseline is the same model uncompiled (tests compare the two).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .linear import Linear
+from .model import Decoder
+
+#: inductor settings: autotuned GEMMs over frozen (constant) weights; no CUDA graphs, because the
+#: number of cached positions (a shape) changes every step
+COMPILE_OPTIONS = {"max_autotune": True, "freezing": True, "triton.cudagraphs": False}
+
+
+def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
+    """Make ``model``'s one-token forwards run through ``torch.compile``; returns the same model.
+
+    The first decode step after this compiles (on the 2-core CPU about 1-2 minutes; inductor keeps
+    the result in its on-disk cache, so later processes start faster), the second compiles once more
+    with the number of cached positions as a symbolic size; after that every step reuses the code
+    until the batch size changes. Logits agree with the eager model to float32 rounding (the GEMM
+    sums in another order), so greedy tokens can differ only at near-ties.
+
+    The weights are frozen into the compiled code: compile after the last change to them (loading,
+    quantization). Forwards with gradients enabled stay eager.
+
+    Args:
+        model: a float ``Decoder`` (every linear layer a ``minillm.linear.Linear``).
+        options: inductor options (default ``COMPILE_OPTIONS``).
+
+    Returns:
+        ``model``, whose ``forward`` now calls the compiled ``forward_layers`` when T == 1.
+
+    Raises:
+        TypeError: ``model`` is not a ``Decoder``, or holds layers other than ``Linear`` (quantized
+            layers: compile the float model, or run the quantized one eager).
+    """
+    if not isinstance(model, Decoder):
+        raise TypeError(f"model: expected a minillm Decoder, got {type(model).__name__}")
+    other = sorted({type(m).__name__ for m in model.modules()
+                    if not isinstance(m, Linear) and hasattr(m, "in_features")})
+    if other:
+        raise TypeError(f"model: compile_decode supports float models with minillm Linear layers; found {other}. "
+                        "Compile the float model, or run this one without compiling")
+    # compiled as a module (not a bound method), so that freezing sees the weights as parameters;
+    # kept in __dict__ (not registered as a submodule: it holds the model itself)
+    compiled = torch.compile(_Layers(model), options=dict(options or COMPILE_OPTIONS))
+
+    def decode_layers(x, rope, cache, mask):
+        # torch.compile reads inductor's ``freezing`` from the global config when it compiles (at the
+        # first call), not from ``options``: set it for the call, not for the process
+        with torch._inductor.config.patch(freezing=(options or COMPILE_OPTIONS).get("freezing", False)):
+            return compiled(x, rope, cache, mask)
+
+    model.__dict__["_compiled_decode"] = decode_layers
+    return model
+
+
+class _Layers(torch.nn.Module):
+    """``Decoder.forward_layers`` as a module's forward."""
+
+    def __init__(self, model: Decoder):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x, rope, cache, mask):
+        return self.model.forward_layers(x, rope, cache, mask)
+
+
+def is_compiled(model: Decoder) -> bool:
+    """Whether ``compile_decode`` has been applied to ``model``."""
+    return model.__dict__.get("_compiled_decode") is not None
