@@ -60,10 +60,14 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     # kept in __dict__ (not registered as a submodule: it holds the model itself)
     compiled = torch.compile(_Layers(model), options=dict(options or COMPILE_OPTIONS))
 
+    # torch.compile reads inductor's ``freezing`` from the global config when it compiles (at the
+    # first call), not from ``options``: set it for the call, not for the process; and keep the
+    # autotuning tables out of the user's output
+    settings = {"freezing": (options or COMPILE_OPTIONS).get("freezing", False),
+                "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
+
     def decode_layers(x, rope, cache, mask):
-        # torch.compile reads inductor's ``freezing`` from the global config when it compiles (at the
-        # first call), not from ``options``: set it for the call, not for the process
-        with torch._inductor.config.patch(freezing=(options or COMPILE_OPTIONS).get("freezing", False)):
+        with torch._inductor.config.patch(settings):
             return compiled(x, rope, cache, mask)
 
     model.__dict__["_compiled_decode"] = decode_layers
