@@ -305,12 +305,12 @@ def cmd_roofline(args) -> int:
     from .bench import machine
 
     model, _ = _load(args)
-    ceilings = roofline.measure(args.device)
-    ints = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
     if args.compile:
         from .compiled import compile_decode
 
-        compile_decode(model)  # compiles at the first decode step, inside compare's warm-up
+        compile_decode(model)  # checks the model now; compiles at the first decode step (compare's warm-up)
+    ceilings = roofline.measure(args.device)
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
     rows = roofline.compare(model, ceilings, ints(args.batch_sizes), ints(args.prompt_lengths), progress=not args.json)
     report = {"machine": machine(), "device": args.device, "copy_bandwidth": ceilings.copy_bandwidth,
               "read_bandwidth": ceilings.read_bandwidth, "bandwidth": ceilings.bandwidth,

@@ -10,11 +10,15 @@ shape and keeps the faster, and ``freezing`` treats the weights as constants so 
 packed once, at compile time. gpt-fast compiles its decode step the same way; vLLM compiles its
 model with ``torch.compile`` and replays it with CUDA graphs.
 
-Only one-token forwards (decode steps, B rows) take the compiled path; prefill and multi-token
-verification stay eager. The baseline is the same model uncompiled (tests compare the two).
+Only one-token forwards (decode steps, B rows; also a one-token prompt) take the compiled path;
+prefill and multi-token verification stay eager. The baseline is the same model uncompiled (tests
+compare the two).
 """
 
 from __future__ import annotations
+
+import itertools
+import types
 
 import torch
 
@@ -24,6 +28,9 @@ from .model import Decoder
 #: inductor settings: autotuned GEMMs over frozen (constant) weights; no CUDA graphs, because the
 #: number of cached positions (a shape) changes every step
 COMPILE_OPTIONS = {"max_autotune": True, "freezing": True, "triton.cudagraphs": False}
+#: compiled versions kept per model (the weights' addresses are guarded; each batch size and cache
+#: layout adds one)
+RECOMPILE_LIMIT = 64
 
 
 def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
@@ -36,7 +43,12 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     sums in another order), so greedy tokens can differ only at near-ties.
 
     The weights are frozen into the compiled code: compile after the last change to them (loading,
-    quantization). Forwards with gradients enabled stay eager.
+    quantization; ``quantize_model`` drops a compiled decode). The frozen copies (reassembled from
+    ``Linear``'s column shards and packed) cost about as much memory again as the weights. Forwards
+    with gradients enabled stay eager.
+
+    Each batch size and cache layout adds a compiled version; dynamo keeps up to ``RECOMPILE_LIMIT``
+    of them per model and then raises rather than silently running eager.
 
     Args:
         model: a float ``Decoder`` (every linear layer a ``minillm.linear.Linear``).
@@ -46,19 +58,22 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
         ``model``, whose ``forward`` now calls the compiled ``forward_layers`` when T == 1.
 
     Raises:
-        TypeError: ``model`` is not a ``Decoder``, or holds layers other than ``Linear`` (quantized
-            layers: compile the float model, or run the quantized one eager).
+        TypeError: ``model`` is not a ``Decoder``.
+        ValueError: it holds layers other than ``Linear`` (quantized layers: compile the float
+            model, or run the quantized one eager).
     """
     if not isinstance(model, Decoder):
         raise TypeError(f"model: expected a minillm Decoder, got {type(model).__name__}")
     other = sorted({type(m).__name__ for m in model.modules()
                     if not isinstance(m, Linear) and hasattr(m, "in_features")})
     if other:
-        raise TypeError(f"model: compile_decode supports float models with minillm Linear layers; found {other}. "
+        raise ValueError(f"model: compile_decode supports float models with minillm Linear layers; found {other}. "
                         "Compile the float model, or run this one without compiling")
-    # compiled as a module (not a bound method), so that freezing sees the weights as parameters;
-    # kept in __dict__ (not registered as a submodule: it holds the model itself)
-    compiled = torch.compile(_Layers(model), options=dict(options or COMPILE_OPTIONS))
+    # dynamo keeps compiled versions per code object, and its "automatic dynamic" sizes per code name:
+    # a renamed copy of the function for each model keeps another model's sizes (heads, widths) from
+    # turning this one's into symbolic sizes; only the cached length becomes symbolic
+    compiled = torch.compile(_fresh_copy(_decode_layers, f"_decode_layers_{next(_COUNTER)}"), fullgraph=True,
+                             options=dict(options or COMPILE_OPTIONS))
 
     # torch.compile reads inductor's ``freezing`` from the global config when it compiles (at the
     # first call), not from ``options``: set it for the call, not for the process; and keep the
@@ -66,25 +81,29 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     settings = {"freezing": (options or COMPILE_OPTIONS).get("freezing", False),
                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
+    recompiles = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
+
     def decode_layers(x, rope, cache, mask):
-        with torch._inductor.config.patch(settings):
-            return compiled(x, rope, cache, mask)
+        with torch._inductor.config.patch(settings), torch._dynamo.config.patch(recompiles):
+            return compiled(model, x, rope, cache, mask)
 
     model.__dict__["_compiled_decode"] = decode_layers
     return model
 
 
-class _Layers(torch.nn.Module):
-    """``Decoder.forward_layers`` as a module's forward."""
+def _decode_layers(model: Decoder, x, rope, cache, mask):
+    return model.forward_layers(x, rope, cache, mask)
 
-    def __init__(self, model: Decoder):
-        super().__init__()
-        self.model = model
 
-    def forward(self, x, rope, cache, mask):
-        return self.model.forward_layers(x, rope, cache, mask)
+def _fresh_copy(fn, name: str):
+    """``fn`` with its own code object, renamed (same behaviour)."""
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+_COUNTER = itertools.count()
 
 
 def is_compiled(model: Decoder) -> bool:
-    """Whether ``compile_decode`` has been applied to ``model``."""
+    """Whether ``compile_decode`` has been applied to ``model`` (copies and quantized models are not)."""
     return model.__dict__.get("_compiled_decode") is not None

@@ -176,7 +176,7 @@ def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Same as ``attention_naive`` through torch's fused ``scaled_dot_product_attention`` (GQA aware)."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=bool(q.shape[1] != k.shape[1]))
 
 
 class Attention(nn.Module):

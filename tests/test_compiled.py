@@ -52,17 +52,19 @@ def test_compiled_decode_batches_padding_and_int8_cache(tiny):
     compiled.__dict__["_compiled_decode"] = lambda *args: calls.append(1) or inner(*args)
     prompts = [[5, 9, 200, 31, 7], [17, 4]]
     params = SamplingParams(max_new_tokens=8)
-    for kv_dtype in (None, "int8"):
-        eager = [r.tokens for r in generate_batch(tiny, prompts, params, kv_dtype=kv_dtype)]
-        assert [r.tokens for r in generate_batch(compiled, prompts, params, kv_dtype=kv_dtype)] == eager
+    for cache, kv_dtype in (("contiguous", None), ("contiguous", "int8"), ("dynamic", None)):
+        eager = [r.tokens for r in generate_batch(tiny, prompts, params, cache=cache, kv_dtype=kv_dtype)]
+        assert [r.tokens for r in generate_batch(compiled, prompts, params, cache=cache, kv_dtype=kv_dtype)] == eager
     # sampling: same seed, same tokens
     sampled = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3)
     assert generate_cached(compiled, prompts[0], sampled).tokens == generate_cached(tiny, prompts[0], sampled).tokens
-    assert len(calls) == 2 * 7 + 7  # every decode step took the compiled path (the first token is prefill's)
+    assert len(calls) == 3 * 7 + 7  # every decode step took the compiled path (the first token is prefill's)
 
 
 def test_prefill_and_gradients_stay_eager(tiny):
     compiled = compile_decode(copy.deepcopy(tiny))
+    calls, inner = [], compiled.__dict__["_compiled_decode"]
+    compiled.__dict__["_compiled_decode"] = lambda *args: calls.append(1) or inner(*args)
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9]])
     pos = torch.arange(6)
     with torch.inference_mode():
@@ -73,12 +75,18 @@ def test_prefill_and_gradients_stay_eager(tiny):
         compiled(tokens, pos, cache_a), tiny(tokens, pos, cache_b)
     one = torch.tensor([[2]])
     assert torch.equal(compiled(one, torch.tensor([6]), cache_a), tiny(one, torch.tensor([6]), cache_b))
+    assert calls == []
+    with torch.inference_mode():  # the same one-token forward without gradients is compiled
+        compiled(one, torch.tensor([7]), cache_a)
+    assert calls == [1]
 
 
-def test_copies_are_not_compiled(tiny):
+def test_copies_are_not_compiled_and_quantizing_drops_it(tiny):
     compiled = compile_decode(copy.deepcopy(tiny))
     twin = copy.deepcopy(compiled)
     assert is_compiled(compiled) and not is_compiled(twin)
+    quantize_model(compiled, "rtn", QuantConfig(bits=4, group_size=32), progress=False)
+    assert not is_compiled(compiled)  # its frozen float weights would be stale
 
 
 def test_compile_decode_rejects_what_it_cannot_compile(tiny):
@@ -86,5 +94,5 @@ def test_compile_decode_rejects_what_it_cannot_compile(tiny):
         compile_decode(torch.nn.Linear(4, 4))
     q = copy.deepcopy(tiny)
     quantize_model(q, "rtn", QuantConfig(bits=4, group_size=32), progress=False)
-    with pytest.raises(TypeError, match="QuantLinear"):
+    with pytest.raises(ValueError, match="QuantLinear"):
         compile_decode(q)
