@@ -72,13 +72,14 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     # dynamo keeps compiled versions per code object, and its "automatic dynamic" sizes per code name:
     # a renamed copy of the function for each model keeps another model's sizes (heads, widths) from
     # turning this one's into symbolic sizes; only the cached length becomes symbolic
+    options = dict(options or COMPILE_OPTIONS)
     compiled = torch.compile(_fresh_copy(_decode_layers, f"_decode_layers_{next(_COUNTER)}"), fullgraph=True,
-                             options=dict(options or COMPILE_OPTIONS))
+                             options=options)
 
     # torch.compile reads inductor's ``freezing`` from the global config when it compiles (at the
     # first call), not from ``options``: set it for the call, not for the process; and keep the
     # autotuning tables out of the user's output
-    settings = {"freezing": (options or COMPILE_OPTIONS).get("freezing", False),
+    settings = {"freezing": options.get("freezing", False),
                 "autotune_num_choices_displayed": 0, "max_autotune_report_choices_stats": False}
 
     recompiles = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
@@ -87,7 +88,7 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
         with torch._inductor.config.patch(settings), torch._dynamo.config.patch(recompiles):
             return compiled(model, x, rope, cache, mask)
 
-    model.__dict__["_compiled_decode"] = decode_layers
+    model._compiled_decode = decode_layers
     return model
 
 
@@ -106,4 +107,4 @@ _COUNTER = itertools.count()
 
 def is_compiled(model: Decoder) -> bool:
     """Whether ``compile_decode`` has been applied to ``model`` (copies and quantized models are not)."""
-    return model.__dict__.get("_compiled_decode") is not None
+    return model._compiled_decode is not None

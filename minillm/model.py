@@ -251,6 +251,8 @@ class Decoder(nn.Module):
         KeyError: a tensor is missing from ``state`` (the loaders check first and say which file).
     """
 
+    _compiled_decode = None  # the one-token forward, when minillm.compiled.compile_decode has set it
+
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], n_shards: int = 1):
         super().__init__()
         self.config = config
@@ -367,9 +369,8 @@ class Decoder(nn.Module):
             real = key_pos[None, :] >= row_offsets[:, None]  # (B, S)
             mask = mask & (real[:, None, :] | (key_pos[None, :] == input_pos[:, None]))  # (B, T, S)
             mask = mask[:, None]  # (B, 1, T, S)
-        compiled = self.__dict__.get("_compiled_decode")  # set by minillm.compiled.compile_decode
-        if compiled is not None and T == 1 and not torch.is_grad_enabled():
-            return compiled(x, rope, cache, mask)
+        if self._compiled_decode is not None and T == 1 and not torch.is_grad_enabled():
+            return self._compiled_decode(x, rope, cache, mask)
         return self.forward_layers(x, rope, cache, mask)
 
     def forward_layers(self, x: torch.Tensor, rope, cache, mask) -> torch.Tensor:

@@ -132,7 +132,7 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         raise ValueError(f"calib: {method} needs calibration tokens (see calibration_tokens)")
     if model.config.arch != "llama":
         raise ValueError(f"model: quantization supports the llama architecture, not {model.config.arch!r}")
-    model.__dict__.pop("_compiled_decode", None)  # a compiled decode (minillm.compiled) froze the float weights
+    model._compiled_decode = None  # a compiled decode (minillm.compiled) froze the float weights
     report = {"method": method, "bits": config.bits, "group_size": config.group_size, "sym": config.sym,
               "mse": config.mse, "act_order": act_order, "static_groups": static_groups,
               "awq_clip": awq and awq_clip, "layers": []}
