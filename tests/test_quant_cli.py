@@ -79,7 +79,7 @@ def test_bad_input_is_named(args, message):
 
 def test_quant_flags_reach_the_library(monkeypatch):
     """--awq-clip / --no-awq-clip / --mse reach quantize_model; bench quant's --no-mse reaches quant_table."""
-    from minillm import cli
+    from minillm import cli, cli_quant
     from minillm.quant import pipeline
 
     seen = {}
@@ -87,7 +87,7 @@ def test_quant_flags_reach_the_library(monkeypatch):
     monkeypatch.setattr(pipeline, "calibration_tokens", lambda *a, **kw: None)
     for flags, clip in (([], None), (["--awq-clip"], True), (["--no-awq-clip"], False)):
         args = cli.build_parser().parse_args(["perplexity", "--quant", "awq+gptq", "--mse", *flags])
-        cli._quantize(args, None, None)
+        cli_quant._quantize(args, None, None)
         assert seen["awq_clip"] is clip and seen["config"].mse is True
     args = cli.build_parser().parse_args(["bench", "quant", "--no-mse"])
     assert args.no_mse and args.calib_samples == 32
