@@ -28,6 +28,10 @@ from .model import Decoder
 #: inductor settings: autotuned GEMMs over frozen (constant) weights; no CUDA graphs, because the
 #: number of cached positions (a shape) changes every step
 COMPILE_OPTIONS = {"max_autotune": True, "freezing": True, "triton.cudagraphs": False}
+#: on CUDA, without max_autotune: there it times Triton GEMM configurations for minutes (on an H200
+#: it had not finished after 200 s), and a batch-1 decode step of this model on a GPU is bound by
+#: kernel launches, not by its GEMMs (see ``compile_decode``)
+CUDA_COMPILE_OPTIONS = {"freezing": True, "triton.cudagraphs": False}
 #: compiled versions kept per model (the weights' addresses are guarded; each batch size and cache
 #: layout adds one)
 RECOMPILE_LIMIT = 64
@@ -52,7 +56,8 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
 
     Args:
         model: a float ``Decoder`` (every linear layer a ``minillm.linear.Linear``).
-        options: inductor options (default ``COMPILE_OPTIONS``).
+        options: inductor options (default ``COMPILE_OPTIONS``; ``CUDA_COMPILE_OPTIONS`` for a model
+            on a GPU).
 
     Returns:
         ``model``, whose ``forward`` now calls the compiled ``forward_layers`` when T == 1.
@@ -72,7 +77,7 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     # dynamo keeps compiled versions per code object, and its "automatic dynamic" sizes per code name:
     # a renamed copy of the function for each model keeps another model's sizes (heads, widths) from
     # turning this one's into symbolic sizes; only the cached length becomes symbolic
-    options = dict(options or COMPILE_OPTIONS)
+    options = dict(options or (CUDA_COMPILE_OPTIONS if model.device.type == "cuda" else COMPILE_OPTIONS))
     compiled = torch.compile(_fresh_copy(_decode_layers, f"_decode_layers_{next(_COUNTER)}"), fullgraph=True,
                              options=options)
 

@@ -107,7 +107,7 @@ def search_clip(W: torch.Tensor, x: torch.Tensor, config: QuantConfig, rows: sli
         ref = torch.einsum("ngk,ogk->nog", xg, Wg)
         wmax = Wg.amax(dim=-1, keepdim=True).clamp(min=0)
         wmin = Wg.amin(dim=-1, keepdim=True).clamp(max=0)
-        best_err = torch.full(Wg.shape[:2], float("inf"))
+        best_err = torch.full(Wg.shape[:2], float("inf"), device=Wg.device)
         best = Wg.clone()
         for i in range(int(max_shrink * n_grid) + 1):
             ratio = 1 - i / n_grid

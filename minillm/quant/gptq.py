@@ -67,7 +67,7 @@ def _prepare(weight: torch.Tensor, H: torch.Tensor, config: QuantConfig, act_ord
     groups = None  # static: (scales, zeros) of every group from the original weight
     if config.group_size == -1 or static_groups:
         groups = [find_params(W[:, s:s + g], config) for s in range(0, I, g)]
-    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(I)
+    perm = torch.argsort(torch.diag(H), descending=True) if act_order else torch.arange(I, device=H.device)
     W, H = W[:, perm], H[perm][:, perm]
     return W, H, perm, groups, g
 
@@ -140,7 +140,7 @@ def gptq_quantize(weight: torch.Tensor, H: torch.Tensor, config: QuantConfig, *,
     W, H, perm, groups, g = _prepare(weight, H, config, act_order, static_groups)
     O, I = W.shape
     Hinv = inverse_hessian_cholesky(H, percdamp)  # (I, I) upper
-    codes = torch.zeros(O, I, dtype=torch.int64)
+    codes = torch.zeros(O, I, dtype=torch.int64, device=W.device)
     scales, zeros = [], []
     scale = zero = None
     for i1 in range(0, I, blocksize):
@@ -186,7 +186,7 @@ def gptq_quantize_naive(weight: torch.Tensor, H: torch.Tensor, config: QuantConf
     W, H, perm, groups, g = _prepare(weight, H, config, act_order, static_groups)
     O, I = W.shape
     Hinv = torch.linalg.inv(_damp(H, percdamp))
-    codes = torch.zeros(O, I, dtype=torch.int64)
+    codes = torch.zeros(O, I, dtype=torch.int64, device=W.device)
     scales, zeros = [], []
     scale = zero = None
     for col in range(I):

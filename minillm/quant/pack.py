@@ -41,7 +41,7 @@ def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if pad:
         codes = torch.cat([codes, codes.new_zeros(pad, M)])
     codes = codes.reshape(-1, k, M)  # (N / k, k, M)
-    shifts = (torch.arange(k, dtype=torch.int64) * bits)[None, :, None]
+    shifts = (torch.arange(k, dtype=torch.int64, device=codes.device) * bits)[None, :, None]
     words = (codes << shifts).sum(dim=1)  # (N / k, M), < 2^32
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
@@ -50,7 +50,7 @@ def unpack_rows(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of ``pack_rows``: (ceil(n / k), M) int32 -> (n, M) int32 codes."""
     k = codes_per_word(bits)
     w = words.to(torch.int64) & 0xFFFFFFFF  # (W, M), as unsigned
-    shifts = (torch.arange(k, dtype=torch.int64) * bits)[None, :, None]
+    shifts = (torch.arange(k, dtype=torch.int64, device=words.device) * bits)[None, :, None]
     codes = (w[:, None, :] >> shifts) & ((1 << bits) - 1)  # (W, k, M)
     return codes.reshape(-1, words.shape[1])[:n].to(torch.int32)
 

@@ -54,7 +54,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("qweight", pack_weight(qw.codes, bits))
         self.register_buffer("qzeros", pack_zeros(qw.zeros, bits))
         self.register_buffer("scales", qw.scales.t().contiguous().float())
-        self.register_buffer("g_idx", qw.g_idx.to(torch.int32))
+        self.register_buffer("g_idx", qw.g_idx.to(device=qw.codes.device, dtype=torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone().float())
         self.fast = False
         if fast:
@@ -110,12 +110,16 @@ class QuantLinear(nn.Module):
         scales_and_zeros = torch.stack([s.t(), (s * (8 - z)).t()], dim=-1).to(torch.bfloat16).contiguous()
         dev = self.qweight.device
         if dev.type == "cuda":
+            # the CUDA kernel tiles K by 16 x inner_k_tiles (2, 4 or 8) and N by 16
+            inner_k_tiles = next((t for t in (8, 4, 2) if I % (16 * t) == 0), None)
+            if inner_k_tiles is None or self.out_features % 16:
+                return False
             # (O, I / 2) uint8, two codes per byte, the even column in the high nibble (torch >= 2.5)
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
-            packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), 8)  # pragma: no cover
+            packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), inner_k_tiles)  # pragma: no cover
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        self._kernel = (packed, kg, scales_and_zeros.to(dev), None if (perm == torch.arange(I)).all() else perm.to(dev))
+        self._kernel = (packed, kg, scales_and_zeros.to(dev), None if (perm == torch.arange(I, device=perm.device)).all() else perm.to(dev))
         self.fast = True
         return True
 
