@@ -175,8 +175,30 @@ def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Same as ``attention_naive`` through torch's fused ``scaled_dot_product_attention`` (GQA aware)."""
+    """Same as ``attention_naive`` through torch's fused ``scaled_dot_product_attention`` (GQA aware);
+    under ``torch.compile``, one unmasked query per row goes to ``attention_decode``."""
+    if mask is None and q.shape[2] == 1 and torch.compiler.is_compiling():
+        return attention_decode(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=bool(q.shape[1] != k.shape[1]))
+
+
+def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query per row, no mask (a decode step): softmax(q k^T / sqrt(D)) v as broadcast products
+    and sums, each query head beside its KV head's group (GQA without repeating K and V).
+
+    q: (B, H, 1, D); k, v: (B, Hkv, S, D). Returns (B, H, 1, D), as ``attention_naive``.
+
+    Written for ``torch.compile`` (``minillm.compiled``): inductor turns the two sums into short loops
+    fused with the softmax. SDPA's fused kernel sets up a parallel region and buffers for each of the
+    30 layers' one-row products; on the 2-core CPU the compiled SmolLM2-135M step took 18.2-18.6 ms
+    this way against 19.0-20.7 ms through SDPA (64 and 1,500 cached positions).
+    """
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.view(B, Hkv, H // Hkv, 1, D)  # each KV head's group of query heads
+    scores = (qg * k[:, :, None]).sum(-1) / math.sqrt(D)  # (B, Hkv, group, S)
+    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return (p[..., None] * v[:, :, None]).sum(-2).reshape(B, H, 1, D)
 
 
 class Attention(nn.Module):

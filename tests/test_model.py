@@ -7,7 +7,15 @@ import torch
 from conftest import DEVICES
 
 import minillm.model
-from minillm.model import Linear, apply_rope, attention, attention_naive, linear_naive, rope_tables
+from minillm.model import (
+    Linear,
+    apply_rope,
+    attention,
+    attention_decode,
+    attention_naive,
+    linear_naive,
+    rope_tables,
+)
 
 PROMPTS = [
     "Hi",
@@ -91,6 +99,20 @@ def test_sdpa_attention_equals_naive(T, S):
     q_pos, k_pos = torch.arange(S - T, S), torch.arange(S)
     mask = k_pos[None, :] <= q_pos[:, None]
     torch.testing.assert_close(attention(q, k, v, mask), attention_naive(q, k, v, mask), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("H,Hkv,S", [(9, 3, 1), (9, 3, 77), (4, 4, 30), (8, 1, 5)])
+def test_decode_attention_equals_naive(H, Hkv, S):
+    """The one-query path taken under torch.compile, eager and compiled, against the naive baseline
+    (GQA groups of 3, plain multi-head, one shared KV head)."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, H, 1, 64, generator=g)
+    k, v = torch.randn(2, Hkv, S, 64, generator=g), torch.randn(2, Hkv, S, 64, generator=g)
+    ref = attention_naive(q, k, v, None)
+    torch.testing.assert_close(attention_decode(q, k, v), ref, rtol=1e-5, atol=1e-5)
+    if S == 77:  # compiling takes seconds: one case
+        compiled = torch.compile(attention, fullgraph=True, dynamic=False)
+        torch.testing.assert_close(compiled(q, k, v, None), ref, rtol=1e-5, atol=1e-5)
 
 
 def test_rope_rotates_pairs_by_position_angle():
