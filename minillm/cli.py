@@ -286,13 +286,20 @@ def cmd_roofline(args) -> int:
     from .bench import machine
 
     model, _ = _load(args)
+    ints = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
+    batch_sizes = ints(args.batch_sizes)
     if args.compile:
+        from tqdm.auto import tqdm
+
         from .compiled import compile_decode
 
-        compile_decode(model)  # checks the model now; compiles at the first decode step (compare's warm-up)
+        compile_decode(model)  # checks the model first
+        # compile every batch size now, so that the ceilings below are measured seconds, not minutes,
+        # before the decode steps they bound (this machine's bandwidth moves from minute to minute)
+        for b in tqdm(batch_sizes, desc="compiling decode", disable=args.json, leave=False):
+            roofline.measure_decode(model, b, repeats=1)  # the shapes compare() measures
     ceilings = roofline.measure(args.device)
-    ints = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
-    rows = roofline.compare(model, ceilings, ints(args.batch_sizes), ints(args.prompt_lengths), progress=not args.json)
+    rows = roofline.compare(model, ceilings, batch_sizes, ints(args.prompt_lengths), progress=not args.json)
     report = {"machine": machine(), "device": args.device, "copy_bandwidth": ceilings.copy_bandwidth,
               "read_bandwidth": ceilings.read_bandwidth, "bandwidth": ceilings.bandwidth,
               "matmul_flops": ceilings.matmul_flops,
