@@ -7,12 +7,13 @@ operations (norms, RoPE, attention, cache writes, residual adds) of a few micros
 step into one graph; its inductor backend fuses the elementwise operations into generated C++ (or
 Triton) loops, ``max_autotune`` times its own GEMM template against ATen's kernel for each weight
 shape and keeps the faster, and ``freezing`` treats the weights as constants so that they are
-packed once, at compile time. gpt-fast compiles its decode step the same way; vLLM compiles its
+packed once, at compile time. On the CPU, attention over one query becomes fused loops too
+(``minillm.model.attention_decode``). gpt-fast compiles its decode step the same way; vLLM compiles its
 model with ``torch.compile`` and replays it with CUDA graphs.
 
 On a GPU the same step is bound by kernel launches, not by memory: measured on an H200
-(``.ci/gpu-profile.py``), eager decode launched 920 kernels per step and kept the GPU busy 1.9 ms of a
-26 ms step; compiled, 529 kernels, 10 ms per step, the GPU still idle 89% of it. CUDA graphs (one
+(``.ci/gpu-profile.py``), eager decode launched 920 kernels and copies per step and kept the GPU
+busy 1.9 ms of a 26 ms step; compiled, 529, 10 ms per step, the GPU still idle 89% of it. CUDA graphs (one
 launch replays a captured step), which need fixed shapes, are what closes that gap; minillm leaves
 them out.
 

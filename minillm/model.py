@@ -176,8 +176,9 @@ def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Same as ``attention_naive`` through torch's fused ``scaled_dot_product_attention`` (GQA aware);
-    under ``torch.compile``, one unmasked query per row goes to ``attention_decode``."""
-    if mask is None and q.shape[2] == 1 and torch.compiler.is_compiling():
+    under ``torch.compile`` on the CPU, one unmasked query per row goes to ``attention_decode`` (on a
+    GPU it was not measured, and SDPA stays)."""
+    if mask is None and q.shape[2] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
         return attention_decode(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=bool(q.shape[1] != k.shape[1]))
 
@@ -195,8 +196,8 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """
     B, H, _, D = q.shape
     Hkv = k.shape[1]
-    qg = q.view(B, Hkv, H // Hkv, 1, D)  # each KV head's group of query heads
-    scores = (qg * k[:, :, None]).sum(-1) / math.sqrt(D)  # (B, Hkv, group, S)
+    qg = q.reshape(B, Hkv, H // Hkv, 1, D) / math.sqrt(D)  # each KV head's group of query heads, scaled
+    scores = (qg * k[:, :, None]).sum(-1)  # (B, Hkv, group, S)
     p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return (p[..., None] * v[:, :, None]).sum(-2).reshape(B, H, 1, D)
 

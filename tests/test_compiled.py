@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import write_tiny_gguf
 
+import minillm.model
 from minillm import KVCache, SamplingParams, generate_cached, load_model
 from minillm.compiled import compile_decode, is_compiled
 from minillm.generation import decode_step, generate_batch, prefill
@@ -55,10 +56,22 @@ def test_compiled_decode_batches_padding_and_int8_cache(tiny):
     for cache, kv_dtype in (("contiguous", None), ("contiguous", "int8"), ("dynamic", None)):
         eager = [r.tokens for r in generate_batch(tiny, prompts, params, cache=cache, kv_dtype=kv_dtype)]
         assert [r.tokens for r in generate_batch(compiled, prompts, params, cache=cache, kv_dtype=kv_dtype)] == eager
+    # prompts of one length: no padding mask, so the steps take attention_decode (counted below)
+    decode_calls = []
+    spy = minillm.model.attention_decode
+    minillm.model.attention_decode = lambda *a: decode_calls.append(1) or spy(*a)
+    try:
+        for kv_dtype in (None, "int8"):
+            same = [[5, 9, 200], [17, 4, 8]]
+            eager = [r.tokens for r in generate_batch(tiny, same, params, kv_dtype=kv_dtype)]
+            assert [r.tokens for r in generate_batch(compiled, same, params, kv_dtype=kv_dtype)] == eager
+    finally:
+        minillm.model.attention_decode = spy
+    assert decode_calls  # traced (once per layer and compilation), not called eagerly
     # sampling: same seed, same tokens
     sampled = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3)
     assert generate_cached(compiled, prompts[0], sampled).tokens == generate_cached(tiny, prompts[0], sampled).tokens
-    assert len(calls) == 3 * 7 + 7  # every decode step took the compiled path (the first token is prefill's)
+    assert len(calls) == 5 * 7 + 7  # every decode step took the compiled path (the first token is prefill's)
 
 
 def test_prefill_and_gradients_stay_eager(tiny):

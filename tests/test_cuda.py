@@ -105,10 +105,12 @@ def test_tiny_compiled_decode_on_cuda_matches_eager(tiny_path):
     gpu = load_model(tiny_path, device=DEVICE)[0]
     compiled = compile_decode(copy.deepcopy(gpu))
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    prompts = [[5, 9, 200, 31, 7], [17, 4]]
-    for kv_dtype in (None, "int8"):
-        ref = [r.tokens for r in generate_batch(gpu, prompts, params, kv_dtype=kv_dtype)]
-        assert [r.tokens for r in generate_batch(compiled, prompts, params, kv_dtype=kv_dtype)] == ref
+    padded = [[5, 9, 200, 31, 7], [17, 4]]  # steps with a padding mask
+    same = [[5, 9, 200, 31, 7], [8, 1, 44, 9, 3]]  # steps without a mask
+    for prompts in (padded, same):
+        for kv_dtype in (None, "int8"):
+            ref = [r.tokens for r in generate_batch(gpu, prompts, params, kv_dtype=kv_dtype)]
+            assert [r.tokens for r in generate_batch(compiled, prompts, params, kv_dtype=kv_dtype)] == ref
 
 
 # ---- the embedded model ------------------------------------------------------------------------------

@@ -113,6 +113,11 @@ def test_decode_attention_equals_naive(H, Hkv, S):
     if S == 77:  # compiling takes seconds: one case
         compiled = torch.compile(attention, fullgraph=True, dynamic=False)
         torch.testing.assert_close(compiled(q, k, v, None), ref, rtol=1e-5, atol=1e-5)
+    # bfloat16 inputs: no worse than SDPA's own rounding against the float32 result
+    q16, k16, v16 = (t.bfloat16() for t in (q, k, v))
+    err = (attention_decode(q16, k16, v16).float() - ref).abs().max()
+    sdpa_err = (attention(q16, k16, v16, None).float() - ref).abs().max()
+    assert err <= 2 * sdpa_err + 1e-3
 
 
 def test_rope_rotates_pairs_by_position_angle():

@@ -57,6 +57,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("g_idx", qw.g_idx.to(device=qw.codes.device, dtype=torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone().float())
         self.fast = False
+        self.want_fast = fast  # use the kernel wherever the layout and device allow (kept across .to())
+        self._kernel = None
         if fast:
             self.prepare_fast()
 
@@ -88,7 +90,7 @@ class QuantLinear(nn.Module):
 
     def prepare_fast(self) -> bool:
         """Build the int4 kernel's tensors if the layout allows it; returns whether the fast path is on."""
-        self.fast = False
+        self.fast, self._kernel = False, None
         qw = self.quantized_weight()
         I = self.in_features
         if self.config.bits > 4:
@@ -110,7 +112,8 @@ class QuantLinear(nn.Module):
         scales_and_zeros = torch.stack([s.t(), (s * (8 - z)).t()], dim=-1).to(torch.bfloat16).contiguous()
         dev = self.qweight.device
         if dev.type == "cuda":
-            # the CUDA kernel tiles K by 16 x inner_k_tiles (2, 4 or 8) and N by 16
+            # the CUDA kernel tiles K by 16 x inner_k_tiles (2, 4 or 8) and N by 8 (by 16 in ROCm builds:
+            # asked here of every build)
             inner_k_tiles = next((t for t in (8, 4, 2) if I % (16 * t) == 0), None)
             if inner_k_tiles is None or self.out_features % 16:
                 return False
@@ -125,7 +128,7 @@ class QuantLinear(nn.Module):
 
     def _apply(self, fn, recurse=True):  # .to(device): rebuild the kernel's tensors where the buffers went
         out = super()._apply(fn, recurse)
-        if self.fast:
+        if self.want_fast:
             self.prepare_fast()
         return out
 
