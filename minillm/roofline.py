@@ -230,6 +230,27 @@ def measure(device: str = "cpu", dtypes=("float32", "float16", "bfloat16"), mega
 
 
 @torch.inference_mode()
+def measure_weight_read(model, repeats: int = 7) -> dict:
+    """A plain streaming read (``sum``) of the model's own float linear weights, tensor by tensor.
+
+    These are the bytes a decode step must read, in the allocations it reads them from: a diagnostic
+    beside ``measure``'s ceiling, which reads one large buffer. When decode streams its weights nearly as
+    fast as this read, what is left between it and the bound is not the kernels but reading 121 separate
+    tensors (a parallel region each) instead of one buffer, and the machine's moods.
+
+    Returns:
+        {"bytes": bytes read (float linear weights; quantized layers are left out), "seconds": median
+        time of one pass, "bandwidth": bytes / seconds}.
+    """
+    from .linear import Linear
+
+    weights = [m.weight_shards for m in model.modules() if isinstance(m, Linear)]
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    seconds = time_median(lambda: [w.sum() for w in weights], model.device, repeats)
+    return {"bytes": nbytes, "seconds": seconds, "bandwidth": nbytes / seconds}
+
+
+@torch.inference_mode()
 def measure_decode(model, batch_size: int = 1, context: int = 64, steps: int = 16, repeats: int = 3) -> float:
     """Median seconds of one decode step (B rows, one token each) after ``context`` cached positions."""
     device = model.device

@@ -72,3 +72,15 @@ def test_weights_of_embedded_model(model):
 
     assert decode_cost(model.config, 1, 0).weight_bytes == weight_bytes_per_token(model)
     assert torch.float32 == model.dtype
+
+
+def test_weight_read_covers_every_linear_weight_once(model):
+    """The diagnostic read of the model's own weights counts exactly the linear layers' float32 bytes:
+    the cost model's weight bytes less the norm weights (which a decode step also reads)."""
+    from minillm.roofline import measure_weight_read
+
+    read = measure_weight_read(model, repeats=1)
+    c = model.config
+    norms = (2 * c.n_layers + 1) * c.dim
+    assert read["bytes"] == decode_cost(c, 1, 0).weight_bytes - 4 * norms
+    assert read["seconds"] > 0 and read["bandwidth"] == pytest.approx(read["bytes"] / read["seconds"])
