@@ -9,7 +9,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from minillm import KVCache, load_model
+from minillm import KVCache, load_model, roofline
 from minillm.compiled import compile_decode
 from minillm.generation import synchronize
 
@@ -18,31 +18,24 @@ DEVICE = os.environ.get("DEVICE", "cuda")  # DEVICE=cpu: a dry run of this scrip
 
 @torch.inference_mode()
 def step_profile(model, context=64, steps=16):
-    cache = KVCache(model.config, 1, context + 2 * steps + 1, model.dtype, model.device)
+    t0 = time.perf_counter()
+    roofline.measure_decode(model, 1, context, steps, repeats=1)  # warm-up (and, compiled, the compilations)
+    warmup = time.perf_counter() - t0
+    step_s = roofline.measure_decode(model, 1, context, steps)
+    # the same steps under the profiler, in a cache of measure_decode's size (same shapes, no recompile)
+    cache = KVCache(model.config, 1, context + steps + 1, model.dtype, model.device)
     tokens = torch.randint(100, 1000, (1, context), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     model(tokens, torch.arange(context, device=DEVICE), cache)
-    token = tokens[:, -1:]
-    t0 = time.perf_counter()
-    for i in range(steps):  # warm-up (and, compiled, the two compilations)
-        model(token, torch.tensor([context + i], device=DEVICE), cache)
-    synchronize(DEVICE)
-    warmup = time.perf_counter() - t0
-    cache.truncate(context)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         for i in range(steps):
-            model(token, torch.tensor([context + i], device=DEVICE), cache)
+            model(tokens[:, -1:], torch.tensor([context + i], device=DEVICE), cache)
         synchronize(DEVICE)
         wall = (time.perf_counter() - t0) / steps
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy = sum(e.time_range.elapsed_us() for e in kernels) / 1e6 / steps  # us -> s
     top = prof.key_averages().table(sort_by="self_device_time_total", row_limit=12)
-    cache.truncate(context)
-    t0 = time.perf_counter()  # the same steps without the profiler
-    for i in range(steps):
-        model(token, torch.tensor([context + i], device=DEVICE), cache)
-    synchronize(DEVICE)
-    return {"warmup_s": warmup, "step_s": (time.perf_counter() - t0) / steps, "step_s_profiled": wall,
+    return {"warmup_s": warmup, "step_s": step_s, "step_s_profiled": wall,
             "kernels_per_step": len(kernels) / steps, "gpu_busy_s_per_step": busy,
             "gpu_busy_fraction": busy / wall}, top
 

@@ -11,6 +11,12 @@ from minillm.tokenizer import bytes_to_unicode
 TINY = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab=300, ctx=128)
 
 
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in float32 on the CPU (a and b may sit on different devices)."""
+    a, b = a.detach().float().cpu(), b.detach().float().cpu()
+    return float((a - b).norm() / b.norm())
+
+
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """What llama.cpp's converter does to Q/K rows (pairs interleaved per head)."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

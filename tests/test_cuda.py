@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from helpers import write_tiny_gguf
+from helpers import rel_err, write_tiny_gguf
 
 from minillm import KVCache, SamplingParams, generate_cached, generate_naive, load_model
 from minillm.compiled import compile_decode
@@ -25,10 +25,6 @@ DEVICE = os.environ.get("MINILLM_TEST_DEVICE", "cuda")
 pytestmark = pytest.mark.skipif(DEVICE == "cuda" and not torch.cuda.is_available(), reason="torch sees no CUDA GPU")
 
 PROMPT = "The quick brown fox jumps over the lazy dog. Then the fox ran into the woods, and the dog"
-
-
-def rel_err(a, b):
-    return float((a.float().cpu() - b.float().cpu()).norm() / b.float().cpu().norm())
 
 
 @pytest.fixture(scope="module")

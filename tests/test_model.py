@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 from conftest import DEVICES
+from helpers import rel_err
 
 import minillm.model
 from minillm.model import (
@@ -23,10 +24,6 @@ PROMPTS = [
     "In the beginning God created the heaven and the earth. And the earth was without form, and void; "
     "and darkness was upon the face of the deep.",
 ]
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("n_tokens", [1, 9, 57, 200])

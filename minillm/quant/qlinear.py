@@ -56,11 +56,15 @@ class QuantLinear(nn.Module):
         self.register_buffer("scales", qw.scales.t().contiguous().float())
         self.register_buffer("g_idx", qw.g_idx.to(device=qw.codes.device, dtype=torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone().float())
-        self.fast = False
         self.want_fast = fast  # use the kernel wherever the layout and device allow (kept across .to())
-        self._kernel = None
+        self._kernel = None  # (packed codes, kernel group size, scales and zeros, column permutation or None)
         if fast:
             self.prepare_fast()
+
+    @property
+    def fast(self) -> bool:
+        """Whether ``forward`` takes the int4 kernel (its tensors are built)."""
+        return self._kernel is not None
 
     # ---- storage ------------------------------------------------------------------------------
     def quantized_weight(self) -> QuantizedWeight:
@@ -90,7 +94,7 @@ class QuantLinear(nn.Module):
 
     def prepare_fast(self) -> bool:
         """Build the int4 kernel's tensors if the layout allows it; returns whether the fast path is on."""
-        self.fast, self._kernel = False, None
+        self._kernel = None
         qw = self.quantized_weight()
         I = self.in_features
         if self.config.bits > 4:
@@ -113,17 +117,16 @@ class QuantLinear(nn.Module):
         dev = self.qweight.device
         if dev.type == "cuda":
             # the CUDA kernel tiles K by 16 x inner_k_tiles (2, 4 or 8) and N by 8 (by 16 in ROCm builds:
-            # asked here of every build)
-            inner_k_tiles = next((t for t in (8, 4, 2) if I % (16 * t) == 0), None)
-            if inner_k_tiles is None or self.out_features % 16:
+            # asked here of every build); kernel groups make I a multiple of 32, so 2 always tiles K
+            if self.out_features % 16:
                 return False
+            inner_k_tiles = next(t for t in (8, 4, 2) if I % (16 * t) == 0)
             # (O, I / 2) uint8, two codes per byte, the even column in the high nibble (torch >= 2.5)
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), inner_k_tiles)  # pragma: no cover
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         self._kernel = (packed, kg, scales_and_zeros.to(dev), None if (perm == torch.arange(I, device=perm.device)).all() else perm.to(dev))
-        self.fast = True
         return True
 
     def _apply(self, fn, recurse=True):  # .to(device): rebuild the kernel's tensors where the buffers went
