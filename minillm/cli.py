@@ -26,6 +26,21 @@ def _at_least(n: int):
     return parse
 
 
+def _int_list(n: int, allow_empty: bool = True):
+    """argparse type: comma-separated integers, each >= n ('' is an empty tuple if allowed)."""
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if any(v < n for v in values):
+            raise argparse.ArgumentTypeError(f"each value must be >= {n}, got {text!r}")
+        if not values and not allow_empty:
+            raise argparse.ArgumentTypeError("give at least one value")
+        return values
+    return parse
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face checkpoint folder "
                    "(default: the embedded SmolLM2-135M-Instruct)")
@@ -68,8 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(bd)
 
     r = sub.add_parser("roofline", help="measured ceilings, ridge point, predicted vs measured decode tokens/s")
-    r.add_argument("--batch-sizes", default="1,8", help="decode batch sizes, comma-separated")
-    r.add_argument("--prompt-lengths", default="128", help="prefill lengths, comma-separated ('' for none)")
+    r.add_argument("--batch-sizes", type=_int_list(1, allow_empty=False), default=(1, 8), help="decode batch sizes, comma-separated")
+    r.add_argument("--prompt-lengths", type=_int_list(1), default=(128,),
+                   help="prefill lengths, comma-separated ('' for none)")
     r.add_argument("--compile", action="store_true",
                    help="decode through torch.compile (minillm.compiled; compiling takes 1-2 minutes on 2 cores)")
     _model_args(r)
@@ -79,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     bs.add_argument("--new-tokens", type=_at_least(2), default=64)
     bs.add_argument("--repeats", type=_at_least(1), default=1)
     bs.add_argument("--draft", default="ngram", help="'ngram' (prompt lookup, default) or a draft model path")
-    bs.add_argument("--gammas", default=None,
+    bs.add_argument("--gammas", type=_int_list(1), default=None,
                     help="also sweep gamma on the input-grounded workloads, e.g. 1,2,3,4,6,8")
     _model_args(bs)
 
@@ -134,7 +150,11 @@ def _load_draft(args, model):
     """The draft model at ``args.draft``, checked to share the target's vocabulary."""
     from .loading import load_model
 
-    draft, _ = load_model(args.draft, dtype=args.dtype, device=model.device, n_shards=args.shards)
+    try:
+        draft, _ = load_model(args.draft, dtype=args.dtype, device=model.device, n_shards=args.shards)
+    except ValueError as e:  # ModelFileError included
+        raise ValueError(f"draft: {args.draft!r} is neither 'ngram' nor a model minillm can load ({e}); give "
+                         "'ngram' or a folder written by `python -m minillm distill-draft --out PATH`") from None
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"draft: {args.draft} has a vocabulary of {draft.config.vocab_size}, "
                          f"the target {model.config.vocab_size}; the draft must share the tokenizer")
@@ -244,10 +264,7 @@ def cmd_bench(args) -> int:
                             new_tokens=args.new_tokens, repeats=args.repeats, draft=draft, draft_name=args.draft,
                             progress=not args.json)
         if args.gammas:
-            gammas = tuple(int(g) for g in args.gammas.split(","))
-            if min(gammas) < 1:
-                raise ValueError(f"gammas: each must be >= 1, got {args.gammas}")
-            report["sweep"] = sweep_gamma(model, tokenizer, gammas=gammas, new_tokens=args.new_tokens,
+            report["sweep"] = sweep_gamma(model, tokenizer, gammas=args.gammas, new_tokens=args.new_tokens,
                                           repeats=args.repeats, draft=draft, progress=not args.json)
         if args.json:
             print(json.dumps(report))
@@ -286,8 +303,10 @@ def cmd_roofline(args) -> int:
     from .bench import machine
 
     model, _ = _load(args)
-    ints = lambda s: tuple(int(x) for x in s.split(",") if x.strip())  # noqa: E731
-    batch_sizes = ints(args.batch_sizes)
+    batch_sizes = args.batch_sizes
+    if args.prompt_lengths and max(args.prompt_lengths) > model.config.max_seq_len:
+        raise ValueError(f"prompt-lengths: {max(args.prompt_lengths)} is longer than the model's context "
+                         f"({model.config.max_seq_len} tokens)")
     if args.compile:
         from tqdm.auto import tqdm
 
@@ -299,7 +318,7 @@ def cmd_roofline(args) -> int:
         for b in tqdm(batch_sizes, desc="compiling decode", disable=args.json, leave=False):
             roofline.measure_decode(model, b, repeats=1)  # the shapes compare() measures
     ceilings = roofline.measure(args.device)
-    rows = roofline.compare(model, ceilings, batch_sizes, ints(args.prompt_lengths), progress=not args.json)
+    rows = roofline.compare(model, ceilings, batch_sizes, args.prompt_lengths, progress=not args.json)
     report = {"machine": machine(), "device": args.device, "copy_bandwidth": ceilings.copy_bandwidth,
               "read_bandwidth": ceilings.read_bandwidth, "bandwidth": ceilings.bandwidth,
               "matmul_flops": ceilings.matmul_flops,

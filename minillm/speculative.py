@@ -211,7 +211,9 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
 
     Returns:
         (GenerationResult, SpeculativeStats). ``step_s`` shares each pass's time equally among the
-        tokens it emitted; the prompt's prefill (all tokens but the last) is not timed.
+        tokens it emitted; the first token's share also holds the prompt's forward (all tokens but the
+        last), so ``prefill_s`` is the time from the start to the first new token, as in
+        ``generate_cached``.
 
     Raises:
         ValueError: gamma < 1, or the prompt errors of ``generate_cached``.
@@ -226,10 +228,12 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
     result, stats = GenerationResult(prompt_tokens=list(prompt_tokens)), SpeculativeStats()
     tokens = list(prompt_tokens)
     # invariant: the target cache holds every token but the last one, which is "pending"
+    t_start = time.perf_counter()
     if len(tokens) > 1:
         target(torch.tensor([tokens[:-1]], device=device), torch.arange(len(tokens) - 1, device=device), cache)
     synchronize(device)
     t0 = time.perf_counter()
+    prompt_s = t0 - t_start  # the prompt's forward, before the first pass
     while len(result.tokens) < params.max_new_tokens and len(tokens) < ctx:
         room = min(num_speculative_tokens, ctx - len(tokens) - 1, params.max_new_tokens - len(result.tokens) - 1)
         draft, draft_probs = proposer.propose(tokens, room, params, gen) if room > 0 else ([], None)
@@ -259,7 +263,9 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
         if result.tokens and result.tokens[-1] in eos and not params.ignore_eos:
             result.finish_reason = "eos"
             break
-    result.prefill_s = result.step_s[0] if result.step_s else 0.0
+    if result.step_s:
+        result.step_s[0] += prompt_s  # the first new token waited for the prompt's forward too
+    result.prefill_s = result.step_s[0] if result.step_s else prompt_s
     result.decode_s = sum(result.step_s[1:])
     return finish(result, tokenizer), stats
 

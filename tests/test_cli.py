@@ -44,6 +44,20 @@ def test_bad_input_exits_2_with_a_message(args, message):
     assert p.returncode == 2 and message in p.stderr
 
 
+@pytest.mark.parametrize("args,message", [
+    (["roofline", "--batch-sizes", "0"], "argument --batch-sizes: each value must be >= 1, got '0'"),
+    (["roofline", "--batch-sizes", "1,x"], "argument --batch-sizes: expected comma-separated integers, got '1,x'"),
+    (["roofline", "--batch-sizes", ""], "argument --batch-sizes: give at least one value"),
+    (["roofline", "--prompt-lengths", "-5"], "argument --prompt-lengths: each value must be >= 1"),
+    (["bench", "spec", "--gammas", "abc"], "argument --gammas: expected comma-separated integers"),
+    (["generate", "--prompt", "x", "--draft", "README.md"], "error: draft: 'README.md' is neither 'ngram' nor a model"),
+])
+def test_bad_options_exit_2_naming_the_option(args, message):
+    """Rejected before any measurement runs, with the option's name."""
+    p = run(*args)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+
+
 def test_prompt_longer_than_context():
     p = run("generate", "--prompt", "word " * 300, "--max-seq-len", "64")
     assert p.returncode == 2 and "error: prompt: " in p.stderr and "do not fit the context of 64 tokens" in p.stderr

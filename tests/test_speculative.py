@@ -148,6 +148,26 @@ def test_distill_draft_lowers_the_loss_and_leaves_the_target_alone(model, tokeni
         distill_draft(model, [1, 2, 3], seq_len=32)
 
 
+def test_prefill_s_includes_the_prompt_forward(model, tokenizer, monkeypatch):
+    """prefill_s is the time to the first new token, prompt forward included (as generate_cached's)."""
+    import time
+
+    forward, calls = model.forward, []
+
+    def slow_first_call(*args, **kwargs):  # the prompt's forward takes at least 0.3 s
+        calls.append(args[0].shape[1])
+        if len(calls) == 1:
+            time.sleep(0.3)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", slow_first_call)
+    prompt = tokenizer.encode("The cat sat on the mat. The cat sat on the")
+    out, _ = speculative_generate(model, NgramProposer(model.config.vocab_size), prompt,
+                                  SamplingParams(max_new_tokens=8, ignore_eos=True), num_speculative_tokens=4)
+    assert calls[0] == len(prompt) - 1  # the first forward was the prompt (all but its last token)
+    assert out.prefill_s >= 0.3 and out.prefill_s == out.step_s[0]
+
+
 def test_gamma_must_be_positive(model):
     with pytest.raises(ValueError, match="num_speculative_tokens: must be >= 1"):
         speculative_generate(model, NgramProposer(10), [1, 2], num_speculative_tokens=0)
