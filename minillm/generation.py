@@ -103,7 +103,7 @@ def stop_ids(tokenizer, eos_ids: set[int] | None) -> set[int]:
     return {tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None else set()
 
 
-class _Stopper:
+class Stopper:
     """Tracks EOS and stop strings for one sequence."""
 
     def __init__(self, params: SamplingParams, tokenizer, eos_ids: set[int]):
@@ -140,7 +140,7 @@ def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, toke
         raise ValueError("prompts: give at least one prompt")
     ctx = max(check_prompt(model, p, max_seq_len) for p in prompts)
     device = model.device
-    stopper = _Stopper(params, tokenizer, stop_ids(tokenizer, eos_ids))
+    stopper = Stopper(params, tokenizer, stop_ids(tokenizer, eos_ids))
     gen = make_generator(params, device)
     results = [GenerationResult(prompt_tokens=list(p)) for p in prompts]
     P = max(len(p) for p in prompts)

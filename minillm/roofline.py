@@ -208,10 +208,15 @@ def measure(device: str = "cpu", dtypes=("float32", "float16", "bfloat16"), mega
 
     Returns:
         ``Ceilings``.
+
+    Raises:
+        ValueError: a CUDA device on a machine without one.
     """
     from .loading import parse_dtype
 
     dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} is not available here (torch sees no CUDA GPU); use 'cpu'")
     n = megabytes * 2**20 // 4
     src = torch.ones(n, dtype=torch.float32, device=dev)
     dst = torch.empty_like(src)
@@ -250,12 +255,30 @@ def measure_weight_read(model, repeats: int = 7) -> dict:
     return {"bytes": nbytes, "seconds": seconds, "bandwidth": nbytes / seconds}
 
 
+def _random_tokens(model, shape) -> torch.Tensor:
+    """Seeded random ids of the model's vocabulary (what they are does not change the work), on its device."""
+    return torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(0)).to(model.device)
+
+
+def _check_fits(model, positions: int, what: str) -> None:
+    if not 1 <= positions <= model.config.max_seq_len:
+        raise ValueError(f"{what}: {positions} positions do not fit the model's context of "
+                         f"{model.config.max_seq_len}; measure shorter sequences")
+
+
 @torch.inference_mode()
 def measure_decode(model, batch_size: int = 1, context: int = 64, steps: int = 16, repeats: int = 3) -> float:
-    """Median seconds of one decode step (B rows, one token each) after ``context`` cached positions."""
+    """Median seconds of one decode step (B rows, one token each) after ``context`` cached positions.
+
+    Raises:
+        ValueError: batch_size < 1, or context + steps + 1 positions past the model's context.
+    """
     device = model.device
+    if batch_size < 1:
+        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
+    _check_fits(model, context + steps + 1, f"context {context} + {steps} decode steps + 1")
     cache = KVCache(model.config, batch_size, context + steps + 1, model.dtype, device)
-    tokens = torch.randint(100, 1000, (batch_size, context), generator=torch.Generator().manual_seed(0)).to(device)
+    tokens = _random_tokens(model, (batch_size, context))
     model(tokens, torch.arange(context, device=device), cache)
     token = tokens[:, -1:]
 
@@ -271,8 +294,9 @@ def measure_decode(model, batch_size: int = 1, context: int = 64, steps: int = 1
 def measure_prefill(model, prompt_tokens: int, batch_size: int = 1, repeats: int = 3) -> float:
     """Median seconds of a prefill forward of ``prompt_tokens`` tokens per row into an empty cache."""
     device = model.device
+    _check_fits(model, prompt_tokens, "prompt_tokens")
     cache = KVCache(model.config, batch_size, prompt_tokens, model.dtype, device)
-    tokens = torch.randint(100, 1000, (batch_size, prompt_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    tokens = _random_tokens(model, (batch_size, prompt_tokens))
     pos = torch.arange(prompt_tokens, device=device)
 
     def run():
@@ -287,8 +311,9 @@ def measure_verify(model, ks=range(1, 17), context: int = 64, repeats: int = 5) 
     """Seconds of one forward over k new tokens after ``context`` positions, for each k: the cost of
     letting the target verify k speculative tokens at once, relative to k = 1 (one decode step)."""
     device = model.device
+    _check_fits(model, context + max(ks), f"context {context} + k {max(ks)}")
     cache = KVCache(model.config, 1, context + max(ks), model.dtype, device)
-    tokens = torch.randint(100, 1000, (1, context + max(ks)), generator=torch.Generator().manual_seed(0)).to(device)
+    tokens = _random_tokens(model, (1, context + max(ks)))
     model(tokens[:, :context], torch.arange(context, device=device), cache)
     out = {}
     for k in ks:
@@ -315,6 +340,10 @@ def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), cont
     ``minillm.compiled.compile_decode``; prefill is never compiled), batch_size, tokens, flops, bytes, intensity,
     bound, predicted_s, measured_s, predicted_tokens_per_s, measured_tokens_per_s,
     measured/predicted ratio and achieved FLOP/s and bytes/s.
+
+    Raises:
+        ValueError: no matmul peak in ``ceilings`` for the model's dtype, a batch size < 1, or
+            sequences longer than the model's context.
     """
     from tqdm.auto import tqdm
 
@@ -322,6 +351,9 @@ def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), cont
 
     dtype = str(model.dtype).replace("torch.", "")
     nbytes = DTYPE_BYTES[dtype]
+    if dtype not in ceilings.matmul_flops:
+        raise ValueError(f"ceilings: no matmul peak measured for {dtype}, the model's dtype; "
+                         f"measure it with measure(device, dtypes=({dtype!r},))")
     peak = ceilings.matmul_flops[dtype]
     jobs = [("decode", b, None) for b in batch_sizes] + [("prefill", 1, t) for t in prompt_lengths]
     rows = []

@@ -7,6 +7,7 @@ Top-p is Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", S
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -38,22 +39,33 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        for name, kind in (("temperature", (int, float)), ("top_p", (int, float)), ("top_k", int),
-                           ("max_new_tokens", int)):
+        # numbers.Real / Integral: Python and NumPy scalars alike
+        for name, kind in (("temperature", numbers.Real), ("top_p", numbers.Real), ("top_k", numbers.Integral),
+                           ("max_new_tokens", numbers.Integral)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kind):
-                raise ValueError(f"{name}: must be a number{' (an integer)' if kind is int else ''}, got {value!r}")
+                raise ValueError(f"{name}: must be a number{' (an integer)' if kind is numbers.Integral else ''}, "
+                                 f"got {value!r}")
+            object.__setattr__(self, name, int(value) if kind is numbers.Integral else float(value))
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN
             raise ValueError(f"temperature: must be >= 0 and finite (0 = greedy), got {self.temperature}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                                      or not 0 <= self.seed < 2**63):
             raise ValueError(f"seed: must be an integer in [0, 2^63), got {self.seed!r}")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
         if self.top_k < 0:
             raise ValueError(f"top_k: must be >= 0 (0 = no top-k), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if isinstance(self.stop, str):
+            stop = (self.stop,)
+        elif isinstance(self.stop, (list, tuple)):
+            stop = tuple(self.stop)
+        else:
+            raise ValueError(f"stop: must be a string or a list of strings (() for none), got {self.stop!r}")
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop: stop strings must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)

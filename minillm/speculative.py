@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .generation import GenerationResult, check_prompt, finish, stop_ids, synchronize
+from .generation import GenerationResult, Stopper, check_prompt, finish, stop_ids, synchronize
 from .kv_cache import KVCache
 from .sampling import SamplingParams, logits_to_probs, make_generator
 
@@ -120,15 +120,27 @@ class NgramProposer:
 class DraftModelProposer:
     """A smaller model sharing the tokenizer drafts gamma tokens autoregressively, sampling from
     ``logits_to_probs(draft logits, params)`` (exactly the distribution reported as draft_probs).
-    Its own KV cache is rolled back to the longest prefix it shares with the accepted text."""
+    Its own KV cache is rolled back to the longest prefix it shares with the accepted text.
+
+    Args:
+        draft_model: a ``Decoder`` with the target's vocabulary.
+        max_seq_len: the target's context; a draft with a shorter context drafts fewer tokens near
+            its end and none past it (the target then goes on alone, one token per pass).
+    """
 
     def __init__(self, draft_model, max_seq_len: int):
         self.model = draft_model
-        self.cache = KVCache(draft_model.config, 1, max_seq_len, draft_model.dtype, draft_model.device)
+        self.vocab_size = draft_model.config.vocab_size
+        self.max_seq_len = min(max_seq_len, draft_model.config.max_seq_len)
+        self.cache = KVCache(draft_model.config, 1, self.max_seq_len, draft_model.dtype, draft_model.device)
         self.cached: list[int] = []
 
     @torch.inference_mode()
     def propose(self, tokens: list[int], gamma: int, params: SamplingParams, generator=None):
+        # the last draft is not fed back: positions up to len(tokens) + gamma - 2 go into the cache
+        gamma = min(gamma, self.max_seq_len - len(tokens) + 1)
+        if gamma < 1:
+            return [], torch.zeros(0, self.vocab_size)
         keep = 0
         while keep < min(len(self.cached), len(tokens) - 1) and self.cached[keep] == tokens[keep]:
             keep += 1
@@ -146,17 +158,21 @@ class DraftModelProposer:
             draft.append(x)
             probs.append(p)
             feed = [x]
-        return draft, torch.stack(probs) if probs else torch.zeros(0, self.model.config.vocab_size)
+        return draft, torch.stack(probs)
 
 
 @dataclass
 class SpeculativeStats:
     """Per target pass: tokens drafted (k, which varies for prompt lookup: 0 when nothing matches),
-    drafts accepted, and seconds spent drafting and verifying (verification includes the target's
-    forward over 1 + k tokens, ``logits_to_probs`` and ``rejection_sample``)."""
+    drafts accepted, tokens emitted, and seconds spent drafting and verifying (verification includes
+    the target's forward over 1 + k tokens, ``logits_to_probs`` and ``rejection_sample``).
+
+    ``emitted`` is accepted + 1 (the replacement or bonus token) except in a pass that EOS or a stop
+    string ends early, which keeps fewer; left empty, accepted + 1 is assumed."""
 
     drafted: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
+    emitted: list[int] = field(default_factory=list)
     draft_s: list[float] = field(default_factory=list)
     verify_s: list[float] = field(default_factory=list)
 
@@ -175,8 +191,10 @@ class SpeculativeStats:
 
     @property
     def tokens_per_target_pass(self) -> float:
-        """Emitted tokens per target forward: accepted drafts + 1 (the replacement or bonus)."""
-        return (sum(self.accepted) + len(self.accepted)) / max(1, len(self.accepted))
+        """Emitted tokens per target forward: accepted drafts + 1 (the replacement or bonus), or
+        fewer in a pass where generation stopped."""
+        emitted = self.emitted or [a + 1 for a in self.accepted]
+        return sum(emitted) / max(1, len(emitted))
 
     def acceptance_by_position(self) -> list[float]:
         """P(draft j accepted | drafts 1..j-1 accepted) for j = 1..max k; nan where never reached."""
@@ -223,6 +241,11 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
     ctx = check_prompt(target, prompt_tokens, max_seq_len)
     device = target.device
     eos = stop_ids(tokenizer, eos_ids)
+    stopper = Stopper(params, tokenizer, eos)
+    vocab = getattr(proposer, "vocab_size", None)  # a student's proposer may not say
+    if vocab is not None and vocab != target.config.vocab_size:
+        raise ValueError(f"proposer: drafts over a vocabulary of {vocab} ids, the target has "
+                         f"{target.config.vocab_size}; the draft must share the target's tokenizer")
     gen = make_generator(params, "cpu")
     cache = KVCache(target.config, 1, ctx, target.dtype, device)
     result, stats = GenerationResult(prompt_tokens=list(prompt_tokens)), SpeculativeStats()
@@ -247,21 +270,24 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
         emitted, n_ok = rejection_sample(draft, draft_probs, target_probs, gen)
         cache.truncate(start + 1 + n_ok)  # roll back the rejected drafts' keys and values
         now = time.perf_counter()
-        stats.drafted.append(len(draft))
-        stats.accepted.append(n_ok)
-        stats.draft_s.append(t1 - t0)
-        stats.verify_s.append(now - t1)
+        done, kept = False, 0
         for x in emitted:
             result.tokens.append(x)
-            result.step_s.append((now - t0) / len(emitted))
             tokens.append(x)
+            kept += 1
             if on_token is not None:
                 on_token(x)
-            if (x in eos and not params.ignore_eos) or len(result.tokens) >= params.max_new_tokens:
+            done = stopper.check(result)  # EOS or a stop string (sets finish_reason)
+            if done or len(result.tokens) >= params.max_new_tokens:
                 break
+        result.step_s += [(now - t0) / kept] * kept
+        stats.drafted.append(len(draft))
+        stats.accepted.append(n_ok)
+        stats.emitted.append(kept)
+        stats.draft_s.append(t1 - t0)
+        stats.verify_s.append(now - t1)
         t0 = now
-        if result.tokens and result.tokens[-1] in eos and not params.ignore_eos:
-            result.finish_reason = "eos"
+        if done:
             break
     if result.step_s:
         result.step_s[0] += prompt_s  # the first new token waited for the prompt's forward too

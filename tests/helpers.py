@@ -109,3 +109,21 @@ def write_hf_checkpoint(folder, arch="llama", tie=False, seed=0):
         model = transformers.GPT2LMHeadModel(config)
     model.eval().save_pretrained(folder, safe_serialization=True)
     return model
+
+
+def random_decoder(vocab_size: int, scale: float = 1.0, max_seq_len: int = 512):
+    """A 2-layer Llama ``Decoder`` (GQA: 4 heads, 2 KV heads) with seeded random weights."""
+    from minillm.model import Decoder, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=vocab_size,
+                      max_seq_len=max_seq_len)
+    state = {"tok_embeddings.weight": scale * torch.randn(vocab_size, 64), "norm.weight": torch.ones(64)}
+    for i in range(2):
+        p = f"layers.{i}"
+        state.update({f"{p}.attn_norm.weight": torch.ones(64), f"{p}.ffn_norm.weight": torch.ones(64),
+                      f"{p}.attn.wq.weight": torch.randn(64, 64) / 8, f"{p}.attn.wk.weight": torch.randn(32, 64) / 8,
+                      f"{p}.attn.wv.weight": torch.randn(32, 64) / 8, f"{p}.attn.wo.weight": torch.randn(64, 64) / 8,
+                      f"{p}.mlp.w_gate.weight": torch.randn(128, 64) / 8, f"{p}.mlp.w_up.weight": torch.randn(128, 64) / 8,
+                      f"{p}.mlp.w_down.weight": torch.randn(64, 128) / 8})
+    return Decoder(cfg, state).eval()

@@ -76,10 +76,17 @@ def test_cache_bytes_formula_matches_tensors(model):
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
                                          ("max_new_tokens", 0), ("temperature", float("nan")),
                                          ("temperature", float("inf")), ("top_k", 2.5), ("seed", 2**70),
-                                         ("stop", [1]), ("temperature", "hot")])
+                                         ("stop", [1]), ("stop", None), ("seed", True), ("temperature", "hot")])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**{field: value})
+
+
+def test_sampling_params_take_numpy_scalars():
+    import numpy as np
+
+    p = SamplingParams(temperature=np.float32(0.5), top_k=np.int64(3), seed=np.int64(7))
+    assert (p.temperature, p.top_k, p.seed) == (0.5, 3, 7) and type(p.top_k) is int and type(p.seed) is int
 
 
 def test_logits_to_probs():

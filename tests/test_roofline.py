@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import random_decoder
 
 from minillm import KVCache, ModelConfig
 from minillm.roofline import (
@@ -84,3 +85,23 @@ def test_weight_read_covers_every_linear_weight_once(model):
     norms = (2 * c.n_layers + 1) * c.dim
     assert read["bytes"] == decode_cost(c, 1, 0).weight_bytes - 4 * norms
     assert read["seconds"] > 0 and read["bandwidth"] == pytest.approx(read["bytes"] / read["seconds"])
+
+
+def test_compare_runs_any_model_and_refuses_what_it_cannot_measure():
+    """A model of 300 ids and 128 positions (measurements draw ids from its own vocabulary)."""
+    from minillm.roofline import Ceilings, compare
+
+    small = random_decoder(300, max_seq_len=128)
+    ceilings = Ceilings("cpu", 1e10, 1e10, {"float32": 1e11})
+    rows = compare(small, ceilings, batch_sizes=(1, 2), prompt_lengths=(16,))
+    assert [(r["kind"], r["batch_size"], r["tokens"]) for r in rows] == [("decode", 1, 1), ("decode", 2, 2),
+                                                                          ("prefill", 1, 16)]
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in rows)
+    with pytest.raises(ValueError, match="context 120 \\+ 16 decode steps \\+ 1: 137 positions do not fit"):
+        compare(small, ceilings, context=120)
+    with pytest.raises(ValueError, match="prompt_tokens: 200 positions do not fit the model's context of 128"):
+        compare(small, ceilings, batch_sizes=(), prompt_lengths=(200,))
+    with pytest.raises(ValueError, match="batch_size: must be >= 1, got 0"):
+        compare(small, ceilings, batch_sizes=(0,))
+    with pytest.raises(ValueError, match="ceilings: no matmul peak measured for float32"):
+        compare(small, Ceilings("cpu", 1e10, 1e10), batch_sizes=(1,))

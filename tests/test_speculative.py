@@ -1,12 +1,14 @@
 """Speculative decoding: the emitted distribution is exactly the target's; greedy output equals the
 target's greedy output for any draft."""
 
+import itertools
+
 import pytest
 import torch
+from helpers import random_decoder
 
 from minillm import SamplingParams, generate_cached
 from minillm.draft import save_llama_checkpoint, self_draft
-from minillm.model import Decoder, ModelConfig
 from minillm.sampling import logits_to_probs
 from minillm.speculative import (
     DraftModelProposer, NgramProposer, acceptance_probability, draw, emitted_distribution, rejection_sample,
@@ -72,18 +74,7 @@ def test_sampled_tokens_follow_the_target_distribution():
 
 
 def random_draft(vocab_size, scale=1.0):
-    torch.manual_seed(0)
-    cfg = ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=vocab_size,
-                      max_seq_len=512)
-    state = {"tok_embeddings.weight": scale * torch.randn(vocab_size, 64), "norm.weight": torch.ones(64)}
-    for i in range(2):
-        p = f"layers.{i}"
-        state.update({f"{p}.attn_norm.weight": torch.ones(64), f"{p}.ffn_norm.weight": torch.ones(64),
-                      f"{p}.attn.wq.weight": torch.randn(64, 64) / 8, f"{p}.attn.wk.weight": torch.randn(32, 64) / 8,
-                      f"{p}.attn.wv.weight": torch.randn(32, 64) / 8, f"{p}.attn.wo.weight": torch.randn(64, 64) / 8,
-                      f"{p}.mlp.w_gate.weight": torch.randn(128, 64) / 8, f"{p}.mlp.w_up.weight": torch.randn(128, 64) / 8,
-                      f"{p}.mlp.w_down.weight": torch.randn(64, 128) / 8})
-    return Decoder(cfg, state).eval()
+    return random_decoder(vocab_size, scale)
 
 
 @pytest.mark.parametrize("proposer_kind", ["ngram", "random draft model"])
@@ -166,6 +157,57 @@ def test_prefill_s_includes_the_prompt_forward(model, tokenizer, monkeypatch):
                                   SamplingParams(max_new_tokens=8, ignore_eos=True), num_speculative_tokens=4)
     assert calls[0] == len(prompt) - 1  # the first forward was the prompt (all but its last token)
     assert out.prefill_s >= 0.3 and out.prefill_s == out.step_s[0]
+
+
+@pytest.mark.parametrize("proposer_kind", ["ngram", "self-draft"])
+def test_stop_strings_and_eos_end_speculation_as_they_end_plain_decoding(model, tokenizer, proposer_kind):
+    """A stop string or EOS inside an accepted run of drafts ends generation there; the pass counts
+    only the tokens it kept."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+
+    def proposer():
+        return (NgramProposer(model.config.vocab_size) if proposer_kind == "ngram"
+                else DraftModelProposer(self_draft(model, 29), 512))  # all but one layer: long accepted runs
+
+    for params in (SamplingParams(max_new_tokens=40, stop=(" Paris", "Berlin")), SamplingParams(max_new_tokens=40)):
+        ref = generate_cached(model, ids, params, tokenizer=tokenizer)
+        out, stats = speculative_generate(model, proposer(), ids, params, tokenizer=tokenizer, num_speculative_tokens=8)
+        assert (out.tokens, out.text, out.finish_reason) == (ref.tokens, ref.text, ref.finish_reason)
+        assert ref.finish_reason in ("stop", "eos")
+        assert sum(stats.emitted) == len(out.tokens) == len(out.step_s)
+        assert stats.tokens_per_target_pass == len(out.tokens) / len(stats.accepted)
+    with pytest.raises(ValueError, match="stop: stop strings need a tokenizer"):
+        speculative_generate(model, proposer(), ids, SamplingParams(stop=("x",)))
+
+
+def test_eos_inside_an_accepted_run_keeps_only_the_tokens_emitted(model, tokenizer):
+    ids = tokenizer.encode("The cat sat on the mat. The cat sat on the mat. The cat sat on the")
+    ref = generate_cached(model, ids, SamplingParams(max_new_tokens=16, ignore_eos=True))
+    eos = {ref.tokens[1]}  # the second greedy token ends generation, inside the first pass's drafts
+    out, stats = speculative_generate(model, NgramProposer(model.config.vocab_size), ids,
+                                      SamplingParams(max_new_tokens=16), num_speculative_tokens=6, eos_ids=eos)
+    assert out.tokens == ref.tokens[:2] and out.finish_reason == "eos"
+    assert stats.accepted[0] >= 2 and stats.emitted == [2] and stats.tokens_per_target_pass == 2
+
+
+def test_a_draft_with_a_shorter_context_stops_drafting_at_its_end(model, tokenizer):
+    from dataclasses import replace
+
+    short = self_draft(model, 2)
+    short.config = replace(short.config, max_seq_len=24)
+    proposer = DraftModelProposer(short, 512)  # the target's context is longer
+    ids = tokenizer.encode("The cat sat on the mat. The dog sat on the")
+    params = SamplingParams(max_new_tokens=20, ignore_eos=True)
+    out, stats = speculative_generate(model, proposer, ids, params, num_speculative_tokens=4)
+    assert out.tokens == generate_cached(model, ids, params).tokens
+    # drafting stops once the text passes the draft's 24 positions (the last draft is not fed back)
+    passes_after = [k for k, n in zip(stats.drafted, itertools.accumulate([len(ids)] + stats.emitted)) if n > 25]
+    assert passes_after and set(passes_after) == {0} and max(stats.drafted) > 0
+
+
+def test_a_proposer_over_another_vocabulary_is_refused(model):
+    with pytest.raises(ValueError, match="proposer: drafts over a vocabulary of 10 ids, the target has 49152"):
+        speculative_generate(model, NgramProposer(10), [1, 2, 3])
 
 
 def test_gamma_must_be_positive(model):
