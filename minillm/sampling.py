@@ -46,7 +46,10 @@ class SamplingParams:
             if isinstance(value, bool) or not isinstance(value, kind):
                 raise ValueError(f"{name}: must be a number{' (an integer)' if kind is numbers.Integral else ''}, "
                                  f"got {value!r}")
-            object.__setattr__(self, name, int(value) if kind is numbers.Integral else float(value))
+            try:
+                object.__setattr__(self, name, int(value) if kind is numbers.Integral else float(value))
+            except OverflowError:
+                raise ValueError(f"{name}: {value!r} is too large") from None
         if not 0 <= self.temperature < float("inf"):  # also rejects NaN
             raise ValueError(f"temperature: must be >= 0 and finite (0 = greedy), got {self.temperature}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
@@ -60,12 +63,10 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
-        if isinstance(self.stop, str):
-            stop = (self.stop,)
-        elif isinstance(self.stop, (list, tuple)):
-            stop = tuple(self.stop)
-        else:
-            raise ValueError(f"stop: must be a string or a list of strings (() for none), got {self.stop!r}")
+        try:
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        except TypeError:
+            raise ValueError(f"stop: must be a string or a list of strings (() for none), got {self.stop!r}") from None
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop: stop strings must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)

@@ -318,7 +318,8 @@ def predicted_speedup(stats: SpeculativeStats, verify_cost: dict[int, float], dr
 
     Cost of pass i in decode steps: verify_cost[1 + k_i] / verify_cost[1] + draft_cost * k_i, with
     k_i the tokens drafted in that pass (prompt lookup often drafts 0). Tokens of pass i: either the
-    measured a_i + 1, or (i.i.d. model) ``expected_tokens_per_pass(alpha, k_i)``.
+    measured tokens it emitted (a_i + 1, fewer in a pass where generation stopped), or (i.i.d. model)
+    ``expected_tokens_per_pass(alpha, k_i)``.
 
     Args:
         stats: one run's ``SpeculativeStats``.

@@ -76,7 +76,8 @@ def test_cache_bytes_formula_matches_tensors(model):
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
                                          ("max_new_tokens", 0), ("temperature", float("nan")),
                                          ("temperature", float("inf")), ("top_k", 2.5), ("seed", 2**70),
-                                         ("stop", [1]), ("stop", None), ("seed", True), ("temperature", "hot")])
+                                         ("stop", [1]), ("stop", None), ("seed", True), ("temperature", "hot"),
+                                         ("top_p", 10**400), ("temperature", 10**400)])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=f"^{field}:"):
         SamplingParams(**{field: value})
