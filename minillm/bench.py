@@ -37,6 +37,29 @@ def machine() -> str:
     return s
 
 
+def busy_cores(seconds: float = 0.25, stat: str = "/proc/stat") -> float | None:
+    """Cores that other processes keep busy while this one sleeps for ``seconds``.
+
+    Read from the aggregate ``cpu`` line of /proc/stat (jiffies): (busy delta / total delta) x cores,
+    busy being everything but idle and iowait. Timings of multi-threaded steps are only trustworthy
+    when this is near 0 (a step waits for its slowest core). Returns None where /proc/stat cannot be
+    read (not Linux).
+    """
+    def sample():
+        with open(stat) as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+        return sum(values) - idle, sum(values)
+
+    try:
+        busy0, total0 = sample()
+        time.sleep(seconds)
+        busy1, total1 = sample()
+    except (OSError, ValueError, IndexError):
+        return None
+    return (busy1 - busy0) / max(1, total1 - total0) * (os.cpu_count() or 1)
+
+
 def weight_bytes_per_token(model) -> int:
     """Bytes of weights one decode step reads: every Linear weight (the tied embedding once, as the
     output projection) plus norms; the embedding lookup of one row is negligible."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -352,10 +353,25 @@ def cmd_tour(args) -> int:
     return 0
 
 
+def warn_if_busy(threshold: float = 0.5) -> float | None:
+    """Print a warning (stderr) when other processes keep at least ``threshold`` cores busy: the
+    timings about to be measured would be slow and noisy. Returns the busy cores (None if unknown)."""
+    from .bench import busy_cores
+
+    busy = busy_cores()
+    if busy is not None and busy >= threshold:
+        print(f"warning: other processes keep {busy:.1f} of {os.cpu_count()} cores busy; timings will be slow and "
+              f"noisy (each multi-threaded step waits for its slowest core). Measure on a quiet machine, or "
+              f"run with OMP_NUM_THREADS=1 and --shards 1", file=sys.stderr)
+    return busy
+
+
 def main(argv: list[str] | None = None) -> int:
     from .cli_quant import cmd_perplexity, cmd_quantize
 
     args = build_parser().parse_args(argv)
+    if args.command in ("bench", "roofline", "tour"):  # the commands that measure speed
+        warn_if_busy()
     try:
         if args.command == "generate":
             return cmd_generate(args)

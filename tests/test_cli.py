@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -115,3 +116,22 @@ def test_bench_spec_reports_every_workload_and_the_gamma_sweep():
     assert [(r["workload"], r["gamma"]) for r in sweep["rows"]] == [(w, g) for w in INPUT_GROUNDED for g in (1, 3)]
     assert all(r["same_tokens"] for r in sweep["rows"]) and set(sweep["best"]) == set(INPUT_GROUNDED)
     assert run("bench", "spec", "--gammas", "0,2").returncode == 2
+
+
+def test_a_busy_machine_is_reported_before_measuring(tmp_path):
+    """busy_cores reads /proc/stat: a process spinning on one core shows as about one busy core, and the
+    measuring commands warn about it on stderr."""
+    from minillm.bench import busy_cores
+
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)
+        assert busy_cores(0.5) >= 0.7
+        p = run("roofline", "--model", "/nonexistent.gguf")  # warns, then refuses the file
+        assert "warning: other processes keep" in p.stderr and "--shards 1" in p.stderr
+    finally:
+        spin.kill()
+    fake = tmp_path / "stat"
+    fake.write_text("cpu  100 0 100 800 0 0 0 0 0 0\n")  # user nice system idle iowait ...
+    assert busy_cores(0.0, str(fake)) == 0.0  # no jiffies passed between the two reads
+    assert busy_cores(0.0, str(tmp_path / "missing")) is None
