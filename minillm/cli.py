@@ -304,10 +304,8 @@ def cmd_roofline(args) -> int:
     from .bench import machine
 
     model, _ = _load(args)
-    batch_sizes = args.batch_sizes
-    if args.prompt_lengths and max(args.prompt_lengths) > model.config.max_seq_len:
-        raise ValueError(f"prompt-lengths: {max(args.prompt_lengths)} is longer than the model's context "
-                         f"({model.config.max_seq_len} tokens)")
+    for t in args.prompt_lengths:  # before the minutes of measuring, not after
+        roofline.check_fits(model, t, "--prompt-lengths")
     if args.compile:
         from tqdm.auto import tqdm
 
@@ -316,10 +314,10 @@ def cmd_roofline(args) -> int:
         compile_decode(model)  # checks the model first
         # compile every batch size now, so that the ceilings below are measured seconds, not minutes,
         # before the decode steps they bound (this machine's bandwidth moves from minute to minute)
-        for b in tqdm(batch_sizes, desc="compiling decode", disable=args.json, leave=False):
+        for b in tqdm(args.batch_sizes, desc="compiling decode", disable=args.json, leave=False):
             roofline.measure_decode(model, b, repeats=1)  # the shapes compare() measures
     ceilings = roofline.measure(args.device)
-    rows = roofline.compare(model, ceilings, batch_sizes, args.prompt_lengths, progress=not args.json)
+    rows = roofline.compare(model, ceilings, args.batch_sizes, args.prompt_lengths, progress=not args.json)
     report = {"machine": machine(), "device": args.device, "copy_bandwidth": ceilings.copy_bandwidth,
               "read_bandwidth": ceilings.read_bandwidth, "bandwidth": ceilings.bandwidth,
               "matmul_flops": ceilings.matmul_flops,

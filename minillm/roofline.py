@@ -260,7 +260,8 @@ def _random_tokens(model, shape) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(0)).to(model.device)
 
 
-def _check_fits(model, positions: int, what: str) -> None:
+def check_fits(model, positions: int, what: str) -> None:
+    """Raises ValueError (naming ``what``) unless 1 <= positions <= the model's context."""
     if not 1 <= positions <= model.config.max_seq_len:
         raise ValueError(f"{what}: {positions} positions do not fit the model's context of "
                          f"{model.config.max_seq_len}; measure shorter sequences")
@@ -276,7 +277,7 @@ def measure_decode(model, batch_size: int = 1, context: int = 64, steps: int = 1
     device = model.device
     if batch_size < 1:
         raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-    _check_fits(model, context + steps + 1, f"context {context} + {steps} decode steps + 1")
+    check_fits(model, context + steps + 1, f"context {context} + {steps} decode steps + 1")
     cache = KVCache(model.config, batch_size, context + steps + 1, model.dtype, device)
     tokens = _random_tokens(model, (batch_size, context))
     model(tokens, torch.arange(context, device=device), cache)
@@ -294,7 +295,7 @@ def measure_decode(model, batch_size: int = 1, context: int = 64, steps: int = 1
 def measure_prefill(model, prompt_tokens: int, batch_size: int = 1, repeats: int = 3) -> float:
     """Median seconds of a prefill forward of ``prompt_tokens`` tokens per row into an empty cache."""
     device = model.device
-    _check_fits(model, prompt_tokens, "prompt_tokens")
+    check_fits(model, prompt_tokens, "prompt_tokens")
     cache = KVCache(model.config, batch_size, prompt_tokens, model.dtype, device)
     tokens = _random_tokens(model, (batch_size, prompt_tokens))
     pos = torch.arange(prompt_tokens, device=device)
@@ -311,7 +312,7 @@ def measure_verify(model, ks=range(1, 17), context: int = 64, repeats: int = 5) 
     """Seconds of one forward over k new tokens after ``context`` positions, for each k: the cost of
     letting the target verify k speculative tokens at once, relative to k = 1 (one decode step)."""
     device = model.device
-    _check_fits(model, context + max(ks), f"context {context} + k {max(ks)}")
+    check_fits(model, context + max(ks), f"context {context} + k {max(ks)}")
     cache = KVCache(model.config, 1, context + max(ks), model.dtype, device)
     tokens = _random_tokens(model, (1, context + max(ks)))
     model(tokens[:, :context], torch.arange(context, device=device), cache)

@@ -240,8 +240,7 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
         raise ValueError(f"num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
     ctx = check_prompt(target, prompt_tokens, max_seq_len)
     device = target.device
-    eos = stop_ids(tokenizer, eos_ids)
-    stopper = Stopper(params, tokenizer, eos)
+    stopper = Stopper(params, tokenizer, stop_ids(tokenizer, eos_ids))
     vocab = getattr(proposer, "vocab_size", None)  # a student's proposer may not say
     if vocab is not None and vocab != target.config.vocab_size:
         raise ValueError(f"proposer: drafts over a vocabulary of {vocab} ids, the target has "

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from helpers import rel_err, write_tiny_gguf
+from helpers import random_decoder, rel_err, write_tiny_gguf
 
 from minillm import KVCache, SamplingParams, generate_cached, generate_naive, load_model
 from minillm.compiled import compile_decode
@@ -132,13 +132,11 @@ def test_greedy_generation_matches_cpu(model, cuda_model, tokenizer):
 
 @pytest.mark.parametrize("proposer_kind", ["ngram", "random draft model"])
 def test_speculative_greedy_equals_target_on_cuda(cuda_model, tokenizer, proposer_kind):
-    from test_speculative import random_draft
-
     prompt = tokenizer.encode("The cat sat on the mat. The dog sat on the log. The cat sat on the")
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     ref = generate_cached(cuda_model, prompt, params)
     proposer = (NgramProposer(cuda_model.config.vocab_size) if proposer_kind == "ngram"
-                else DraftModelProposer(random_draft(cuda_model.config.vocab_size).to(DEVICE), 256))
+                else DraftModelProposer(random_decoder(cuda_model.config.vocab_size).to(DEVICE), 256))
     out, stats = speculative_generate(cuda_model, proposer, prompt, params, num_speculative_tokens=4)
     assert out.tokens == ref.tokens
     assert 0 <= stats.acceptance_rate <= 1

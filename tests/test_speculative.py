@@ -73,17 +73,13 @@ def test_sampled_tokens_follow_the_target_distribution():
     assert tv < 0.02
 
 
-def random_draft(vocab_size, scale=1.0):
-    return random_decoder(vocab_size, scale)
-
-
 @pytest.mark.parametrize("proposer_kind", ["ngram", "random draft model"])
 def test_greedy_speculative_equals_target_greedy(model, tokenizer, proposer_kind):
     prompt = tokenizer.encode("The cat sat on the mat. The dog sat on the log. The cat sat on the")
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     ref = generate_cached(model, prompt, params)
     proposer = (NgramProposer(model.config.vocab_size) if proposer_kind == "ngram"
-                else DraftModelProposer(random_draft(model.config.vocab_size), 256))
+                else DraftModelProposer(random_decoder(model.config.vocab_size), 256))
     streamed = []
     out, stats = speculative_generate(model, proposer, prompt, params, num_speculative_tokens=4, on_token=streamed.append)
     assert out.tokens == ref.tokens == streamed
@@ -344,7 +340,7 @@ def test_sampled_random_draft_model_follows_the_target(model, target_logits, nam
     logits, ids = target_logits
     params = SAMPLED[name]
     target_probs = logits_to_probs(logits[None], params)[0]
-    draft_model = random_draft(model.config.vocab_size, scale=0.2)
+    draft_model = random_decoder(model.config.vocab_size, scale=0.2)
     proposer = DraftModelProposer(draft_model, 64)
     with torch.inference_mode():
         draft_probs = logits_to_probs(draft_model(torch.tensor([ids]), torch.arange(len(ids)))[0, -1:], params)[0]
