@@ -300,7 +300,7 @@ def step_time_at_positions(model, positions=(32, 128, 256, 512), repeats: int = 
     Returns {path: {position: median seconds}}.
     """
     from .kv_cache import make_cache
-    from .roofline import time_median
+    from .measurements import time_median
 
     device = model.device
     top = max(positions)

@@ -12,7 +12,7 @@ import statistics
 
 from .bench import machine
 from .generation import generate_cached
-from .roofline import measure_verify
+from .measurements import measure_verify
 from .sampling import SamplingParams
 from .speculative import (
     DraftModelProposer, NgramProposer, expected_tokens_per_pass, leviathan_speedup, predicted_speedup,

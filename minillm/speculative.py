@@ -323,7 +323,7 @@ def predicted_speedup(stats: SpeculativeStats, verify_cost: dict[int, float], dr
     Args:
         stats: one run's ``SpeculativeStats``.
         verify_cost: {k: seconds of one target forward over k tokens} for k = 1 .. max k + 1
-            (``roofline.measure_verify``); k = 1 is a decode step.
+            (``measurements.measure_verify``); k = 1 is a decode step.
         draft_cost: c, seconds of one draft token / seconds of one target decode step (0 for n-gram).
 
     Returns:
