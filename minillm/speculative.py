@@ -295,6 +295,49 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
     return finish(result, tokenizer), stats
 
 
+def replay_greedy(proposer, prompt_tokens: list[int], answer: list[int], num_speculative_tokens: int = 4,
+                  params: SamplingParams = SamplingParams()) -> SpeculativeStats:
+    """The target passes greedy speculative decoding takes to emit a known greedy ``answer``, found
+    without running the target: at temperature 0 a draft is accepted exactly when it equals the target's
+    argmax, which is the answer's next token (Leviathan et al. 2023, Sec. 2.3 with one-hot target_probs).
+
+    What a proposer or a gamma would give on an answer can so be asked in milliseconds, for instance
+    the most tokens per pass that prompt lookup can reach on an answer written in the model's own
+    words. The passes follow ``speculative_generate``'s: k <= min(gamma, tokens still to emit - 1)
+    drafts, accepted up to the first mismatch, plus one token. An answer cut by ``max_new_tokens``
+    replays exactly; after an answer that ended with EOS or a stop string, a live run may draft past
+    its end in the last pass (those drafts count as rejected here). Timings stay empty.
+
+    Args:
+        proposer: a deterministic proposer (prompt lookup; a draft model at temperature 0).
+        prompt_tokens, answer: the prompt ids and the greedy ids generated after them.
+        params: passed to ``proposer.propose`` (greedy).
+
+    Returns:
+        ``SpeculativeStats`` with drafted, accepted and emitted per pass.
+
+    Raises:
+        ValueError: gamma < 1, or a sampling ``params`` (the replay holds at greedy only).
+    """
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
+    if params.temperature != 0:
+        raise ValueError(f"params: replay holds at greedy only (temperature 0), got temperature {params.temperature}")
+    stats, tokens, i = SpeculativeStats(), list(prompt_tokens), 0
+    while i < len(answer):
+        room = min(num_speculative_tokens, len(answer) - i - 1)
+        draft = proposer.propose(tokens, room, params)[0][:room] if room > 0 else []
+        n_ok = 0
+        while n_ok < len(draft) and draft[n_ok] == answer[i + n_ok]:
+            n_ok += 1
+        tokens += answer[i:i + n_ok + 1]
+        i += n_ok + 1
+        stats.drafted.append(len(draft))
+        stats.accepted.append(n_ok)
+        stats.emitted.append(n_ok + 1)
+    return stats
+
+
 # ---------------------------------------------------------------------------------------------
 # Theory: tokens per pass and speedup (Leviathan et al. 2023, Sec. 3.1-3.4)
 

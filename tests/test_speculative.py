@@ -12,7 +12,7 @@ from minillm.draft import save_llama_checkpoint, self_draft
 from minillm.sampling import logits_to_probs
 from minillm.speculative import (
     DraftModelProposer, NgramProposer, acceptance_probability, draw, emitted_distribution, rejection_sample,
-    residual_distribution, speculative_generate,
+    replay_greedy, residual_distribution, speculative_generate,
 )
 
 
@@ -78,14 +78,21 @@ def test_greedy_speculative_equals_target_greedy(model, tokenizer, proposer_kind
     prompt = tokenizer.encode("The cat sat on the mat. The dog sat on the log. The cat sat on the")
     params = SamplingParams(max_new_tokens=32, ignore_eos=True)
     ref = generate_cached(model, prompt, params)
-    proposer = (NgramProposer(model.config.vocab_size) if proposer_kind == "ngram"
-                else DraftModelProposer(random_decoder(model.config.vocab_size), 256))
+    draft = random_decoder(model.config.vocab_size)
+
+    def proposer():
+        return NgramProposer(model.config.vocab_size) if proposer_kind == "ngram" else DraftModelProposer(draft, 256)
+
     streamed = []
-    out, stats = speculative_generate(model, proposer, prompt, params, num_speculative_tokens=4, on_token=streamed.append)
+    out, stats = speculative_generate(model, proposer(), prompt, params, num_speculative_tokens=4,
+                                      on_token=streamed.append)
     assert out.tokens == ref.tokens == streamed
     assert len(stats.accepted) <= 32 and 0 <= stats.acceptance_rate <= 1
     if proposer_kind == "ngram":
         assert stats.acceptance_rate > 0.2  # the text repeats itself, so lookups hit
+    # the same passes, replayed from the greedy answer alone (no target)
+    replayed = replay_greedy(proposer(), prompt, ref.tokens, 4)
+    assert (replayed.drafted, replayed.accepted, replayed.emitted) == (stats.drafted, stats.accepted, stats.emitted)
 
 
 def test_stats_alpha_positions_and_predicted_speedup():
@@ -209,6 +216,19 @@ def test_a_proposer_over_another_vocabulary_is_refused(model):
 def test_gamma_must_be_positive(model):
     with pytest.raises(ValueError, match="num_speculative_tokens: must be >= 1"):
         speculative_generate(model, NgramProposer(10), [1, 2], num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens: must be >= 1"):
+        replay_greedy(NgramProposer(10), [1, 2], [3], num_speculative_tokens=0)
+
+
+def test_replay_counts_passes_by_hand_and_refuses_sampling():
+    # prompt "a b c a": the lookup of "a" drafts "b c a"; the answer "b c x y z" accepts "b c" and emits x;
+    # "x" occurs nowhere before, so nothing is drafted and y comes alone; z is the last token: no room to draft
+    a, b, c, x, y, z = 1, 2, 3, 4, 5, 6
+    stats = replay_greedy(NgramProposer(10), [a, b, c, a], [b, c, x, y, z], num_speculative_tokens=3)
+    assert (stats.drafted, stats.accepted, stats.emitted) == ([3, 0, 0], [2, 0, 0], [3, 1, 1])
+    assert stats.tokens_per_target_pass == pytest.approx(5 / 3)
+    with pytest.raises(ValueError, match="params: replay holds at greedy only"):
+        replay_greedy(NgramProposer(10), [1, 2], [3], params=SamplingParams(temperature=0.5))
 
 
 def test_self_draft_shares_weights_and_round_trips_through_a_checkpoint(model, tmp_path):
