@@ -184,6 +184,7 @@ def measure_verify(model, ks=range(1, 17), context: int = 64, repeats: int = 5) 
     return out
 
 
+@torch.inference_mode()
 def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict[str, float]:
     """Seconds to run every linear layer of one decode step (B rows) in four weight layouts:
 

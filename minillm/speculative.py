@@ -295,8 +295,8 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
     return finish(result, tokenizer), stats
 
 
-def replay_greedy(proposer, prompt_tokens: list[int], answer: list[int], num_speculative_tokens: int = 4,
-                  params: SamplingParams = SamplingParams()) -> SpeculativeStats:
+def replay_greedy(proposer, prompt_tokens: list[int], answer: list[int], params: SamplingParams = SamplingParams(), *,
+                  num_speculative_tokens: int = 4) -> SpeculativeStats:
     """The target passes greedy speculative decoding takes to emit a known greedy ``answer``, found
     without running the target: at temperature 0 a draft is accepted exactly when it equals the target's
     argmax, which is the answer's next token (Leviathan et al. 2023, Sec. 2.3 with one-hot target_probs).
@@ -304,29 +304,42 @@ def replay_greedy(proposer, prompt_tokens: list[int], answer: list[int], num_spe
     What a proposer or a gamma would give on an answer can so be asked in milliseconds, for instance
     the most tokens per pass that prompt lookup can reach on an answer written in the model's own
     words. The passes follow ``speculative_generate``'s: k <= min(gamma, tokens still to emit - 1)
-    drafts, accepted up to the first mismatch, plus one token. An answer cut by ``max_new_tokens``
-    replays exactly; after an answer that ended with EOS or a stop string, a live run may draft past
-    its end in the last pass (those drafts count as rejected here). Timings stay empty.
+    drafts, accepted up to the first mismatch, plus one token.
+
+    Exact for an answer cut by ``max_new_tokens``. For an answer that ended with EOS or a stop string,
+    a live run may also draft, and even accept, tokens past the answer's end in the passes whose
+    window reaches it (what the target would say after EOS is unknown here); the replay drafts only
+    up to the end. The number of passes and the tokens emitted by each (so ``tokens_per_target_pass``)
+    are still the live run's; ``drafted``, ``accepted`` and ``alpha`` can differ in those passes. Both
+    hold for proposers whose shorter drafts are prefixes of their longer ones (both built-in ones).
 
     Args:
         proposer: a deterministic proposer (prompt lookup; a draft model at temperature 0).
         prompt_tokens, answer: the prompt ids and the greedy ids generated after them.
-        params: passed to ``proposer.propose`` (greedy).
+        params: greedy ``SamplingParams``, passed to ``proposer.propose`` (with generator None).
+        num_speculative_tokens: gamma, the most drafts per pass (>= 1).
 
     Returns:
-        ``SpeculativeStats`` with drafted, accepted and emitted per pass.
+        ``SpeculativeStats`` with drafted, accepted and emitted per pass (timings empty).
 
     Raises:
-        ValueError: gamma < 1, or a sampling ``params`` (the replay holds at greedy only).
+        ValueError: num_speculative_tokens < 1, sampling ``params`` (the replay holds at greedy
+            only), an empty prompt, or ids outside the proposer's vocabulary.
     """
     if num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
-    if params.temperature != 0:
-        raise ValueError(f"params: replay holds at greedy only (temperature 0), got temperature {params.temperature}")
+    if not isinstance(params, SamplingParams) or params.temperature != 0:
+        raise ValueError(f"params: replay holds at greedy only (SamplingParams with temperature 0), got {params!r}")
+    if len(prompt_tokens) == 0:
+        raise ValueError("prompt_tokens: is empty; give at least one token")
+    vocab = getattr(proposer, "vocab_size", None)
+    for name, ids in (("prompt_tokens", prompt_tokens), ("answer", answer)):
+        if vocab is not None and ids and (min(ids) < 0 or max(ids) >= vocab):
+            raise ValueError(f"{name}: token ids must be in [0, {vocab}), the proposer's vocabulary")
     stats, tokens, i = SpeculativeStats(), list(prompt_tokens), 0
     while i < len(answer):
         room = min(num_speculative_tokens, len(answer) - i - 1)
-        draft = proposer.propose(tokens, room, params)[0][:room] if room > 0 else []
+        draft = proposer.propose(tokens, room, params, None)[0][:room] if room > 0 else []
         n_ok = 0
         while n_ok < len(draft) and draft[n_ok] == answer[i + n_ok]:
             n_ok += 1

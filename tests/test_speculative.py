@@ -91,7 +91,7 @@ def test_greedy_speculative_equals_target_greedy(model, tokenizer, proposer_kind
     if proposer_kind == "ngram":
         assert stats.acceptance_rate > 0.2  # the text repeats itself, so lookups hit
     # the same passes, replayed from the greedy answer alone (no target)
-    replayed = replay_greedy(proposer(), prompt, ref.tokens, 4)
+    replayed = replay_greedy(proposer(), prompt, ref.tokens, num_speculative_tokens=4)
     assert (replayed.drafted, replayed.accepted, replayed.emitted) == (stats.drafted, stats.accepted, stats.emitted)
 
 
@@ -220,15 +220,36 @@ def test_gamma_must_be_positive(model):
         replay_greedy(NgramProposer(10), [1, 2], [3], num_speculative_tokens=0)
 
 
-def test_replay_counts_passes_by_hand_and_refuses_sampling():
+def test_replay_counts_passes_by_hand_and_refuses_bad_input():
     # prompt "a b c a": the lookup of "a" drafts "b c a"; the answer "b c x y z" accepts "b c" and emits x;
     # "x" occurs nowhere before, so nothing is drafted and y comes alone; z is the last token: no room to draft
     a, b, c, x, y, z = 1, 2, 3, 4, 5, 6
     stats = replay_greedy(NgramProposer(10), [a, b, c, a], [b, c, x, y, z], num_speculative_tokens=3)
     assert (stats.drafted, stats.accepted, stats.emitted) == ([3, 0, 0], [2, 0, 0], [3, 1, 1])
     assert stats.tokens_per_target_pass == pytest.approx(5 / 3)
-    with pytest.raises(ValueError, match="params: replay holds at greedy only"):
-        replay_greedy(NgramProposer(10), [1, 2], [3], params=SamplingParams(temperature=0.5))
+    for args, kwargs, message in [
+        (([1, 2], [3], SamplingParams(temperature=0.5)), {}, "params: replay holds at greedy only"),
+        (([1, 2], [3], None), {}, "params: replay holds at greedy only"),
+        (([], [3]), {}, "prompt_tokens: is empty"),
+        (([1, 2], [5, 99]), {}, "answer: token ids must be in \\[0, 10\\)"),
+        (([1, -1], [3]), {}, "prompt_tokens: token ids must be in"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            replay_greedy(NgramProposer(10), *args, **kwargs)
+
+
+@pytest.mark.parametrize("gamma", [2, 8])
+def test_replay_of_an_answer_ended_by_eos_keeps_the_live_passes(model, tokenizer, gamma):
+    """Past EOS the replay cannot know the target's argmax, so drafted/accepted may differ in the passes
+    whose window reaches the end; the passes and the tokens each emits do not."""
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Repeat exactly: the cat sat on the mat."}])
+    params = SamplingParams(max_new_tokens=48)
+    out, live = speculative_generate(model, NgramProposer(model.config.vocab_size), prompt, params,
+                                     num_speculative_tokens=gamma, tokenizer=tokenizer)
+    assert out.finish_reason == "eos"
+    replayed = replay_greedy(NgramProposer(model.config.vocab_size), prompt, out.tokens, num_speculative_tokens=gamma)
+    assert replayed.emitted == live.emitted and sum(replayed.drafted) <= sum(live.drafted)
+    assert replayed.tokens_per_target_pass == live.tokens_per_target_pass
 
 
 def test_self_draft_shares_weights_and_round_trips_through_a_checkpoint(model, tmp_path):
