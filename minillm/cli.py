@@ -43,8 +43,8 @@ def _int_list(n: int, allow_empty: bool = True):
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face checkpoint folder "
-                   "(default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face checkpoint folder, or a "
+                   ".safetensors file written by `quantize` (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--shards", type=_at_least(1), default=None,
@@ -228,7 +228,8 @@ def cmd_generate(args) -> int:
             "decode_tokens_per_s": result.decode_tokens_per_s, "cache": args.cache, "kv_dtype": args.kv_dtype,
             "dtype": args.dtype, "device": args.device,
             **({"draft": args.draft, "num_speculative_tokens": args.num_speculative_tokens,
-                "acceptance_rate": stats.acceptance_rate, "tokens_per_target_pass": stats.tokens_per_target_pass}
+                "acceptance_rate": stats.acceptance_rate, "alpha": stats.alpha,
+                "target_passes": len(stats.drafted), "tokens_per_target_pass": stats.tokens_per_target_pass}
                if stats else {}),
         }))
     else:
@@ -236,6 +237,10 @@ def cmd_generate(args) -> int:
         print(f"[{len(result.prompt_tokens)} prompt tokens, {len(result.tokens)} new, finish: {result.finish_reason}; "
               f"prefill {result.prefill_s:.3f} s, decode {result.decode_tokens_per_s:.1f} tokens/s, "
               f"cache {args.cache}]", file=sys.stderr)
+        if stats:  # what speculation did: the same text as plain decoding, in fewer target passes
+            print(f"[speculative, draft {args.draft}, gamma {args.num_speculative_tokens}: {len(stats.drafted)} target "
+                  f"passes, {stats.tokens_per_target_pass:.2f} tokens per pass, alpha {stats.alpha:.2f}, "
+                  f"acceptance rate {stats.acceptance_rate:.2f}]", file=sys.stderr)
     return 0
 
 

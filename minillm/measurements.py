@@ -125,7 +125,8 @@ def check_fits(model, positions: int, what: str) -> None:
 
 @torch.inference_mode()
 def measure_decode(model, batch_size: int = 1, context: int = 64, steps: int = 16, repeats: int = 3) -> float:
-    """Median seconds of one decode step (B rows, one token each) after ``context`` cached positions.
+    """Median seconds of one decode step (B rows, one token each) after ``context`` cached positions,
+    averaged over ``steps`` consecutive steps. ``model``: a ``Decoder`` (as ``load_model()`` returns).
 
     Raises:
         ValueError: batch_size < 1, or context + steps + 1 positions past the model's context.
@@ -149,7 +150,11 @@ def measure_decode(model, batch_size: int = 1, context: int = 64, steps: int = 1
 
 @torch.inference_mode()
 def measure_prefill(model, prompt_tokens: int, batch_size: int = 1, repeats: int = 3) -> float:
-    """Median seconds of a prefill forward of ``prompt_tokens`` tokens per row into an empty cache."""
+    """Median seconds of a prefill forward of ``prompt_tokens`` tokens per row into an empty cache.
+
+    Raises:
+        ValueError: prompt_tokens outside 1..the model's context.
+    """
     device = model.device
     check_fits(model, prompt_tokens, "prompt_tokens")
     cache = KVCache(model.config, batch_size, prompt_tokens, model.dtype, device)
@@ -165,8 +170,19 @@ def measure_prefill(model, prompt_tokens: int, batch_size: int = 1, repeats: int
 
 @torch.inference_mode()
 def measure_verify(model, ks=range(1, 17), context: int = 64, repeats: int = 5) -> dict[int, float]:
-    """Seconds of one forward over k new tokens after ``context`` positions, for each k: the cost of
-    letting the target verify k speculative tokens at once, relative to k = 1 (one decode step)."""
+    """Seconds of one forward over k new tokens after ``context`` positions, for each k: what it costs
+    the target to verify k - 1 speculative tokens (and the pending one) at once. Absolute seconds;
+    divide by ``[1]``, one decode step, for the ratio that ``speculative.predicted_speedup`` uses.
+
+    Args:
+        model: a ``Decoder`` (as ``load_model()`` returns), batch 1.
+
+    Returns:
+        {k: median seconds} for each k in ``ks``.
+
+    Raises:
+        ValueError: context + max(ks) positions past the model's context.
+    """
     device = model.device
     check_fits(model, context + max(ks), f"context {context} + k {max(ks)}")
     cache = KVCache(model.config, 1, context + max(ks), model.dtype, device)

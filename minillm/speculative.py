@@ -95,8 +95,8 @@ class NgramProposer:
     min_n = 1 by default: a one-token match drafts on almost every pass and is often wrong, so it
     pays only where a wrong draft costs the target little. With oneDNN's packed weights
     (``minillm.model.Linear``) verifying 5 tokens costs 1.0-1.15 decode steps on the 2-core CPU, and
-    one-token matches measured better than or equal to two-token ones on 5 of ``bench spec``'s 6
-    workloads (summarise 1.36x vs 1.16x, chat 1.09x vs 0.98x; edit code 1.44x vs 1.51x). When
+    one-token matches measured better than or equal to two-token ones on 5 of the 6 workloads
+    ``bench spec`` had then (summarise 1.36x vs 1.16x, chat 1.09x vs 0.98x; edit code 1.44x vs 1.51x). When
     verifying costs more (with MKL's small GEMMs it was 1.86 decode steps), use min_n = 2: then
     one-token matches measured 0.56-0.75x of plain decoding on the open-ended workloads."""
 

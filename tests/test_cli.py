@@ -84,12 +84,15 @@ def test_bench_decode_and_tour(tmp_path):
 
 def test_generate_with_ngram_draft_gives_the_same_greedy_tokens():
     prompt = "Repeat exactly: the quick brown fox jumps over the lazy dog, the quick brown fox jumps over the lazy dog"
-    plain = json.loads(run("generate", "--prompt", prompt, "--max-new-tokens", "24", "--json").stdout)
-    p = run("generate", "--prompt", prompt, "--max-new-tokens", "24", "--json", "--draft", "ngram",
+    plain = json.loads(run("generate", "--chat", "--prompt", prompt, "--max-new-tokens", "24", "--json").stdout)
+    p = run("generate", "--chat", "--prompt", prompt, "--max-new-tokens", "24", "--json", "--draft", "ngram",
             "--num-speculative-tokens", "4")
     assert p.returncode == 0, p.stderr
     spec = json.loads(p.stdout)
-    assert spec["tokens"] == plain["tokens"] and 0 <= spec["acceptance_rate"] <= 1
+    assert spec["tokens"] == plain["tokens"] and 0 <= spec["acceptance_rate"] <= spec["alpha"] <= 1
+    # the answer repeats the prompt: fewer target passes than tokens, and passes x tokens per pass = the tokens
+    assert spec["target_passes"] < len(spec["tokens"])
+    assert spec["target_passes"] * spec["tokens_per_target_pass"] == pytest.approx(len(spec["tokens"]))
 
 
 def test_generate_with_ngram_draft_streams_the_same_text():
@@ -98,6 +101,8 @@ def test_generate_with_ngram_draft_streams_the_same_text():
     spec = run("generate", "--prompt", prompt, "--max-new-tokens", "24", "--draft", "ngram")
     assert spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout and len(spec.stdout.strip()) > 20
+    assert "[speculative, draft ngram, gamma 4: " in spec.stderr and "tokens per pass, alpha" in spec.stderr
+    assert "[speculative" not in plain.stderr
 
 
 def test_bench_spec_reports_every_workload_and_the_gamma_sweep():
