@@ -60,7 +60,8 @@ def compare_once(model, tokenizer, prompt_ids, params, gamma, draft=None, repeat
     pred = predicted_speedup(st, verify, draft_cost)
     return {
         "plain_tokens_per_s": plain_tps, "spec_tokens_per_s": spec_tps, "measured_speedup": spec_tps / plain_tps,
-        "new_tokens": len(plain[-1].tokens), "same_tokens": all(r.tokens == plain[-1].tokens for r, _ in spec),
+        "tokens": plain[-1].tokens, "new_tokens": len(plain[-1].tokens),
+        "same_tokens": all(r.tokens == plain[-1].tokens for r, _ in spec),
         "alpha": st.alpha, "acceptance_rate": st.acceptance_rate, "acceptance_by_position": st.acceptance_by_position(),
         "passes": len(st.drafted), "mean_drafted": sum(st.drafted) / len(st.drafted),
         "passes_without_draft": sum(k == 0 for k in st.drafted) / len(st.drafted),
@@ -90,10 +91,11 @@ def bench_spec(model, tokenizer, *, num_speculative_tokens: int = 4, new_tokens:
     Returns:
         dict: machine, dtype, proposer, num_speculative_tokens, new_tokens, repeats, verify_s ({k:
         seconds of a target forward over k tokens}, k = 1..gamma+1), draft_cost_ratio (c), and rows:
-        per workload tokens/s of both paths, measured speedup, alpha, acceptance per position,
-        tokens per pass, share of passes without a draft, and the predicted speedups: proposer-aware
-        (``predicted_speedup``, from the measured tokens per pass and from alpha) and Leviathan et
-        al.'s closed form (Theorem 3.8; with and without the measured verify cost).
+        per workload the greedy answer (tokens), tokens/s of both paths, measured speedup, alpha,
+        acceptance per position, tokens per pass, share of passes without a draft, and the predicted
+        speedups: proposer-aware (``predicted_speedup``, from the measured tokens per pass and from
+        alpha) and Leviathan et al.'s closed form (Theorem 3.8; with and without the measured verify
+        cost).
     """
     from tqdm.auto import tqdm
 

@@ -60,6 +60,12 @@ def synchronize(device: str | torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
+    """Raises ValueError (naming ``name``) unless every id is in [0, vocab_size)."""
+    if ids and (min(ids) < 0 or max(ids) >= vocab_size):
+        raise ValueError(f"{name}: token ids must be in [0, {vocab_size})")
+
+
 def check_prompt(model, prompt_tokens: list[int], max_seq_len: int | None) -> int:
     """Validate the prompt against the context; returns the context length to use.
 
@@ -70,8 +76,7 @@ def check_prompt(model, prompt_tokens: list[int], max_seq_len: int | None) -> in
     ctx = model.config.max_seq_len if max_seq_len is None else min(max_seq_len, model.config.max_seq_len)
     if len(prompt_tokens) == 0:
         raise ValueError("prompt: is empty; give at least one token")
-    if min(prompt_tokens) < 0 or max(prompt_tokens) >= model.config.vocab_size:
-        raise ValueError(f"prompt: token ids must be in [0, {model.config.vocab_size})")
+    check_token_ids("prompt", prompt_tokens, model.config.vocab_size)
     if len(prompt_tokens) >= ctx:
         raise ValueError(
             f"prompt: {len(prompt_tokens)} tokens do not fit the context of {ctx} tokens (max_seq_len) with room "
