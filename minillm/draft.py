@@ -23,6 +23,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from .files import atomic_write
 
 
 def self_draft(target, n_layers: int):
@@ -123,8 +126,8 @@ def distill_draft(target, tokens: list[int], *, n_layers: int = 4, seq_len: int 
 
 def save_llama_checkpoint(model, folder) -> None:
     """Write a Llama ``Decoder`` as a Hugging Face LlamaForCausalLM folder (config.json +
-    model.safetensors, no pickle), which ``load_model(folder)`` and transformers read back."""
-    from safetensors.torch import save_file
+    model.safetensors, no pickle), which ``load_model(folder)`` and transformers read back. Each file is
+    written beside itself and renamed into place when complete (``minillm.files``)."""
 
     c = model.config
     folder = Path(folder)
@@ -141,10 +144,12 @@ def save_llama_checkpoint(model, folder) -> None:
                       f"{p}.self_attn.v_proj.weight": v, f"{p}.self_attn.o_proj.weight": layer.attn.wo.weight,
                       f"{p}.mlp.gate_proj.weight": gate, f"{p}.mlp.up_proj.weight": up,
                       f"{p}.mlp.down_proj.weight": layer.mlp.w_down.weight})
-    save_file({k: v.detach().float().contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.dim,
-        "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers, "num_attention_heads": H,
-        "num_key_value_heads": Hkv, "head_dim": D, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_seq_len,
-        "rope_theta": c.rope_base, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
-        "hidden_act": "silu", "torch_dtype": "float32"}, indent=2))
+    with atomic_write(folder / "model.safetensors") as tmp:
+        save_file({k: v.detach().float().contiguous() for k, v in state.items()}, str(tmp))
+    with atomic_write(folder / "config.json") as tmp:
+        tmp.write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": c.dim,
+            "intermediate_size": c.ffn_dim, "num_hidden_layers": c.n_layers, "num_attention_heads": H,
+            "num_key_value_heads": Hkv, "head_dim": D, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_seq_len,
+            "rope_theta": c.rope_base, "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
+            "hidden_act": "silu", "torch_dtype": "float32"}, indent=2))

@@ -12,13 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
+GREEDY_BELOW = torch.finfo(torch.float32).tiny  # temperatures under this cannot divide float32 logits
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop.
 
     Fields:
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0.
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0. A temperature
+            below float32's smallest normal number (``GREEDY_BELOW``, ~1.2e-38) also means greedy:
+            logits are divided in float32, where it would round to 0 and every probability to NaN.
         top_k: keep the k most likely tokens; 0 keeps all. >= 0.
         top_p: keep the smallest set of tokens whose probability reaches top_p. In (0, 1].
         max_new_tokens: tokens to generate at most. >= 1.
@@ -73,7 +77,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -85,8 +89,15 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
 
     Returns:
         (B, V) float32 probabilities summing to 1 per row; tokens outside top-k / top-p get 0.
+
+    Raises:
+        ValueError: the logits hold NaN (or every logit of a row is -inf), so no distribution exists;
+            this is the one check every sampling path (plain, batch, speculative) goes through.
     """
     logits = logits.float()
+    if torch.isnan(logits).any() or (logits == float("-inf")).all(-1).any():
+        raise ValueError("logits: contain NaN or a row that is all -inf, so there is no distribution to sample "
+                         "from; the model's forward overflowed (try --dtype float32) or its weights are corrupt")
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     # subtract the max first: a tiny temperature then gives 0 and -inf (a one-hot), never inf - inf
@@ -111,7 +122,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits: (B, V). Returns (B,) int64.
     """
     if params.greedy:
-        return logits.argmax(-1)
+        return logits_to_probs(logits, params).argmax(-1)  # checks the logits; the one-hot's argmax is theirs
     probs = logits_to_probs(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

@@ -328,7 +328,7 @@ def replay_greedy(proposer, prompt_tokens: list[int], answer: list[int], params:
     """
     if num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
-    if not isinstance(params, SamplingParams) or params.temperature != 0:
+    if not isinstance(params, SamplingParams) or not params.greedy:
         raise ValueError(f"params: replay holds at greedy only (SamplingParams with temperature 0), got {params!r}")
     if len(prompt_tokens) == 0:
         raise ValueError("prompt_tokens: is empty; give at least one token")

@@ -22,7 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from tqdm.auto import tqdm
+
+from ..files import atomic_write, check_output_path
+from ..gguf_blocks import dequantize
+from ..gguf_file import read_gguf
 
 QK = 32
 
@@ -105,14 +110,12 @@ def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | s
     The source tensors are dequantized first (``minillm.gguf_blocks``), as llama.cpp's
     ``llama-quantize --allow-requantize`` does; the tensors keep llama.cpp's layout and names.
 
-    Returns dst. Raises ValueError for an unsupported qtype; ModelFileError for a bad source.
+    ``dst`` is written beside itself and renamed into place when complete (``minillm.files``), so the
+    source, memory-mapped while its tensors are copied, is never overwritten.
+
+    Returns dst. Raises ValueError for an unsupported qtype or ``dst`` resolving to ``src``;
+    ModelFileError for a bad source.
     """
-    from gguf import GGUFValueType, GGUFWriter
-    from tqdm.auto import tqdm
-
-    from ..gguf_blocks import dequantize
-    from ..gguf_file import read_gguf
-
     if isinstance(qtype, str):
         try:
             qtype = GGMLQuantizationType[qtype.upper()]
@@ -120,9 +123,16 @@ def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | s
             raise ValueError(f"qtype: {qtype!r} is not a GGML type; use Q8_0, Q4_0 or Q4_1") from None
     if qtype not in QUANTIZERS:
         raise ValueError(f"qtype: {qtype.name} is not one minillm quantizes; use Q8_0, Q4_0 or Q4_1")
+    check_output_path(dst, "out", sources=[src], suffix=".gguf")
     reader = read_gguf(src)
-    arch = str(reader.fields["general.architecture"].contents())
-    writer = GGUFWriter(str(dst), arch)
+    with atomic_write(dst, sources=[src]) as tmp:
+        _copy_quantized(reader, GGUFWriter(str(tmp), str(reader.fields["general.architecture"].contents())),
+                        qtype, progress)
+    return Path(dst)
+
+
+def _copy_quantized(reader, writer, qtype: GGMLQuantizationType, progress: bool) -> None:
+    """Every field and tensor of ``reader`` into ``writer``, tensors of 2+ dimensions as ``qtype``."""
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
             continue
@@ -140,4 +150,3 @@ def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | s
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return Path(dst)

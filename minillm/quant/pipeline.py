@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import atomic_write
 from ..model import Linear
 from .awq import fold_scales, search_clip, search_scales
 from .gptq import Hessian, gptq_quantize
@@ -251,7 +252,10 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
     the metadata holds the model config, the quantization config and ``tokenizer_source`` (the GGUF
     the tokenizer comes from).
 
-    Returns the path. Raises ValueError for a model with float linear layers left.
+    The file is written beside ``path`` and renamed into place when complete (``minillm.files``).
+
+    Returns the path. Raises ValueError for a model with float linear layers left, or ``path`` resolving
+    to ``tokenizer_source``.
     """
     from dataclasses import asdict
 
@@ -285,7 +289,8 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
                                         "awq_clip": report.get("awq_clip")}),
             "tokenizer_source": tokenizer_source or ""}
     path = Path(path)
-    save_file(state, str(path), metadata=meta)
+    with atomic_write(path, sources=[tokenizer_source] if tokenizer_source else ()) as tmp:
+        save_file(state, str(tmp), metadata=meta)
     return path
 
 

@@ -1,0 +1,83 @@
+"""Writing output files so that nothing is lost.
+
+Every writer (GGUF, safetensors, draft checkpoints, tables) writes to a temporary file beside its
+destination and renames it into place only when the file is complete (``atomic_write``): a crash,
+a full disk or an error half-way leaves the destination as it was. The commands check their output
+paths with ``check_output_path`` before loading a model, so that a bad path costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_output_path(path: str | os.PathLike, option: str, *, sources: Iterable[str | os.PathLike] = (),
+                      suffix: str | None = None, folder: bool = False) -> Path:
+    """Check that ``path`` can be written, before any work starts.
+
+    Args:
+        path: the file (or, with ``folder``, the folder) to write.
+        option: the option or argument that named it, for the message (e.g. ``"--out"``).
+        sources: files the work reads; the output may not be any of them (with ``folder``, no file
+            inside the folder may be one of them either).
+        suffix: the ending the file must have (e.g. ``".gguf"``), or None.
+        folder: the output is a folder (created if missing) rather than a file.
+
+    Returns the path. Raises ValueError naming ``option``: the wrong suffix, a folder that does not
+    exist, a directory where a file goes (or a file where a folder goes), or a source as destination.
+    """
+    p = Path(path)
+    if suffix is not None and p.suffix != suffix:
+        raise ValueError(f"{option}: must end in {suffix}, got {str(path)!r}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{option}: the folder {str(parent)!r} does not exist; create it first (mkdir -p) "
+                         "or give another path")
+    if folder and p.exists() and not p.is_dir():
+        raise ValueError(f"{option}: {str(path)!r} is a file, and a folder is written there; give a new folder name")
+    if not folder and p.is_dir():
+        raise ValueError(f"{option}: {str(path)!r} is a folder; give a file name inside it")
+    for src in sources:
+        src = Path(src)
+        if _same_file(p, src) or (folder and _same_file(p, src.parent)):
+            raise ValueError(f"{option}: {str(path)!r} is the file being read ({src}); writing it would destroy "
+                             "the source: give another path")
+    return p
+
+
+@contextlib.contextmanager
+def atomic_write(dst: str | os.PathLike, sources: Iterable[str | os.PathLike] = ()) -> Iterator[Path]:
+    """``with atomic_write(dst) as tmp:`` write to ``tmp``; on leaving the block ``tmp`` is renamed
+    to ``dst`` (atomic on one file system), or removed if the block raised. The source files stay
+    readable throughout, even memory-mapped ones, since no byte of an existing file is overwritten.
+
+    Raises:
+        ValueError: ``dst`` resolves to one of ``sources``.
+    """
+    dst = Path(dst)
+    for src in sources:
+        if _same_file(dst, Path(src)):
+            raise ValueError(f"out: {str(dst)!r} is the file being read; writing it would destroy the source: "
+                             "give another path")
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent if str(dst.parent) else ".")
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # as open() would create it; mkstemp makes it private
+    try:
+        yield Path(tmp)
+        os.replace(tmp, dst)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)

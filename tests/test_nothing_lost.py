@@ -1,0 +1,92 @@
+"""Nothing lost, nothing garbled: writers never destroy their source or leave half a file, and bad
+options are refused before the work they would throw away."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import write_tiny_gguf
+
+from minillm import load_model
+from minillm.files import atomic_write, check_output_path
+from minillm.quant import gguf_quant
+from minillm.quant.gguf_quant import write_gguf
+
+
+def run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def digest(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+def test_requantizing_a_gguf_onto_itself_is_refused_and_the_source_survives(tiny_gguf):
+    before = digest(tiny_gguf)
+    with pytest.raises(ValueError, match="out: .* is the file being read"):
+        write_gguf(tiny_gguf, tiny_gguf, "q8_0")
+    link = tiny_gguf.parent / "link.gguf"
+    link.symlink_to(tiny_gguf)
+    p = run("quantize", "--quant", "q8_0", "--model", str(tiny_gguf), "--out", str(link))
+    assert p.returncode == 2 and "is the file being read" in p.stderr, p.stderr
+    assert digest(tiny_gguf) == before
+    load_model(tiny_gguf)  # still loads
+
+
+def test_the_embedded_model_cannot_be_overwritten():
+    from minillm.loading import default_model_path
+
+    src = default_model_path()
+    size = os.path.getsize(src)
+    p = run("quantize", "--quant", "q8_0", "--out", str(src))
+    assert p.returncode == 2 and "is the file being read" in p.stderr, p.stderr
+    assert os.path.getsize(src) == size
+
+
+def test_a_writer_that_fails_half_way_leaves_the_destination_as_it_was(tiny_gguf, monkeypatch):
+    dst = tiny_gguf.parent / "out.gguf"
+    dst.write_bytes(b"the previous file")
+
+    def broken(w):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setitem(gguf_quant.QUANTIZERS, gguf_quant.GGMLQuantizationType.Q8_0, broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        write_gguf(tiny_gguf, dst, "q8_0")
+    assert dst.read_bytes() == b"the previous file"
+    assert sorted(p.name for p in tiny_gguf.parent.iterdir()) == ["out.gguf", "tiny.gguf"]  # no temporary left
+
+
+def test_a_completed_write_replaces_the_destination_with_ordinary_permissions(tmp_path):
+    dst = tmp_path / "table.json"
+    with atomic_write(dst) as tmp:
+        assert tmp.parent == tmp_path and not dst.exists()
+        tmp.write_text("{}")
+    assert dst.read_text() == "{}"
+    umask = os.umask(0)
+    os.umask(umask)
+    assert dst.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+@pytest.mark.parametrize("kind", ["missing folder", "a directory", "a source"])
+def test_output_paths_are_checked_before_any_work(tmp_path, kind):
+    src = tmp_path / "model.gguf"
+    src.write_bytes(b"x")
+    path = {"missing folder": tmp_path / "nope" / "m.gguf", "a directory": tmp_path, "a source": src}[kind]
+    message = {"missing folder": "does not exist", "a directory": "is a folder", "a source": "is the file being read"}
+    with pytest.raises(ValueError, match=f"--out: .*{message[kind]}"):
+        check_output_path(path, "--out", sources=[src])
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match="--out: .* is a file, and a folder is written there"):
+        check_output_path(tmp_path / "afile", "--out", folder=True)
