@@ -10,7 +10,8 @@ baseline ``generate_naive``.
 
 from .generation import GenerationResult, decode_step, generate, generate_cached, generate_naive, prefill
 from .kv_cache import KVCache, kv_cache_bytes
-from .loading import ModelFileError, default_model_path, load_model
+from .errors import ModelFileError
+from .loading import default_model_path, load_model
 from .model import Decoder, ModelConfig
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tokenizer import Tokenizer

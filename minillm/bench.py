@@ -1,63 +1,25 @@
-"""Benchmarks: ``bench decode`` (naive vs cached vs transformers) and the ``tour``.
+"""``bench decode``: batch-1 decode tokens/s of the naive path, the KV caches and transformers on the
+same weights; and the KV cache's step time against position (notebook 02).
 
-Measuring rules (shared/STYLE.md 12): a warm-up run, device synchronization, several repeats, the
+Measuring rules (``minillm.timing``): a warm-up run, device synchronization, several repeats, the
 median, and every number printed with the machine, dtype, batch size, prompt and output length.
 Speed is reported here, never asserted in tests.
 """
 
 from __future__ import annotations
 
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from .generation import generate, generate_cached, generate_dynamic, generate_naive, synchronize
+from .data import BENCH_PROMPT
+from .generation import generate, generate_cached, generate_dynamic, generate_naive
+from .kv_cache import make_cache
 from .sampling import SamplingParams
+from .timing import machine, synchronize, time_median
 
-FIGURES = Path(os.environ.get("MINILLM_FIGURES", Path(__file__).resolve().parent.parent / "figures"))
-
-BENCH_PROMPT = "The history of the printing press begins"
-
-
-def machine() -> str:
-    """One line naming the CPU (or GPU), core count and torch version."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    s = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
-    if torch.cuda.is_available():
-        s += f", GPU {torch.cuda.get_device_name()}"
-    return s
-
-
-def busy_cores(seconds: float = 0.25, stat: str = "/proc/stat") -> float | None:
-    """Cores that other processes keep busy while this one sleeps for ``seconds``.
-
-    Read from the aggregate ``cpu`` line of /proc/stat (jiffies): (busy delta / total delta) x cores,
-    busy being everything but idle and iowait. Timings of multi-threaded steps are only trustworthy
-    when this is near 0 (a step waits for its slowest core). Returns None where /proc/stat cannot be
-    read (not Linux).
-    """
-    def sample():
-        with open(stat) as f:
-            values = [int(v) for v in f.readline().split()[1:]]
-        idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-        return sum(values) - idle, sum(values)
-
-    try:
-        busy0, total0 = sample()
-        time.sleep(seconds)
-        busy1, total1 = sample()
-    except (OSError, ValueError, IndexError):
-        return None
-    return (busy1 - busy0) / max(1, total1 - total0) * (os.cpu_count() or 1)
 
 
 def weight_bytes_per_token(model) -> int:
@@ -206,89 +168,6 @@ def plot_step_times(naive_s: list[float], cached_s: list[float], prompt_len: int
     return path
 
 
-def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT, figures: Path = FIGURES) -> dict:
-    """Every technique so far against its naive baseline on the embedded model, as one table.
-
-    Today: naive vs KV-cached generation (static, dynamic, int8; same greedy tokens, tokens/s, speedup), and
-    speculative decoding with n-gram drafts vs plain cached decoding on an input-grounded chat prompt, and
-    4-bit weights (RTN, group 64, torch's int4 kernel) vs float32 weights. Writes
-    figures/tour_decode_step_time.png.
-    """
-    prompt_tokens = tokenizer.encode(prompt)
-    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    generate_cached(model, prompt_tokens, SamplingParams(max_new_tokens=4))  # warm-up
-    naive = generate_naive(model, prompt_tokens, params)
-    cached = generate_cached(model, prompt_tokens, params)
-    rows = [{
-        "technique": "KV cache (contiguous)",
-        "baseline": "recompute the sequence every step",
-        "baseline_tokens_per_s": naive.decode_tokens_per_s,
-        "tokens_per_s": cached.decode_tokens_per_s,
-        "speedup": cached.decode_tokens_per_s / naive.decode_tokens_per_s,
-        "check": "greedy tokens identical" if naive.tokens == cached.tokens else "TOKENS DIFFER",
-    }]
-    for name, kwargs in (("KV cache (dynamic)", {"cache": "dynamic"}),
-                         ("KV cache (int8)", {"cache": "contiguous", "kv_dtype": "int8"})):
-        r = generate(model, prompt_tokens, params, **kwargs)
-        same = sum(a == b for a, b in zip(r.tokens, naive.tokens))
-        rows.append({
-            "technique": name, "baseline": "recompute the sequence every step",
-            "baseline_tokens_per_s": naive.decode_tokens_per_s, "tokens_per_s": r.decode_tokens_per_s,
-            "speedup": r.decode_tokens_per_s / naive.decode_tokens_per_s,
-            "check": "greedy tokens identical" if same == len(naive.tokens) else f"{same}/{len(naive.tokens)} greedy tokens equal",
-        })
-    rows.append(speculative_row(model, tokenizer, new_tokens))
-    rows.append(quantization_row(model, prompt_tokens, params, cached))
-    fig = plot_step_times(naive.step_s, cached.step_s, len(prompt_tokens), Path(figures) / "tour_decode_step_time.png")
-    return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "prompt_tokens": len(prompt_tokens),
-            "new_tokens": new_tokens, "rows": rows, "figures": [str(fig)]}
-
-
-def speculative_row(model, tokenizer, new_tokens: int) -> dict:
-    """The tour's speculative-decoding row: prompt lookup (gamma 4) vs plain cached decoding, greedy,
-    on the "rewrite" workload of ``bench spec`` (the answer copies the prompt), via ``compare_once``."""
-    from .bench_spec import SPEC_WORKLOADS, compare_once
-
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": SPEC_WORKLOADS["rewrite (input-grounded)"]}])
-    r = compare_once(model, tokenizer, ids, SamplingParams(max_new_tokens=new_tokens), gamma=4)
-    return {"technique": "speculative (n-gram)", "baseline": "cached decode, rewrite a passage",
-            "baseline_tokens_per_s": r["plain_tokens_per_s"], "tokens_per_s": r["spec_tokens_per_s"],
-            "speedup": r["measured_speedup"],
-            "check": f"greedy tokens identical, alpha {r['alpha']:.2f}" if r["same_tokens"] else "TOKENS DIFFER"}
-
-
-def quantization_row(model, prompt_tokens, params, cached) -> dict:
-    """The tour's quantization row: the same cached decode with every block's linear layers in 4 bits
-    (RTN, group 64: no calibration, so the tour stays quick; GPTQ/AWQ change accuracy, not speed) run by
-    the int4 kernel, vs the float32 model. The check counts greedy tokens equal to the float model's."""
-    import copy
-
-    from .quant import QuantConfig
-    from .quant.pipeline import quantize_model
-
-    q = copy.deepcopy(model)
-    quantize_model(q, "rtn", QuantConfig(4, 64), progress=False)
-    generate_cached(q, prompt_tokens, SamplingParams(max_new_tokens=4))  # warm-up
-    r = generate_cached(q, prompt_tokens, params)
-    same = next((i for i, (a, b) in enumerate(zip(r.tokens, cached.tokens)) if a != b), len(r.tokens))
-    return {"technique": "int4 weights (RTN g64)", "baseline": "float32 weights, cached decode",
-            "baseline_tokens_per_s": cached.decode_tokens_per_s, "tokens_per_s": r.decode_tokens_per_s,
-            "speedup": r.decode_tokens_per_s / cached.decode_tokens_per_s,
-            "check": f"first {same}/{len(r.tokens)} greedy tokens equal float's"}
-
-
-def format_tour(report: dict) -> str:
-    lines = [f"machine: {report['machine']}",
-             f"dtype {report['dtype']}, batch 1, prompt {report['prompt_tokens']} tokens, "
-             f"{report['new_tokens']} new tokens, greedy",
-             f"{'technique':24s} {'baseline':36s} {'base tok/s':>10s} {'tok/s':>8s} {'speedup':>8s}  check"]
-    for r in report["rows"]:
-        lines.append(f"{r['technique']:24s} {r['baseline']:36s} {r['baseline_tokens_per_s']:10.1f} "
-                     f"{r['tokens_per_s']:8.1f} {r['speedup']:7.1f}x  {r['check']}")
-    lines.append("figures: " + ", ".join(report["figures"]))
-    return "\n".join(lines)
-
-
 @torch.inference_mode()
 def step_time_at_positions(model, positions=(32, 128, 256, 512), repeats: int = 5) -> dict[str, dict[int, float]]:
     """Seconds to produce one token at each position, for each decode path (batch 1):
@@ -299,9 +178,6 @@ def step_time_at_positions(model, positions=(32, 128, 256, 512), repeats: int = 
 
     Returns {path: {position: median seconds}}.
     """
-    from .kv_cache import make_cache
-    from .measurements import time_median
-
     device = model.device
     top = max(positions)
     tokens = torch.randint(100, 1000, (1, top + 1), generator=torch.Generator().manual_seed(0)).to(device)

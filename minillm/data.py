@@ -10,6 +10,7 @@ import importlib.metadata
 
 HELD_OUT_PLAY = "hamlet"  # evaluation text (perplexity)
 CALIBRATION_PLAY = "macbeth"  # calibration text (quantization), never evaluated on
+BENCH_PROMPT = "The history of the printing press begins"  # the decode benchmarks' prompt
 
 
 def plays() -> dict[str, str]:

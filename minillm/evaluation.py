@@ -15,14 +15,18 @@ import torch
 import torch.nn.functional as F
 
 
-def windows(tokens: list[int], seqlen: int, max_tokens: int | None = None) -> list[torch.Tensor]:
+def windows(tokens: list[int], seqlen: int, max_tokens: int | None = None,
+            context: int | None = None) -> list[torch.Tensor]:
     """Split ``tokens`` (truncated to ``max_tokens``) into full windows of ``seqlen``.
 
     Raises:
-        ValueError: seqlen < 2, or fewer than ``seqlen`` tokens.
+        ValueError: seqlen < 2 or longer than the model's ``context``, or fewer than ``seqlen`` tokens.
     """
     if seqlen < 2:
         raise ValueError(f"seqlen: must be >= 2, got {seqlen}")
+    if context is not None and seqlen > context:
+        raise ValueError(f"seqlen: windows of {seqlen} tokens do not fit the model's context of {context} tokens; "
+                         f"use a seqlen of {context} or less")
     tokens = tokens[:max_tokens] if max_tokens else tokens
     n = len(tokens) // seqlen
     if n == 0:
@@ -39,7 +43,7 @@ def reference_logprobs(model, tokens: list[int], seqlen: int = 512, max_tokens: 
     from tqdm.auto import tqdm
 
     out = []
-    for w in tqdm(windows(tokens, seqlen, max_tokens), desc="reference", disable=not progress, leave=False):
+    for w in tqdm(windows(tokens, seqlen, max_tokens, model.config.max_seq_len), desc="reference", disable=not progress, leave=False):
         w = w.to(model.device)[None]
         logits = model(w, torch.arange(seqlen, device=model.device))[0, :-1]
         out.append(F.log_softmax(logits.float(), dim=-1).cpu())
@@ -64,7 +68,9 @@ def perplexity(model, tokens: list[int], seqlen: int = 512, max_tokens: int | No
             and the share of positions where both pick the same top-1 token.
 
     Returns:
-        {"perplexity", "nll" (mean, nats/token), "tokens" (scored), "seqlen", "windows"} and, with a
+        {"perplexity", "nll" (mean, nats/token), "tokens" (predictions scored: seqlen - 1 per window,
+        whose first token is only context), "seqlen", "windows", "text_tokens" (the text's length),
+        "tokens_in_windows" (the tokens read: whole windows of the first ``max_tokens``)} and, with a
         reference, "kl" and "top1_agreement".
 
     Raises:
@@ -74,7 +80,7 @@ def perplexity(model, tokens: list[int], seqlen: int = 512, max_tokens: int | No
 
     device = model.device
     total, count, kl, agree = 0.0, 0, 0.0, 0
-    ws = windows(tokens, seqlen, max_tokens)
+    ws = windows(tokens, seqlen, max_tokens, model.config.max_seq_len)
     if reference is not None and (len(reference) != len(ws) or reference[0].shape[0] != seqlen - 1):
         raise ValueError("reference: computed on other windows; call reference_logprobs with the same tokens, "
                          "seqlen and max_tokens")
@@ -89,7 +95,7 @@ def perplexity(model, tokens: list[int], seqlen: int = 512, max_tokens: int | No
             kl += (logp.exp() * (logp - logq)).sum().item()
             agree += (logp.argmax(-1) == logq.argmax(-1)).sum().item()
     out = {"perplexity": math.exp(total / count), "nll": total / count, "tokens": count, "seqlen": seqlen,
-           "windows": len(ws)}
+           "windows": len(ws), "text_tokens": len(tokens), "tokens_in_windows": len(ws) * seqlen}
     if reference is not None:
         out.update(kl=kl / count, top1_agreement=agree / count)
     return out

@@ -1,4 +1,4 @@
-"""Writing output files so that nothing is lost.
+"""Writing output files so that nothing is lost, and JSON that every parser reads.
 
 Every writer (GGUF, safetensors, draft checkpoints, tables) writes to a temporary file beside its
 destination and renames it into place only when the file is complete (``atomic_write``): a crash,
@@ -9,6 +9,8 @@ paths with ``check_output_path`` before loading a model, so that a bad path cost
 from __future__ import annotations
 
 import contextlib
+import json
+import math
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
@@ -81,3 +83,19 @@ def atomic_write(dst: str | os.PathLike, sources: Iterable[str | os.PathLike] = 
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+def _finite(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps_strict(obj, **kwargs) -> str:
+    """``json.dumps`` that strict parsers accept: NaN and infinity become null (Python's default writes
+    ``NaN``, which is not JSON), and anything else that is not JSON (paths, dtypes) becomes its string."""
+    return json.dumps(_finite(obj), allow_nan=False, default=str, **kwargs)

@@ -14,6 +14,7 @@ At temperature 0 all paths produce the same tokens (tested against each other an
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,6 +23,7 @@ import torch
 
 from .kv_cache import make_cache
 from .sampling import SamplingParams, make_generator, sample
+from .timing import synchronize
 
 
 @dataclass
@@ -53,13 +55,6 @@ class GenerationResult:
         return n / self.decode_s if n > 0 and self.decode_s > 0 else 0.0
 
 
-def synchronize(device: str | torch.device) -> None:
-    """Wait for queued GPU work, so that wall-clock timings cover it (a no-op on the CPU)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def check_token_ids(name: str, ids: list[int], vocab_size: int) -> None:
     """Raises ValueError (naming ``name``) unless every id is in [0, vocab_size)."""
     if ids and (min(ids) < 0 or max(ids) >= vocab_size):
@@ -70,22 +65,31 @@ def check_prompt(model, prompt_tokens: list[int], max_seq_len: int | None) -> in
     """Validate the prompt against the context; returns the context length to use.
 
     Raises:
-        ValueError: empty prompt, ids outside the vocabulary, or a prompt that leaves no room
-            for one new token.
+        ValueError: a prompt that is not a list of int ids (a string, a tensor, floats), an empty
+            prompt, ids outside the vocabulary, or a prompt that leaves no room for one new token
+            (naming the model's own context when that is the limit).
     """
-    ctx = model.config.max_seq_len if max_seq_len is None else min(max_seq_len, model.config.max_seq_len)
+    if isinstance(prompt_tokens, (str, bytes)) or not isinstance(prompt_tokens, (list, tuple)):
+        raise ValueError(f"prompt_tokens: must be a list of int token ids, got {type(prompt_tokens).__name__}; "
+                         "encode text with tokenizer.encode(text), and pass a tensor as tensor.tolist()")
+    if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) for t in prompt_tokens):
+        bad = next(t for t in prompt_tokens if isinstance(t, bool) or not isinstance(t, numbers.Integral))
+        raise ValueError(f"prompt_tokens: token ids must be ints, got {bad!r} ({type(bad).__name__})")
+    limit = model.config.max_seq_len
+    ctx = limit if max_seq_len is None else min(max_seq_len, limit)
     if len(prompt_tokens) == 0:
         raise ValueError("prompt: is empty; give at least one token")
     check_token_ids("prompt", prompt_tokens, model.config.vocab_size)
     if len(prompt_tokens) >= ctx:
-        raise ValueError(
-            f"prompt: {len(prompt_tokens)} tokens do not fit the context of {ctx} tokens (max_seq_len) with room "
-            "for a new token; shorten the prompt or raise max_seq_len"
-        )
+        if ctx == limit:
+            raise ValueError(f"prompt: {len(prompt_tokens)} tokens do not fit the model's context of {limit} tokens "
+                             "with room for a new token; shorten the prompt")
+        raise ValueError(f"prompt: {len(prompt_tokens)} tokens do not fit the context of {ctx} tokens (max_seq_len) "
+                         f"with room for a new token; shorten the prompt or raise max_seq_len (the model allows "
+                         f"{limit})")
     return ctx
 
 
-@torch.inference_mode()
 def prefill(model, tokens: torch.Tensor, cache, row_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """Run the prompt (B, T) from position 0 through the model, filling ``cache`` (None: no cache).
     ``row_offsets`` (B,): left padding per row (see ``Decoder.forward``).
@@ -139,8 +143,11 @@ def finish(result: GenerationResult, tokenizer) -> GenerationResult:
     return result
 
 
-def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, tokenizer, on_token, eos_ids):
-    """Generate for a batch of prompts (left padded when their lengths differ)."""
+def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, tokenizer, on_token, eos_ids,
+         cache_factory=None):
+    """Generate for a batch of prompts (left padded when their lengths differ). ``cache_factory(config,
+    batch_size, max_seq_len, dtype, device)``, when given, builds the cache instead of ``make_cache``
+    (``minillm.paged.generate_paged`` passes a ``PagedKVCache``)."""
     if not prompts:
         raise ValueError("prompts: give at least one prompt")
     ctx = max(check_prompt(model, p, max_seq_len) for p in prompts)
@@ -153,7 +160,10 @@ def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, toke
     # (B, P): row b is offsets[b] padding tokens (id 0, never attended to) then its prompt
     seq = torch.tensor([[0] * o + list(p) for o, p in zip(offsets, prompts)], device=device)
     row_offsets = torch.tensor(offsets, device=device) if any(offsets) else None
-    cache = make_cache(cache_kind, model.config, len(prompts), ctx, model.dtype, device, kv_dtype)  # None: "none"
+    if cache_factory is not None:
+        cache = cache_factory(model.config, len(prompts), ctx, model.dtype, device)
+    else:
+        cache = make_cache(cache_kind, model.config, len(prompts), ctx, model.dtype, device, kv_dtype)  # None: "none"
     n_new = min(params.max_new_tokens, ctx - P)
     done = [False] * len(prompts)
 

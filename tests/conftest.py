@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from minillm.gguf_file import read_gguf
+from minillm.formats.gguf import read_gguf
 from minillm.loading import default_model_path, load_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

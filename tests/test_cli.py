@@ -106,7 +106,7 @@ def test_generate_with_ngram_draft_streams_the_same_text():
 
 
 def test_bench_spec_reports_every_workload_and_the_gamma_sweep():
-    from minillm.bench_spec import INPUT_GROUNDED, SPEC_WORKLOADS
+    from minillm.speculative.bench import INPUT_GROUNDED, SPEC_WORKLOADS
 
     p = run("bench", "spec", "--new-tokens", "6", "--gammas", "1,3", "--json")
     assert p.returncode == 0, p.stderr
@@ -126,7 +126,7 @@ def test_bench_spec_reports_every_workload_and_the_gamma_sweep():
 def test_a_busy_machine_is_reported_before_measuring(tmp_path):
     """busy_cores reads /proc/stat: a process spinning on one core shows as about one busy core, and the
     measuring commands warn about it on stderr."""
-    from minillm.bench import busy_cores
+    from minillm.timing import busy_cores
 
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:

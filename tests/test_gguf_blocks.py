@@ -6,7 +6,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
-from minillm import gguf_blocks
+from minillm.formats import gguf_blocks
 
 
 def test_every_tensor_of_the_embedded_model_matches_gguf(reader):

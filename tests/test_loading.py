@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import quants
 from helpers import TINY, write_hf_checkpoint, write_tiny_gguf
 
-from minillm.gguf_file import config_from_gguf, load_gguf_state, read_gguf, unpermute_rope_rows
+from minillm.formats.gguf import config_from_gguf, load_gguf_state, read_gguf, unpermute_rope_rows
 from minillm.loading import DEFAULT_MODEL_INSTALL, ModelFileError, default_model_path, load_model
 
 

@@ -15,7 +15,8 @@ from minillm.quant.awq import fold_scales, search_clip, search_scales
 from minillm.quant.gguf_quant import quantize_q4_0, quantize_q4_1, quantize_q8_0, write_gguf
 from minillm.quant.gptq import Hessian, gptq_quantize, gptq_quantize_naive, inverse_hessian_cholesky
 from minillm.quant.pack import pack_weight, pack_zeros, unpack_weight, unpack_zeros
-from minillm.quant.pipeline import awq_scale_block, calibration_tokens, load_quantized, quantize_model, save_quantized
+from minillm.quant.checkpoint import load_quantized, save_quantized
+from minillm.quant.pipeline import awq_scale_block, calibration_tokens, quantize_model
 from minillm.quant.qlinear import QuantLinear, quant_linear_naive
 
 from helpers import write_tiny_gguf
@@ -318,7 +319,7 @@ def test_awq_clip_default_skips_the_clip_only_before_gptq_with_range_search(tiny
 def test_load_quantized_refuses_other_files(tmp_path):
     from safetensors.torch import save_file
 
-    from minillm.loading import ModelFileError
+    from minillm.errors import ModelFileError
 
     save_file({"x": torch.zeros(2)}, str(tmp_path / "other.safetensors"))
     with pytest.raises(ModelFileError, match="not a minillm quantized model"):
@@ -362,7 +363,8 @@ def test_q8_0_requantizes_the_embedded_embedding_losslessly(model, reader):
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_write_gguf_round_trip(tmp_path, qtype):
-    from minillm import gguf_blocks, load_model
+    from minillm import load_model
+    from minillm.formats import gguf_blocks
 
     src = tmp_path / "tiny.gguf"
     write_tiny_gguf(src)

@@ -79,7 +79,8 @@ def test_bad_input_is_named(args, message):
 
 def test_quant_flags_reach_the_library(monkeypatch):
     """--awq-clip / --no-awq-clip / --mse reach quantize_model; bench quant's --no-mse reaches quant_table."""
-    from minillm import cli, cli_quant
+    from minillm import cli
+    from minillm.quant import cli as cli_quant
     from minillm.quant import pipeline
 
     seen = {}

@@ -78,7 +78,7 @@ def test_weights_of_embedded_model(model):
 def test_weight_read_covers_every_linear_weight_once(model):
     """The diagnostic read of the model's own weights counts exactly the linear layers' float32 bytes:
     the cost model's weight bytes less the norm weights (which a decode step also reads)."""
-    from minillm.measurements import measure_weight_read
+    from minillm.roofline import measure_weight_read
 
     read = measure_weight_read(model, repeats=1)
     c = model.config
@@ -89,7 +89,7 @@ def test_weight_read_covers_every_linear_weight_once(model):
 
 def test_compare_runs_any_model_and_refuses_what_it_cannot_measure():
     """A model of 300 ids and 128 positions (measurements draw ids from its own vocabulary)."""
-    from minillm.measurements import Ceilings
+    from minillm.roofline import Ceilings
     from minillm.roofline import compare
 
     small = random_decoder(300, max_seq_len=128)

@@ -8,7 +8,7 @@ import torch
 from helpers import random_decoder
 
 from minillm import SamplingParams, generate_cached
-from minillm.draft import save_llama_checkpoint, self_draft
+from minillm.speculative import save_llama_checkpoint, self_draft
 from minillm.sampling import logits_to_probs
 from minillm.speculative import (
     DraftModelProposer, NgramProposer, acceptance_probability, draw, emitted_distribution, rejection_sample,
@@ -125,7 +125,7 @@ def test_draw_never_picks_a_zero_probability_token():
 
 def test_distill_draft_lowers_the_loss_and_leaves_the_target_alone(model, tokenizer, play_text, tmp_path):
     from minillm import load_model
-    from minillm.draft import distill_draft
+    from minillm.speculative import distill_draft
 
     before = model.layers[0].attn.wqkv.weight_shards.clone()
     draft, log = distill_draft(model, tokenizer.encode(play_text[:4000]), n_layers=2, seq_len=32, n_windows=4,
@@ -360,7 +360,7 @@ def test_sampled_speculation_follows_the_target_on_the_real_model(model, target_
 def test_the_chi_square_test_detects_a_wrong_residual(model, target_logits, monkeypatch, kind):
     """The check above can fail: replacing the residual max(0, target - draft) by the target itself
     (a plausible bug) makes the drafted tokens too frequent, and the p-value collapses."""
-    import minillm.speculative as spec
+    import minillm.speculative.rejection as spec
 
     logits, ids = target_logits
     params = SAMPLED["T=1"]

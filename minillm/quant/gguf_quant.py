@@ -1,6 +1,6 @@
 """llama.cpp's Q8_0, Q4_0 and Q4_1 quantizers, written with torch, and a GGUF writer.
 
-Each format cuts a row into blocks of 32 weights (layouts in ``minillm.gguf_blocks``):
+Each format cuts a row into blocks of 32 weights (layouts in ``minillm.formats.gguf_blocks``):
 
     Q8_0  d = max|x| / 127                  q = round(x / d)          (round half away from zero)
     Q4_0  d = x[argmax |x|] / -8            q = min(15, trunc(x / d + 8.5))   (symmetric, signed max)
@@ -26,8 +26,8 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from tqdm.auto import tqdm
 
 from ..files import atomic_write, check_output_path
-from ..gguf_blocks import dequantize
-from ..gguf_file import read_gguf
+from ..formats.gguf_blocks import dequantize
+from ..formats.gguf import read_gguf
 
 QK = 32
 
@@ -107,7 +107,7 @@ def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | s
     """Re-quantize a GGUF file: every tensor with 2+ dimensions and rows a multiple of 32 becomes
     ``qtype`` (Q8_0, Q4_0 or Q4_1); others (norms) stay as they are; all metadata is copied.
 
-    The source tensors are dequantized first (``minillm.gguf_blocks``), as llama.cpp's
+    The source tensors are dequantized first (``minillm.formats.gguf_blocks``), as llama.cpp's
     ``llama-quantize --allow-requantize`` does; the tensors keep llama.cpp's layout and names.
 
     ``dst`` is written beside itself and renamed into place when complete (``minillm.files``), so the

@@ -18,16 +18,14 @@ evaluation play (``minillm.data``).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
 import torch
 
-from ..files import atomic_write
+from ..data import CALIBRATION_PLAY, play_text
 from ..model import Linear
 from .awq import fold_scales, search_clip, search_scales
 from .gptq import Hessian, gptq_quantize
-from .qlinear import QuantLinear, from_state
+from .qlinear import QuantLinear, warn_slow_layers
 from .rtn import QuantConfig, rtn_quantize
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
@@ -42,8 +40,6 @@ def calibration_tokens(tokenizer, nsamples: int = 16, seqlen: int = 512, seed: i
     Raises:
         ValueError: the play has fewer than seqlen + 1 tokens.
     """
-    from ..data import CALIBRATION_PLAY, play_text
-
     ids = tokenizer.encode(play_text(play or CALIBRATION_PLAY))
     if len(ids) <= seqlen:
         raise ValueError(f"seqlen: the calibration play has {len(ids)} tokens, need more than {seqlen}")
@@ -139,6 +135,9 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
               "awq_clip": awq and awq_clip, "layers": []}
     X = None
     if calib is not None:
+        if calib.shape[1] > model.config.max_seq_len:
+            raise ValueError(f"calib_seqlen: calibration windows of {calib.shape[1]} tokens do not fit the model's "
+                             f"context of {model.config.max_seq_len} tokens; use {model.config.max_seq_len} or less")
         calib = calib.to(model.device)
         report.update(calib_samples=calib.shape[0], calib_seqlen=calib.shape[1])
         T = calib.shape[1]
@@ -190,6 +189,7 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         quantize("mlp.w_gate_up", m)
         d_in = capture_input(block.mlp.w_down, lambda: block.mlp(m))  # (N, T, F)
         X = X + quantize("mlp.w_down", d_in)(d_in)
+    warn_slow_layers(model, config)
     return report
 
 
@@ -236,116 +236,3 @@ def _set_weight(lin: Linear, W: torch.Tensor) -> None:
     """Replace a float ``Linear``'s weight (O, I), keeping its shard layout."""
     new = Linear(W.to(lin.weight_shards.dtype), None, lin.n_shards)
     lin.weight_shards.data = new.weight_shards.data
-
-
-# ---------------------------------------------------------------------------------------------
-# Save / load with safetensors (no pickle)
-
-
-def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str | None = None) -> Path:
-    """Write ``model`` (quantized by ``quantize_model``) to one ``.safetensors`` file.
-
-    The file holds the packed ``QuantLinear`` buffers (``layers.{i}.attn.wqkv.qweight`` / ``qzeros``
-    / ``scales`` / ``g_idx``), the norms, and the token embedding: as GGUF Q8_0 blocks (uint8
-    ``tok_embeddings.q8_0``) when that is lossless (the embedded model's embedding *is* Q8_0: 30 MB
-    instead of 113 MB), else in float32;
-    the metadata holds the model config, the quantization config and ``tokenizer_source`` (the GGUF
-    the tokenizer comes from).
-
-    The file is written beside ``path`` and renamed into place when complete (``minillm.files``).
-
-    Returns the path. Raises ValueError for a model with float linear layers left, or ``path`` resolving
-    to ``tokenizer_source``.
-    """
-    from dataclasses import asdict
-
-    from safetensors.torch import save_file
-
-    from ..gguf_blocks import dequantize_q8_0
-    from .gguf_quant import quantize_q8_0
-
-    state = {}
-    for i, block in enumerate(model.layers):
-        for name in LAYERS:
-            lin = _module(block, name)[0]
-            if not isinstance(lin, QuantLinear):
-                raise ValueError(f"model: layers.{i}.{name} is not quantized; run quantize_model first")
-            for key, t in lin.state_dict().items():
-                state[f"layers.{i}.{name}.{key}"] = t.contiguous()
-        state[f"layers.{i}.attn_norm.weight"] = block.attn_norm.weight.detach().float()
-        state[f"layers.{i}.ffn_norm.weight"] = block.ffn_norm.weight.detach().float()
-    state["norm.weight"] = model.norm.weight.detach().float()
-    emb = model.embedding_weight().float().contiguous()
-    q8 = quantize_q8_0(emb) if emb.shape[1] % 32 == 0 else None
-    if q8 is not None and torch.equal(dequantize_q8_0(q8.reshape(-1, 34)).reshape(emb.shape), emb):
-        state["tok_embeddings.q8_0"] = torch.from_numpy(q8)  # lossless: the embedding was Q8_0 already
-    else:
-        state["tok_embeddings.weight"] = emb
-    if not model.config.tie_embeddings:
-        state["output.weight"] = model.output.weight.detach().float()
-    meta = {"format": "minillm-quantized-1", "model_config": json.dumps(asdict(model.config)),
-            "quant_config": json.dumps({**{k: report[k] for k in ("method", "bits", "group_size", "sym", "mse",
-                                                                  "act_order", "static_groups")},
-                                        "awq_clip": report.get("awq_clip")}),
-            "tokenizer_source": tokenizer_source or ""}
-    path = Path(path)
-    with atomic_write(path, sources=[tokenizer_source] if tokenizer_source else ()) as tmp:
-        save_file(state, str(tmp), metadata=meta)
-    return path
-
-
-def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = None):
-    """Load a file written by ``save_quantized``: returns (Decoder with QuantLinear layers, metadata dict).
-
-    Raises:
-        ModelFileError: not a minillm quantized file, or missing tensors.
-    """
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-
-    from ..gguf_blocks import dequantize_q8_0
-    from ..loading import ModelFileError
-    from ..model import Decoder, ModelConfig
-
-    path = Path(path)
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata() or {}
-        state = load_file(str(path))
-    except Exception as e:  # safetensors raises several types for corrupt files
-        raise ModelFileError(f"{path}: not a readable safetensors file ({e})") from e
-    if meta.get("format") != "minillm-quantized-1":
-        raise ModelFileError(f"{path}: not a minillm quantized model (metadata format={meta.get('format')!r}); "
-                             "write one with `python -m minillm quantize`")
-    config = ModelConfig(**json.loads(meta["model_config"]))
-    q = json.loads(meta["quant_config"])
-    qconfig = QuantConfig(q["bits"], q["group_size"], q["sym"], q.get("mse", False))
-    try:
-        if "tok_embeddings.q8_0" in state:
-            emb = dequantize_q8_0(state.pop("tok_embeddings.q8_0").numpy().reshape(-1, 34))
-            emb = emb.reshape(config.vocab_size, config.dim)
-        else:
-            emb = state["tok_embeddings.weight"]
-        float_state = {"tok_embeddings.weight": emb, "norm.weight": state["norm.weight"]}
-        if "output.weight" in state:
-            float_state["output.weight"] = state["output.weight"]
-        C, D = config.dim, config.head_dim
-        for i in range(config.n_layers):
-            p = f"layers.{i}"
-            float_state[f"{p}.attn_norm.weight"] = state[f"{p}.attn_norm.weight"]
-            float_state[f"{p}.ffn_norm.weight"] = state[f"{p}.ffn_norm.weight"]
-            # placeholders of the right shapes: replaced by QuantLinear below
-            for n, shape in (("attn.wq", (config.n_heads * D, C)), ("attn.wk", (config.n_kv_heads * D, C)),
-                             ("attn.wv", (config.n_kv_heads * D, C)), ("attn.wo", (C, config.n_heads * D)),
-                             ("mlp.w_gate", (config.ffn_dim, C)), ("mlp.w_up", (config.ffn_dim, C)),
-                             ("mlp.w_down", (C, config.ffn_dim))):
-                float_state[f"{p}.{n}.weight"] = torch.zeros(shape)
-        model = Decoder(config, float_state, n_shards=n_shards or torch.get_num_threads())
-        for i, block in enumerate(model.layers):
-            for name in LAYERS:
-                lin, parent, attr = _module(block, name)
-                setattr(parent, attr, from_state(state, f"layers.{i}.{name}", qconfig, lin.out_features,
-                                                 lin.in_features, fast))
-    except KeyError as e:
-        raise ModelFileError(f"{path}: missing tensor {e}") from None
-    return model.eval(), {**meta, "quant_config": q}

@@ -20,6 +20,8 @@ Measured on the 2-core AVX2 CPU (SmolLM2-135M shapes, batch 1): (3072 x 576) 56 
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -163,4 +165,19 @@ def from_state(state: dict[str, torch.Tensor], prefix: str, config: QuantConfig,
     qw = QuantizedWeight(unpack_weight(state[f"{prefix}.qweight"], bits, in_features), state[f"{prefix}.scales"].t().float(),
                          unpack_zeros(state[f"{prefix}.qzeros"], bits, out_features), state[f"{prefix}.g_idx"], config)
     return QuantLinear(qw, state.get(f"{prefix}.bias"), fast=fast)
+
+
+def warn_slow_layers(model, config: QuantConfig) -> int:
+    """Warn once when layers that asked for the int4 kernel fall back to dequantizing their weight in
+    every forward (about 20x slower than float on the 2-core CPU): more than 4 bits, or groups that no
+    kernel group size tiles. Returns the number of such layers."""
+    slow = [m for m in model.modules() if isinstance(m, QuantLinear) and m.want_fast and not m.fast]
+    if slow:
+        reason = (f"{config.bits} bits (the kernel reads 4-bit codes)" if config.bits > 4 else
+                  f"group size {config.group_size} (the kernel's groups are {', '.join(map(str, KERNEL_GROUP_SIZES))}"
+                  " columns, or -1 per channel, and must tile every group)")
+        warnings.warn(f"{len(slow)} quantized layers have no int4 kernel for {reason}: they dequantize their weight "
+                      "in every forward, about 20x slower than float. For speed use 2-4 bits and group size "
+                      "32, 64, 128, 256 or -1", stacklevel=3)
+    return len(slow)
 

@@ -1,5 +1,5 @@
 """Hugging Face checkpoint folders (config.json + *.safetensors) of LlamaForCausalLM and
-GPT2LMHeadModel, read into minillm's state-dict names (see ``minillm.gguf_file``).
+GPT2LMHeadModel, read into minillm's state-dict names (see ``minillm.formats.gguf``).
 
 Anything the decoder does not implement (RoPE scaling, other activations) is refused with a
 ``ModelFileError``, never approximated.
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from .loading import ModelFileError
-from .model import ModelConfig, weight_shapes
+from ..errors import ModelFileError
+from ..model import ModelConfig, weight_shapes
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 speedup predicted from measured alpha, draft cost and verify cost beside the measured one, and a
 sweep over gamma (num_speculative_tokens).
 
-Measuring rules as ``minillm.bench``: a warm-up, several repeats (the median), same prompts and
+Measuring rules as ``minillm.timing``: a warm-up, several repeats (the median), same prompts and
 same (greedy) settings for both paths, and the machine, dtype, batch size and lengths printed.
 """
 
@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import statistics
 
-from .bench import machine
-from .generation import generate_cached
-from .measurements import measure_verify
-from .sampling import SamplingParams
-from .speculative import (
-    DraftModelProposer, NgramProposer, expected_tokens_per_pass, leviathan_speedup, predicted_speedup,
-    speculative_generate,
-)
+from tqdm.auto import tqdm
+
+from ..generation import generate_cached
+from ..sampling import SamplingParams
+from ..timing import machine, measure_verify
+from .decode import predicted_speedup, speculative_generate
+from .proposers import DraftModelProposer, NgramProposer
+from .rejection import expected_tokens_per_pass, leviathan_speedup
 
 PASSAGE = ("The old lighthouse keeper climbed the spiral stairs every evening to light the great lamp. Ships passed "
            "safely by the rocks all night, and in the morning he walked down to the harbour to talk with the "
@@ -97,8 +97,6 @@ def bench_spec(model, tokenizer, *, num_speculative_tokens: int = 4, new_tokens:
         alpha) and Leviathan et al.'s closed form (Theorem 3.8; with and without the measured verify
         cost).
     """
-    from tqdm.auto import tqdm
-
     gamma = num_speculative_tokens
     params = SamplingParams(max_new_tokens=new_tokens)  # stop at the end of the answer, as a user would
     generate_cached(model, tokenizer.encode("warm up"), SamplingParams(max_new_tokens=4))
@@ -124,8 +122,6 @@ def sweep_gamma(model, tokenizer, *, gammas=(1, 2, 3, 4, 6, 8), workloads=None, 
         alpha, tokens_per_target_pass, same_tokens) and best ({workload: {"measured": gamma,
         "predicted": gamma}}).
     """
-    from tqdm.auto import tqdm
-
     params = SamplingParams(max_new_tokens=new_tokens)
     generate_cached(model, tokenizer.encode("warm up"), SamplingParams(max_new_tokens=4))
     verify = measure_verify(model, ks=range(1, max(gammas) + 2))

@@ -1,37 +1,23 @@
-"""Measuring this machine with torch: the ceilings of the roofline (``measure``: bandwidth and matmul
-throughput) and the real model's prefill, decode and verify times, each with warm-up, device
-synchronization and the median of repeats.
-
-``minillm.roofline`` predicts these times from a decoder's config (Williams et al. 2009; Pope et al.
-2023) and ``roofline.compare`` sets the two side by side. Kept apart so that the cost model reads
-without the timing code, and so that ``bench`` and ``bench spec`` time the same way.
+"""The roofline's measurements: this machine's ceilings (``measure``: bandwidth and matmul
+throughput), two diagnostics of how decode reads its weights (``measure_weight_read``,
+``measure_linear_layouts``), and ``compare``: the cost model's prediction (``roofline.cost``) beside
+the real model's measured forwards (``minillm.timing``), row by row.
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
 
-from .generation import synchronize
-from .kv_cache import KVCache
-from .model import _ONEDNN
-
-
-def time_median(fn, device="cpu", repeats: int = 7, warmup: int = 2) -> float:
-    """Median seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs, device synchronized."""
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from ..compiled import is_compiled
+from ..linear import Linear
+from ..loading import parse_dtype
+from ..model import _ONEDNN
+from ..timing import measure_decode, measure_prefill, time_median
+from .cost import DTYPE_BYTES, decode_cost, prefill_cost
 
 
 @dataclass
@@ -68,8 +54,6 @@ def measure(device: str = "cpu", dtypes=("float32", "float16", "bfloat16"), mega
     Raises:
         ValueError: a CUDA device on a machine without one.
     """
-    from .loading import parse_dtype
-
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {device!r} is not available here (torch sees no CUDA GPU); use 'cpu'")
@@ -103,101 +87,10 @@ def measure_weight_read(model, repeats: int = 7) -> dict:
         {"bytes": bytes read (float linear weights; quantized layers are left out), "seconds": median
         time of one pass, "bandwidth": bytes / seconds}.
     """
-    from .linear import Linear
-
     weights = [m.weight_shards for m in model.modules() if isinstance(m, Linear)]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     seconds = time_median(lambda: [w.sum() for w in weights], model.device, repeats)
     return {"bytes": nbytes, "seconds": seconds, "bandwidth": nbytes / seconds}
-
-
-def _random_tokens(model, shape) -> torch.Tensor:
-    """Seeded random ids of the model's vocabulary (what they are does not change the work), on its device."""
-    return torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(0)).to(model.device)
-
-
-def check_fits(model, positions: int, what: str) -> None:
-    """Raises ValueError (naming ``what``) unless 1 <= positions <= the model's context."""
-    if not 1 <= positions <= model.config.max_seq_len:
-        raise ValueError(f"{what}: {positions} positions do not fit the model's context of "
-                         f"{model.config.max_seq_len}; measure shorter sequences")
-
-
-@torch.inference_mode()
-def measure_decode(model, batch_size: int = 1, context: int = 64, steps: int = 16, repeats: int = 3) -> float:
-    """Median seconds of one decode step (B rows, one token each) after ``context`` cached positions,
-    averaged over ``steps`` consecutive steps. ``model``: a ``Decoder`` (as ``load_model()`` returns).
-
-    Raises:
-        ValueError: batch_size < 1, or context + steps + 1 positions past the model's context.
-    """
-    device = model.device
-    if batch_size < 1:
-        raise ValueError(f"batch_size: must be >= 1, got {batch_size}")
-    check_fits(model, context + steps + 1, f"context {context} + {steps} decode steps + 1")
-    cache = KVCache(model.config, batch_size, context + steps + 1, model.dtype, device)
-    tokens = _random_tokens(model, (batch_size, context))
-    model(tokens, torch.arange(context, device=device), cache)
-    token = tokens[:, -1:]
-
-    def run():
-        cache.truncate(context)
-        for i in range(steps):
-            model(token, torch.tensor([context + i], device=device), cache)
-
-    return time_median(run, device, repeats, warmup=1) / steps
-
-
-@torch.inference_mode()
-def measure_prefill(model, prompt_tokens: int, batch_size: int = 1, repeats: int = 3) -> float:
-    """Median seconds of a prefill forward of ``prompt_tokens`` tokens per row into an empty cache.
-
-    Raises:
-        ValueError: prompt_tokens outside 1..the model's context.
-    """
-    device = model.device
-    check_fits(model, prompt_tokens, "prompt_tokens")
-    cache = KVCache(model.config, batch_size, prompt_tokens, model.dtype, device)
-    tokens = _random_tokens(model, (batch_size, prompt_tokens))
-    pos = torch.arange(prompt_tokens, device=device)
-
-    def run():
-        cache.reset()
-        model(tokens, pos, cache)
-
-    return time_median(run, device, repeats, warmup=1)
-
-
-@torch.inference_mode()
-def measure_verify(model, ks=range(1, 17), context: int = 64, repeats: int = 5) -> dict[int, float]:
-    """Seconds of one forward over k new tokens after ``context`` positions, for each k: what it costs
-    the target to verify k - 1 speculative tokens (and the pending one) at once. Absolute seconds;
-    divide by ``[1]``, one decode step, for the ratio that ``speculative.predicted_speedup`` uses.
-
-    Args:
-        model: a ``Decoder`` (as ``load_model()`` returns), batch 1.
-
-    Returns:
-        {k: median seconds} for each k in ``ks``.
-
-    Raises:
-        ValueError: context + max(ks) positions past the model's context.
-    """
-    device = model.device
-    check_fits(model, context + max(ks), f"context {context} + k {max(ks)}")
-    cache = KVCache(model.config, 1, context + max(ks), model.dtype, device)
-    tokens = _random_tokens(model, (1, context + max(ks)))
-    model(tokens[:, :context], torch.arange(context, device=device), cache)
-    out = {}
-    for k in ks:
-        pos = torch.arange(context, context + k, device=device)
-
-        def run():
-            cache.truncate(context)
-            model(tokens[:, context:context + k], pos, cache)
-
-        out[k] = time_median(run, device, repeats, warmup=1)
-    return out
 
 
 @torch.inference_mode()
@@ -211,10 +104,6 @@ def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict
 
     and minillm's ``Linear`` itself. The same bytes are read in each; the difference is the kernel.
     """
-    import torch.nn.functional as F
-
-    from .model import Linear
-
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     device = model.device
     xs = {n: torch.randn(batch_size, n, dtype=model.dtype, device=device) for n in {m.in_features for m in layers}}
@@ -233,3 +122,45 @@ def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict
             lambda: [m.forward_onednn(xs[m.in_features]) for m in layers], device, repeats)
     out["minillm Linear"] = time_median(lambda: [m(xs[m.in_features]) for m in layers], device, repeats)
     return out
+
+
+def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), context: int = 64,
+            progress: bool = False) -> list[dict]:
+    """Predicted and measured time per forward for the model as loaded (its dtype and device).
+
+    Rows: decode at each batch size (one token per row after ``context`` positions) and prefill at
+    each prompt length (batch 1). Each row: kind, dtype, compiled (decode through
+    ``minillm.compiled.compile_decode``; prefill is never compiled), batch_size, tokens, flops, bytes, intensity,
+    bound, predicted_s, measured_s, predicted_tokens_per_s, measured_tokens_per_s,
+    measured/predicted ratio and achieved FLOP/s and bytes/s.
+
+    Raises:
+        ValueError: no matmul peak in ``ceilings`` for the model's dtype, a batch size < 1, or
+            sequences longer than the model's context.
+    """
+    dtype = str(model.dtype).replace("torch.", "")
+    nbytes = DTYPE_BYTES[dtype]
+    if dtype not in ceilings.matmul_flops:
+        raise ValueError(f"ceilings: no matmul peak measured for {dtype}, the model's dtype; "
+                         f"measure it with measure(device, dtypes=({dtype!r},))")
+    peak = ceilings.matmul_flops[dtype]
+    jobs = [("decode", b, None) for b in batch_sizes] + [("prefill", 1, t) for t in prompt_lengths]
+    rows = []
+    for kind, b, t in tqdm(jobs, desc="roofline", disable=not progress, leave=False):
+        if kind == "decode":
+            cost = decode_cost(model.config, b, context, nbytes, nbytes)
+            measured = measure_decode(model, b, context)
+        else:
+            cost = prefill_cost(model.config, t, b, nbytes, nbytes)
+            measured = measure_prefill(model, t, b)
+        predicted = cost.time(peak, ceilings.bandwidth)
+        rows.append({
+            "kind": kind, "dtype": dtype, "compiled": kind == "decode" and is_compiled(model),
+            "batch_size": b, "tokens": cost.tokens, "flops": cost.flops,
+            "bytes": cost.bytes, "intensity": cost.intensity, "bound": cost.bound(peak, ceilings.bandwidth),
+            "predicted_s": predicted, "measured_s": measured,
+            "predicted_tokens_per_s": cost.tokens / predicted, "measured_tokens_per_s": cost.tokens / measured,
+            "measured_over_predicted": measured / predicted,
+            "achieved_flops": cost.flops / measured, "achieved_bandwidth": cost.bytes / measured,
+        })
+    return rows

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from tqdm.auto import tqdm
 
-from .files import atomic_write
+from ..files import atomic_write
 
 
 def self_draft(target, n_layers: int):
@@ -55,7 +56,7 @@ def target_top_k(target, windows: torch.Tensor, k: int = 64, progress: bool = Fa
     Returns:
         (ids (N, T, k) int64, probs (N, T, k) float32).
     """
-    from tqdm.auto import tqdm
+
 
     ids, probs = [], []
     for w in tqdm(windows, desc="target distributions", disable=not progress, leave=False):
@@ -87,7 +88,7 @@ def distill_draft(target, tokens: list[int], *, n_layers: int = 4, seq_len: int 
     Raises:
         ValueError: too little text for one window, or n_layers outside 1..target layers.
     """
-    from tqdm.auto import tqdm
+
 
     if len(tokens) < seq_len + 1:
         raise ValueError(f"tokens: need at least seq_len + 1 = {seq_len + 1} tokens, got {len(tokens)}")

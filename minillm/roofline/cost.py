@@ -13,21 +13,17 @@ For a decoder (Pope et al. 2023, "Efficiently Scaling Transformer Inference", Se
 * attention reads the KV cache: ``2 x B x S x n_layers x Hkv x D x bytes`` (``kv_cache.kv_cache_bytes``),
   and does ``4 x B x T x S x H x D`` FLOPs per layer (Q K^T and scores V).
 
-``decode_cost`` / ``prefill_cost`` predict; ``minillm.measurements`` measures (``measure()``: this
-machine's ceilings; ``measure_decode`` / ``measure_prefill`` / ``measure_verify``: the real model);
-``compare`` and the plots set the two side by side. The measuring functions are importable from here
-too, so that ``roofline.measure(device)`` reads as the roofline's own step.
+``decode_cost`` / ``prefill_cost`` predict; ``roofline.ceilings`` measures this machine's ceilings,
+``minillm.timing`` the real model's forwards, and ``roofline.compare`` and the plots set the two side
+by side.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kv_cache import kv_cache_bytes
-# re-exported, so that roofline.measure(device) and roofline.measure_decode(...) read as the roofline's steps
-from .measurements import (Ceilings, check_fits, measure, measure_decode, measure_linear_layouts,  # noqa: F401
-                           measure_prefill, measure_verify, measure_weight_read, time_median)
-from .model import ModelConfig
+from ..kv_cache import kv_cache_bytes
+from ..model import ModelConfig
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}
 
@@ -157,110 +153,3 @@ LLAMA2_70B = ModelConfig(arch="llama", n_layers=80, dim=8192, n_heads=64, n_kv_h
                          vocab_size=32000, max_seq_len=4096, rope_base=10000.0, tie_embeddings=False)
 LLAMA2_7B = ModelConfig(arch="llama", n_layers=32, dim=4096, n_heads=32, n_kv_heads=32, head_dim=128, ffn_dim=11008,
                         vocab_size=32000, max_seq_len=4096, rope_base=10000.0, tie_embeddings=False)
-
-
-# ---------------------------------------------------------------------------------------------
-# Predicted vs measured
-
-
-def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), context: int = 64,
-            progress: bool = False) -> list[dict]:
-    """Predicted and measured time per forward for the model as loaded (its dtype and device).
-
-    Rows: decode at each batch size (one token per row after ``context`` positions) and prefill at
-    each prompt length (batch 1). Each row: kind, dtype, compiled (decode through
-    ``minillm.compiled.compile_decode``; prefill is never compiled), batch_size, tokens, flops, bytes, intensity,
-    bound, predicted_s, measured_s, predicted_tokens_per_s, measured_tokens_per_s,
-    measured/predicted ratio and achieved FLOP/s and bytes/s.
-
-    Raises:
-        ValueError: no matmul peak in ``ceilings`` for the model's dtype, a batch size < 1, or
-            sequences longer than the model's context.
-    """
-    from tqdm.auto import tqdm
-
-    from .compiled import is_compiled
-
-    dtype = str(model.dtype).replace("torch.", "")
-    nbytes = DTYPE_BYTES[dtype]
-    if dtype not in ceilings.matmul_flops:
-        raise ValueError(f"ceilings: no matmul peak measured for {dtype}, the model's dtype; "
-                         f"measure it with measure(device, dtypes=({dtype!r},))")
-    peak = ceilings.matmul_flops[dtype]
-    jobs = [("decode", b, None) for b in batch_sizes] + [("prefill", 1, t) for t in prompt_lengths]
-    rows = []
-    for kind, b, t in tqdm(jobs, desc="roofline", disable=not progress, leave=False):
-        if kind == "decode":
-            cost = decode_cost(model.config, b, context, nbytes, nbytes)
-            measured = measure_decode(model, b, context)
-        else:
-            cost = prefill_cost(model.config, t, b, nbytes, nbytes)
-            measured = measure_prefill(model, t, b)
-        predicted = cost.time(peak, ceilings.bandwidth)
-        rows.append({
-            "kind": kind, "dtype": dtype, "compiled": kind == "decode" and is_compiled(model),
-            "batch_size": b, "tokens": cost.tokens, "flops": cost.flops,
-            "bytes": cost.bytes, "intensity": cost.intensity, "bound": cost.bound(peak, ceilings.bandwidth),
-            "predicted_s": predicted, "measured_s": measured,
-            "predicted_tokens_per_s": cost.tokens / predicted, "measured_tokens_per_s": cost.tokens / measured,
-            "measured_over_predicted": measured / predicted,
-            "achieved_flops": cost.flops / measured, "achieved_bandwidth": cost.bytes / measured,
-        })
-    return rows
-
-
-def plot_roofline(ceilings: Ceilings, rows: list[dict], path, dtype: str = "float32", title: str | None = None):
-    """The classic log-log roofline (attainable FLOP/s vs arithmetic intensity) with measured points."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
-
-    bw, peak = ceilings.bandwidth, ceilings.matmul_flops[dtype]
-    x = np.logspace(-1, 4, 200)
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    ax.loglog(x, np.minimum(peak, bw * x), "k-", lw=2, label=f"roofline ({dtype}, measured)")
-    ax.axvline(peak / bw, color="gray", ls=":", lw=1)
-    ax.text(peak / bw, peak * 1.15, f"ridge {peak / bw:.0f} FLOP/B", ha="center", fontsize=8)
-    for kind, marker in (("decode", "o"), ("prefill", "s")):
-        pts = [r for r in rows if r["kind"] == kind and r["dtype"] == dtype]
-        if pts:
-            ax.loglog([r["intensity"] for r in pts], [r["achieved_flops"] for r in pts], marker, ls="",
-                      label=f"{kind} (measured)")
-            for r in pts:
-                label = f"B={r['batch_size']}" if kind == "decode" else f"T={r['tokens']}"
-                ax.annotate(label, (r["intensity"], r["achieved_flops"]), fontsize=7, xytext=(3, -9),
-                            textcoords="offset points")
-    ax.set_xlabel("arithmetic intensity (FLOP / byte)")
-    ax.set_ylabel("FLOP/s")
-    ax.set_title(title or "Roofline, SmolLM2-135M on this machine")
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def plot_predicted_vs_measured(rows: list[dict], path, title: str | None = None):
-    """Predicted and measured milliseconds per token for each row of ``compare``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['kind']}\n{r['dtype']}\n{'B=' + str(r['batch_size']) if r['kind'] == 'decode' else 'T=' + str(r['tokens'])}"
-              for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(rows)), 4))
-    ax.bar([i - 0.2 for i in x], [1e3 * r["predicted_s"] / r["tokens"] for r in rows], 0.4, label="predicted")
-    ax.bar([i + 0.2 for i in x], [1e3 * r["measured_s"] / r["tokens"] for r in rows], 0.4, label="measured")
-    ax.set_xticks(list(x), labels, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("ms per token")
-    ax.set_title(title or "Predicted vs measured time per token")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

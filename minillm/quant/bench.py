@@ -17,14 +17,21 @@ figures; notebook 05 reads that file and reruns a few rows live.
 from __future__ import annotations
 
 import copy
-import json
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
-from .pipeline import calibration_tokens, quantize_model, save_quantized
+from ..data import BENCH_PROMPT, CALIBRATION_PLAY, HELD_OUT_PLAY, play_text
+from ..evaluation import perplexity, reference_logprobs
+from ..files import atomic_write, dumps_strict
+from ..generation import generate_cached
+from ..sampling import SamplingParams
+from ..timing import machine
+from .checkpoint import save_quantized
+from .pipeline import calibration_tokens, quantize_model
 from .rtn import QuantConfig
 
 # the issue's table: float, then each method at 4 bits (group 32, 64, per channel) and 3 bits (32, 64)
@@ -36,8 +43,6 @@ def bits_per_weight(nbytes: int, n_weights: int) -> float:
 
 
 def _decode_tokens_per_s(model, prompt_tokens, new_tokens: int = 32) -> float:
-    from ..generation import generate_cached
-    from ..sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     generate_cached(model, prompt_tokens, SamplingParams(max_new_tokens=2))  # warm-up
@@ -60,11 +65,6 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
     bits, group_size, bytes, bits_per_weight (linear layers), size_vs_float32, perplexity, kl,
     top1_agreement, decode_tokens_per_s, quantize_s and layer errors.
     """
-    from tqdm.auto import tqdm
-
-    from ..bench import BENCH_PROMPT, machine
-    from ..data import CALIBRATION_PLAY, HELD_OUT_PLAY, play_text
-    from ..evaluation import perplexity, reference_logprobs
 
     tokens = tokenizer.encode(play_text(HELD_OUT_PLAY))
     ref = reference_logprobs(model, tokens, seqlen, max_tokens)
@@ -132,8 +132,10 @@ def format_table(table: dict) -> str:
 
 
 def save_table(table: dict, path: str | Path) -> Path:
+    """Write the table as strict JSON (NaN and infinity as null), replacing ``path`` only when complete."""
     path = Path(path)
-    path.write_text(json.dumps(table, indent=1))
+    with atomic_write(path) as tmp:
+        tmp.write_text(dumps_strict(table, indent=1))
     return path
 
 

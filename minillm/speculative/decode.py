@@ -1,16 +1,8 @@
-"""Speculative decoding with rejection sampling: the algorithm, two proposers (n-gram prompt lookup
-and a draft model), the generation loop with KV-cache rollback, and the speedup models. The draft
-model built for the embedded target is in ``minillm.draft``; the benchmark in ``minillm.bench_spec``.
-
-A proposer drafts gamma tokens; the target scores all of them in one forward pass over its KV
-cache; draft token x is accepted with probability ``min(1, target_probs(x) / draft_probs(x))``; at
-the first rejection the replacement is drawn from the normalised residual
-``max(0, target_probs - draft_probs)``; when all gamma are accepted a bonus token is drawn from the
-target. The emitted tokens are distributed exactly as the target's own samples (Leviathan, Kalman,
-Matias 2023, Algorithm 1 and Appendix A.1; Chen et al. 2023, Algorithm 2). We write
-``target_probs`` / ``draft_probs`` because the two papers swap the letters p and q.
-
-Rejected positions are rolled back with the cache's ``truncate``.
+"""The speculative decoding loop (Leviathan et al. 2023, Algorithm 1, looped): a proposer drafts
+gamma tokens; the target scores all of them in one forward pass over its KV cache; the rejection step
+(``speculative.rejection``) keeps a prefix, and the rejected positions are rolled back with the
+cache's ``truncate``. Also ``replay_greedy`` (the passes a greedy run takes, counted from its answer)
+and ``predicted_speedup`` (the speedup predicted from measured alpha and verify costs).
 """
 
 from __future__ import annotations
@@ -21,144 +13,11 @@ from typing import Callable
 
 import torch
 
-from .generation import GenerationResult, Stopper, check_prompt, check_token_ids, finish, stop_ids, synchronize
-from .kv_cache import KVCache
-from .sampling import SamplingParams, logits_to_probs, make_generator
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """One token id from ``probs`` (V,) by inverse transform: the first index whose cumulative
-    probability exceeds u * total, u ~ U[0, 1). Zero-probability ids are never drawn. Same law as
-    ``torch.multinomial(probs, 1)``, which takes ~2 ms per draw over SmolLM2's 49,152 ids on one
-    core; this takes ~0.1 ms."""
-    cdf = probs.cumsum(-1)
-    i = int(torch.searchsorted(cdf, torch.rand((), generator=generator, dtype=cdf.dtype) * cdf[-1], right=True))
-    return i if i < len(cdf) else int(probs.nonzero()[-1])  # u * total rounded up to the total
-
-
-def acceptance_probability(target_probs: torch.Tensor, draft_probs: torch.Tensor, token: int) -> float:
-    """min(1, target_probs[token] / draft_probs[token]); draft_probs[token] > 0 since it was drafted."""
-    q = float(draft_probs[token])
-    return 1.0 if q <= 0 else min(1.0, float(target_probs[token]) / q)
-
-
-def residual_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """normalise(max(0, target_probs - draft_probs)), (V,). If the residual is all zero (only when the
-    two distributions are equal, where rejection has probability 0) the target distribution."""
-    r = (target_probs - draft_probs).clamp_min(0)
-    s = r.sum()
-    return target_probs if s <= 0 else r / s
-
-
-def emitted_distribution(target_probs: torch.Tensor, draft_probs: torch.Tensor) -> torch.Tensor:
-    """The exact law (V,) of the first token one step emits, without sampling: the draft x is kept
-    with probability draft_probs(x) min(1, target_probs(x) / draft_probs(x)) = min(draft_probs(x),
-    target_probs(x)), and with the remaining probability 1 - sum(min(...)) a token is drawn from the
-    residual. Equals target_probs for any draft_probs (Leviathan et al. 2023, Appendix A.1)."""
-    kept = torch.minimum(target_probs, draft_probs)
-    return kept + (1 - kept.sum()) * residual_distribution(target_probs, draft_probs)
-
-
-def rejection_sample(draft_tokens: list[int], draft_probs: torch.Tensor, target_probs: torch.Tensor,
-                     generator: torch.Generator | None = None) -> tuple[list[int], int]:
-    """Verify drafted tokens against the target (Leviathan et al. 2023, Algorithm 1).
-
-    Args:
-        draft_tokens: the gamma drafted ids (gamma may be 0).
-        draft_probs: (gamma, V) the distributions they were drawn from (one-hot for a deterministic
-            proposer), after the same processing (temperature, top-k, top-p) as the target's.
-        target_probs: (gamma + 1, V) the target's distributions at each drafted position and one past
-            the last (for the bonus token).
-        generator: the random source (seeded for reproducibility).
-
-    Returns:
-        (emitted tokens: the accepted drafts then one token from the residual or the bonus,
-         number of drafts accepted).
-    """
-    for i, x in enumerate(draft_tokens):
-        u = torch.rand((), generator=generator)
-        if float(u) >= acceptance_probability(target_probs[i], draft_probs[i], x):
-            replacement = draw(residual_distribution(target_probs[i], draft_probs[i]), generator)
-            return list(draft_tokens[:i]) + [replacement], i
-    bonus = draw(target_probs[len(draft_tokens)], generator)
-    return list(draft_tokens) + [bonus], len(draft_tokens)
-
-
-# ---------------------------------------------------------------------------------------------
-# Proposers: anything with ``propose(tokens, gamma, params, generator) -> (draft ids, draft_probs)``
-
-
-class NgramProposer:
-    """Prompt lookup decoding (Saxena 2023): find the latest earlier occurrence of the last n tokens
-    (n = max_n .. min_n) and propose the tokens that followed it. Deterministic: one-hot draft_probs.
-
-    min_n = 1 by default: a one-token match drafts on almost every pass and is often wrong, so it
-    pays only where a wrong draft costs the target little. With oneDNN's packed weights
-    (``minillm.model.Linear``) verifying 5 tokens costs 1.0-1.15 decode steps on the 2-core CPU, and
-    one-token matches measured better than or equal to two-token ones on 5 of the 6 workloads
-    ``bench spec`` had then (summarise 1.36x vs 1.16x, chat 1.09x vs 0.98x; edit code 1.44x vs 1.51x). When
-    verifying costs more (with MKL's small GEMMs it was 1.86 decode steps), use min_n = 2: then
-    one-token matches measured 0.56-0.75x of plain decoding on the open-ended workloads."""
-
-    def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
-        self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
-
-    def propose(self, tokens: list[int], gamma: int, params: SamplingParams, generator=None):
-        for n in range(self.max_n, self.min_n - 1, -1):
-            if len(tokens) <= n:
-                continue
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start:start + n] == suffix:
-                    draft = tokens[start + n:start + n + gamma]
-                    probs = torch.zeros(len(draft), self.vocab_size)
-                    probs[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)] = 1.0
-                    return draft, probs
-        return [], torch.zeros(0, self.vocab_size)
-
-
-class DraftModelProposer:
-    """A smaller model sharing the tokenizer drafts gamma tokens autoregressively, sampling from
-    ``logits_to_probs(draft logits, params)`` (exactly the distribution reported as draft_probs).
-    Its own KV cache is rolled back to the longest prefix it shares with the accepted text.
-
-    Args:
-        draft_model: a ``Decoder`` with the target's vocabulary.
-        max_seq_len: the target's context; a draft with a shorter context drafts fewer tokens near
-            its end and none past it (the target then goes on alone, one token per pass).
-    """
-
-    def __init__(self, draft_model, max_seq_len: int):
-        self.model = draft_model
-        self.vocab_size = draft_model.config.vocab_size
-        self.max_seq_len = min(max_seq_len, draft_model.config.max_seq_len)
-        self.cache = KVCache(draft_model.config, 1, self.max_seq_len, draft_model.dtype, draft_model.device)
-        self.cached: list[int] = []
-
-    @torch.inference_mode()
-    def propose(self, tokens: list[int], gamma: int, params: SamplingParams, generator=None):
-        # the last draft is not fed back: positions up to len(tokens) + gamma - 2 go into the cache
-        gamma = min(gamma, self.max_seq_len - len(tokens) + 1)
-        if gamma < 1:
-            return [], torch.zeros(0, self.vocab_size)
-        keep = 0
-        while keep < min(len(self.cached), len(tokens) - 1) and self.cached[keep] == tokens[keep]:
-            keep += 1
-        self.cache.truncate(keep)
-        self.cached = self.cached[:keep]
-        device = self.model.device
-        feed = tokens[keep:]
-        draft, probs = [], []
-        for _ in range(gamma):
-            pos = torch.arange(len(self.cached), len(self.cached) + len(feed), device=device)
-            logits = self.model(torch.tensor([feed], device=device), pos, self.cache)[0, -1]
-            self.cached += feed
-            p = logits_to_probs(logits[None], params)[0].cpu()  # the generator lives on the CPU
-            x = int(p.argmax()) if params.greedy else draw(p, generator)
-            draft.append(x)
-            probs.append(p)
-            feed = [x]
-        return draft, torch.stack(probs)
+from ..generation import GenerationResult, Stopper, check_prompt, check_token_ids, finish, stop_ids
+from ..kv_cache import KVCache
+from ..sampling import SamplingParams, logits_to_probs, make_generator
+from ..timing import synchronize
+from .rejection import expected_tokens_per_pass, rejection_sample
 
 
 @dataclass
@@ -351,23 +210,6 @@ def replay_greedy(proposer, prompt_tokens: list[int], answer: list[int], params:
     return stats
 
 
-# ---------------------------------------------------------------------------------------------
-# Theory: tokens per pass and speedup (Leviathan et al. 2023, Sec. 3.1-3.4)
-
-
-def expected_tokens_per_pass(alpha: float, gamma: int) -> float:
-    """E[tokens emitted per target pass] = (1 - alpha^(gamma+1)) / (1 - alpha) for i.i.d.
-    acceptances with probability alpha (Leviathan et al. 2023, Eq. 1); gamma + 1 when alpha = 1."""
-    return gamma + 1.0 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-
-
-def leviathan_speedup(alpha: float, gamma: int, c: float) -> float:
-    """Expected walltime improvement (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)), with c the
-    draft's cost per token relative to a target decode step (Leviathan et al. 2023, Theorem 3.8).
-    It assumes that verifying gamma + 1 tokens costs one decode step and that every pass drafts gamma."""
-    return expected_tokens_per_pass(alpha, gamma) / (gamma * c + 1)
-
-
 def predicted_speedup(stats: SpeculativeStats, verify_cost: dict[int, float], draft_cost: float = 0.0) -> dict:
     """Speedup over plain decoding predicted from measured quantities, pass by pass.
 
@@ -379,7 +221,7 @@ def predicted_speedup(stats: SpeculativeStats, verify_cost: dict[int, float], dr
     Args:
         stats: one run's ``SpeculativeStats``.
         verify_cost: {k: seconds of one target forward over k tokens} for k = 1 .. max k + 1
-            (``measurements.measure_verify``); k = 1 is a decode step.
+            (``minillm.timing.measure_verify``); k = 1 is a decode step.
         draft_cost: c, seconds of one draft token / seconds of one target decode step (0 for n-gram).
 
     Returns:

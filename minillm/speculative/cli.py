@@ -1,0 +1,95 @@
+"""``python -m minillm bench spec`` and ``distill-draft``, and the ``--draft`` option of ``generate``."""
+
+from __future__ import annotations
+
+import sys
+
+from ..data import CALIBRATION_PLAY, play_text
+from ..loading import load_model
+from ..options import add_model_args, at_least, check_model_path, int_list, load, print_json
+from ..files import check_output_path
+from .bench import bench_spec, format_spec, format_sweep, sweep_gamma
+from .draft import distill_draft, save_llama_checkpoint
+from .proposers import DraftModelProposer, NgramProposer
+
+
+def load_draft(args, model):
+    """The draft model at ``args.draft``, checked to share the target's vocabulary."""
+    check_model_path(args.draft, "--draft")
+    try:
+        draft, _ = load_model(args.draft, dtype=args.dtype, device=model.device, n_shards=args.shards)
+    except ValueError as e:  # ModelFileError included
+        raise ValueError(f"draft: {args.draft!r} is neither 'ngram' nor a model minillm can load ({e}); give "
+                         "'ngram' or a folder written by `python -m minillm distill-draft --out PATH`") from None
+    if draft.config.vocab_size != model.config.vocab_size:
+        raise ValueError(f"draft: {args.draft} has a vocabulary of {draft.config.vocab_size}, "
+                         f"the target {model.config.vocab_size}; the draft must share the tokenizer")
+    return draft
+
+
+def make_proposer(args, model, ctx: int):
+    """``--draft ngram`` (prompt lookup) or a ``DraftModelProposer`` over the draft model at that path."""
+    if args.draft == "ngram":
+        return NgramProposer(model.config.vocab_size)
+    return DraftModelProposer(load_draft(args, model), ctx)
+
+
+def cmd_bench_spec(args) -> int:
+    if args.draft != "ngram":
+        check_model_path(args.draft, "--draft")
+    model, tokenizer = load(args)
+    draft = None if args.draft == "ngram" else load_draft(args, model)
+    report = bench_spec(model, tokenizer, num_speculative_tokens=args.num_speculative_tokens,
+                        new_tokens=args.new_tokens, repeats=args.repeats, draft=draft, draft_name=args.draft,
+                        progress=not args.json)
+    if args.gammas:
+        report["sweep"] = sweep_gamma(model, tokenizer, gammas=args.gammas, new_tokens=args.new_tokens,
+                                      repeats=args.repeats, draft=draft, progress=not args.json)
+    if args.json:
+        print_json(report)
+        return 0
+    print(format_spec(report))
+    if args.gammas:
+        print(format_sweep(report["sweep"]))
+    return 0
+
+
+def cmd_distill_draft(args) -> int:
+    check_output_path(args.out, "--out", folder=True, sources=[args.model] if args.model else ())
+    model, tokenizer = load(args)
+    if args.layers >= model.config.n_layers:
+        raise ValueError(f"layers: a draft needs fewer layers than the target's {model.config.n_layers}")
+    draft, log = distill_draft(model, tokenizer.encode(play_text(CALIBRATION_PLAY)), n_layers=args.layers,
+                               steps=args.steps, progress=not args.json)
+    save_llama_checkpoint(draft, args.out)
+    report = {"out": args.out, **{k: v for k, v in log.items() if k != "losses"},
+              "first_loss": log["losses"][0], "last_loss": sum(log["losses"][-20:]) / len(log["losses"][-20:])}
+    if args.json:
+        print_json(report)
+        return 0
+    print(f"wrote {args.out}: {args.layers} layers, {args.steps} steps in {log['seconds']:.0f} s, "
+          f"loss {report['first_loss']:.2f} -> {report['last_loss']:.2f} (mean of the last 20 steps); "
+          f"measure it with: python -m minillm bench spec --draft {args.out}", file=sys.stdout)
+    return 0
+
+
+def register(sub, bench) -> None:
+    """Add ``bench spec`` (under ``bench``'s subparsers) and ``distill-draft`` (under ``sub``)."""
+    bs = bench.add_parser("spec", help="plain cached decode vs speculative decoding on workloads, predicted and measured")
+    bs.add_argument("--num-speculative-tokens", type=at_least(1), default=4)
+    bs.add_argument("--new-tokens", type=at_least(2), default=64)
+    bs.add_argument("--repeats", type=at_least(1), default=1)
+    bs.add_argument("--draft", default="ngram", help="'ngram' (prompt lookup, default) or a draft model path")
+    bs.add_argument("--gammas", type=int_list(1), default=None,
+                    help="also sweep gamma on the input-grounded workloads, e.g. 1,2,3,4,6,8")
+    add_model_args(bs)
+    bs.set_defaults(func=cmd_bench_spec, measures_speed=True)
+
+    dd = sub.add_parser("distill-draft", help="build a draft model for speculative decoding: the target's first "
+                        "layers, distilled on the target's own distributions (a few minutes on a CPU)")
+    dd.add_argument("--out", required=True, help="folder to write (config.json + model.safetensors; created "
+                    "if missing, inside an existing folder)")
+    dd.add_argument("--layers", type=at_least(1), default=4)
+    dd.add_argument("--steps", type=at_least(1), default=300)
+    add_model_args(dd)
+    dd.set_defaults(func=cmd_distill_draft)

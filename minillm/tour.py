@@ -1,0 +1,105 @@
+"""``python -m minillm tour``: every technique against its naive baseline on the embedded model, as
+one table (measured in one process, so that the ratios hold whatever the machine's minute)."""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+from .bench import plot_step_times
+from .data import BENCH_PROMPT
+from .generation import generate, generate_cached, generate_naive
+from .quant import QuantConfig
+from .quant.pipeline import quantize_model
+from .sampling import SamplingParams
+from .speculative.bench import SPEC_WORKLOADS, compare_once
+from .timing import machine
+
+
+def runs_folder() -> Path:
+    """Where the commands draw their figures: ``$MINILLM_FIGURES``, else figures/runs under the
+    current folder (git-ignored, so running a command never changes the committed figures, which are
+    the notebooks' own)."""
+    return Path(os.environ.get("MINILLM_FIGURES", "figures/runs"))
+
+
+def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT, figures: str | Path | None = None,
+         quantized: bool = False) -> dict:
+    """Every technique so far against its naive baseline on the embedded model, as one table.
+
+    Naive vs KV-cached generation (static, dynamic, int8; same greedy tokens, tokens/s, speedup), and
+    speculative decoding with n-gram drafts vs plain cached decoding on an input-grounded chat prompt, and
+    4-bit weights (RTN, group 64, torch's int4 kernel) vs float32 weights. Writes
+    tour_decode_step_time.png into ``figures`` (default ``runs_folder()``: figures/runs, git-ignored).
+    With ``quantized`` (a model loaded from a file that ``quantize`` wrote), the 4-bit row is left out:
+    its baseline would be the same quantized model.
+    """
+    figures = Path(figures) if figures is not None else runs_folder()
+    prompt_tokens = tokenizer.encode(prompt)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    generate_cached(model, prompt_tokens, SamplingParams(max_new_tokens=4))  # warm-up
+    naive = generate_naive(model, prompt_tokens, params)
+    cached = generate_cached(model, prompt_tokens, params)
+    rows = [{
+        "technique": "KV cache (contiguous)",
+        "baseline": "recompute the sequence every step",
+        "baseline_tokens_per_s": naive.decode_tokens_per_s,
+        "tokens_per_s": cached.decode_tokens_per_s,
+        "speedup": cached.decode_tokens_per_s / naive.decode_tokens_per_s,
+        "check": "greedy tokens identical" if naive.tokens == cached.tokens else "TOKENS DIFFER",
+    }]
+    for name, kwargs in (("KV cache (dynamic)", {"cache": "dynamic"}),
+                         ("KV cache (int8)", {"cache": "contiguous", "kv_dtype": "int8"})):
+        r = generate(model, prompt_tokens, params, **kwargs)
+        same = sum(a == b for a, b in zip(r.tokens, naive.tokens))
+        rows.append({
+            "technique": name, "baseline": "recompute the sequence every step",
+            "baseline_tokens_per_s": naive.decode_tokens_per_s, "tokens_per_s": r.decode_tokens_per_s,
+            "speedup": r.decode_tokens_per_s / naive.decode_tokens_per_s,
+            "check": "greedy tokens identical" if same == len(naive.tokens) else f"{same}/{len(naive.tokens)} greedy tokens equal",
+        })
+    rows.append(speculative_row(model, tokenizer, new_tokens))
+    if not quantized:
+        rows.append(quantization_row(model, prompt_tokens, params, cached))
+    fig = plot_step_times(naive.step_s, cached.step_s, len(prompt_tokens), Path(figures) / "tour_decode_step_time.png")
+    return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "prompt_tokens": len(prompt_tokens),
+            "new_tokens": new_tokens, "rows": rows, "figures": [str(fig)]}
+
+
+def speculative_row(model, tokenizer, new_tokens: int) -> dict:
+    """The tour's speculative-decoding row: prompt lookup (gamma 4) vs plain cached decoding, greedy,
+    on the "rewrite" workload of ``bench spec`` (the answer copies the prompt), via ``compare_once``."""
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": SPEC_WORKLOADS["rewrite (input-grounded)"]}])
+    r = compare_once(model, tokenizer, ids, SamplingParams(max_new_tokens=new_tokens), gamma=4)
+    return {"technique": "speculative (n-gram)", "baseline": "cached decode, rewrite a passage",
+            "baseline_tokens_per_s": r["plain_tokens_per_s"], "tokens_per_s": r["spec_tokens_per_s"],
+            "speedup": r["measured_speedup"],
+            "check": f"greedy tokens identical, alpha {r['alpha']:.2f}" if r["same_tokens"] else "TOKENS DIFFER"}
+
+
+def quantization_row(model, prompt_tokens, params, cached) -> dict:
+    """The tour's quantization row: the same cached decode with every block's linear layers in 4 bits
+    (RTN, group 64: no calibration, so the tour stays quick; GPTQ/AWQ change accuracy, not speed) run by
+    the int4 kernel, vs the float32 model. The check counts greedy tokens equal to the float model's."""
+    q = copy.deepcopy(model)
+    quantize_model(q, "rtn", QuantConfig(4, 64), progress=False)
+    generate_cached(q, prompt_tokens, SamplingParams(max_new_tokens=4))  # warm-up
+    r = generate_cached(q, prompt_tokens, params)
+    same = next((i for i, (a, b) in enumerate(zip(r.tokens, cached.tokens)) if a != b), len(r.tokens))
+    return {"technique": "int4 weights (RTN g64)", "baseline": "float32 weights, cached decode",
+            "baseline_tokens_per_s": cached.decode_tokens_per_s, "tokens_per_s": r.decode_tokens_per_s,
+            "speedup": r.decode_tokens_per_s / cached.decode_tokens_per_s,
+            "check": f"first {same}/{len(r.tokens)} greedy tokens equal float's"}
+
+
+def format_tour(report: dict) -> str:
+    lines = [f"machine: {report['machine']}",
+             f"dtype {report['dtype']}, batch 1, prompt {report['prompt_tokens']} tokens, "
+             f"{report['new_tokens']} new tokens, greedy",
+             f"{'technique':24s} {'baseline':36s} {'base tok/s':>10s} {'tok/s':>8s} {'speedup':>8s}  check"]
+    for r in report["rows"]:
+        lines.append(f"{r['technique']:24s} {r['baseline']:36s} {r['baseline_tokens_per_s']:10.1f} "
+                     f"{r['tokens_per_s']:8.1f} {r['speedup']:7.1f}x  {r['check']}")
+    lines.append("figures: " + ", ".join(report["figures"]))
+    return "\n".join(lines)
