@@ -1,0 +1,66 @@
+"""Classroom exercises: a student writes the key functions of fast inference, and ``check`` says
+what is wrong with each answer.
+
+Each exercise is one notebook (``notebooks/exercises/solutions/``, the answers between
+``### BEGIN SOLUTION`` / ``### END SOLUTION``; ``notebooks/exercises/student/``, generated from
+them by ``python -m minillm exercises build``). ``check(name, fn)`` runs ``fn`` on hand-made cases
+with known answers, then on random cases against the package's own implementation, and prints one
+line per case: passed, or what was expected, what came back and a hint naming the typical mistake.
+
+    >>> from minillm.exercises import EXERCISES, check
+    >>> report = check("kv_cache_size", my_kv_cache_size)   # doctest: +SKIP
+    >>> report.passed, [f.hint for f in report.failures]    # doctest: +SKIP
+
+``EXERCISES`` maps each function's name to its ``Exercise`` (signature, notebook, the package code
+it follows). Teachers: notebooks/exercises/README.md.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .checker import Case, CaseResult, Exercise, Failure, Report, SEED, run_case
+from .ex_blocks import BLOCK_EXERCISES, COPY_ON_WRITE
+from .ex_cache import ROPE, UPDATE
+from .ex_cost import COST, KV_SIZE
+from .ex_quant import AWQ, GPTQ
+from .ex_sampling import TOP_P, VERIFY
+
+# in the order of the story: cost model, KV cache, paging, speculative decoding, quantization, sampling
+EXERCISES: dict[str, Exercise] = {ex.name: ex for ex in (
+    COST, KV_SIZE, UPDATE, ROPE, *BLOCK_EXERCISES, COPY_ON_WRITE, VERIFY, GPTQ, AWQ, TOP_P)}
+
+
+def check(name: str, fn: Callable, verbose: bool = True) -> Report:
+    """Run the student's ``fn`` on every case of exercise ``name``; print a line per case if verbose.
+
+    Cases are the same at every call (seeded with ``checker.SEED``). Nothing the student's function
+    raises escapes: it is reported, in words, as that case's failure.
+
+    Returns:
+        ``Report`` with ``passed`` and ``failures`` (each with its case name, expected, got and hint).
+
+    Raises:
+        KeyError: ``name`` is not an exercise (the message lists them).
+        TypeError: ``fn`` is not callable.
+    """
+    if name not in EXERCISES:
+        raise KeyError(f"exercise {name!r}: not one of {', '.join(EXERCISES)}")
+    if not callable(fn):
+        raise TypeError(f"fn: pass the function itself (check({name!r}, {name})), got {type(fn).__name__}")
+    ex = EXERCISES[name]
+    g = torch.Generator().manual_seed(SEED)
+    report = Report(name)
+    for case in ex.hand_cases() + ex.random_cases(g):
+        result = run_case(ex, fn, case)
+        report.results.append(result)
+        if verbose:
+            print(result.line())
+    if verbose:
+        print(report.summary())
+    return report
+
+
+__all__ = ["EXERCISES", "Case", "CaseResult", "Exercise", "Failure", "Report", "check"]

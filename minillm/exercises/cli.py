@@ -1,0 +1,78 @@
+"""``python -m minillm exercises build | check NOTEBOOK... | list``.
+
+``register(subparsers)`` adds the command to minillm's parser; each action's ``func(args)`` returns
+the exit code (``check``: 0 only when every function of every notebook passes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def register(subparsers) -> argparse.ArgumentParser:
+    """Add ``exercises`` (with ``build``, ``check`` and ``list``) to an argparse subparsers object."""
+    from .notebooks import SOLUTIONS_DIR, STUDENT_DIR
+
+    p = subparsers.add_parser("exercises", help="classroom exercises: build the student notebooks, check a student's")
+    sub = p.add_subparsers(dest="exercises_action", required=True)
+    b = sub.add_parser("build", help="write the student notebooks from the solution notebooks")
+    b.add_argument("--solutions", type=Path, default=SOLUTIONS_DIR, help=f"default: {SOLUTIONS_DIR}")
+    b.add_argument("--out", type=Path, default=STUDENT_DIR, help=f"default: {STUDENT_DIR}")
+    b.add_argument("--check", action="store_true",
+                   help="write nothing; exit 1 if the student notebooks are out of date")
+    b.set_defaults(func=run_build)
+    c = sub.add_parser("check", help="execute students' notebooks and print the report of each function in them")
+    c.add_argument("notebooks", nargs="+", type=Path, help="student notebooks (.ipynb)")
+    c.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
+    c.set_defaults(func=run_check)
+    ls = sub.add_parser("list", help="the exercises: function, signature, notebook")
+    ls.set_defaults(func=run_list)
+    return p
+
+
+def run_build(args) -> int:
+    from .notebooks import MarkerError, build, out_of_date
+
+    try:
+        if args.check:
+            stale = out_of_date(args.solutions, args.out)
+            for name in stale:
+                print(f"out of date: {args.out / name}; run python -m minillm exercises build", file=sys.stderr)
+            return 1 if stale else 0
+        for path in build(args.solutions, args.out):
+            print(f"wrote {path}")
+    except (FileNotFoundError, MarkerError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_check(args) -> int:
+    from .notebooks import check_notebook
+
+    ok = True
+    for path in args.notebooks:
+        print(f"== {path}")
+        try:
+            result = check_notebook(path, args.timeout)
+        except (FileNotFoundError, ValueError) as e:
+            print(f"error: {e}")
+            ok = False
+            continue
+        for text, _ in result.reports.values():
+            print(text)
+        if result.cell_errors:
+            print(f"cells that raised: {len(result.cell_errors)} (first: {result.cell_errors[0]})")
+        print(f"{path}: {'PASSED' if result.passed else 'FAILED'}")
+        ok &= result.passed
+    return 0 if ok else 1
+
+
+def run_list(args) -> int:
+    from . import EXERCISES
+
+    for ex in EXERCISES.values():
+        print(f"{ex.notebook:32} {ex.signature}")
+    return 0
