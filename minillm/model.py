@@ -1,7 +1,7 @@
 """One decoder-only transformer: Llama (RMSNorm, RoPE, GQA, SwiGLU) and GPT-2 (LayerNorm, learned
 positions, GELU), with the KV cache handed in rather than built in.
 
-``Decoder.forward(tokens (B, T), input_pos (T,), cache) -> logits (B, T, V)`` is the only forward.
+``Decoder.forward(tokens (B, T), input_pos (T,) or (B, T), cache) -> logits (B, T, V)`` is the only forward.
 ``cache=None`` attends over the tokens passed in (the naive path: recompute the whole sequence);
 a cache object (``minillm.kv_cache.KVCache``) stores keys/values so that each step passes only
 the new tokens. Later techniques plug in other caches and other linear layers; they do not copy
@@ -202,6 +202,38 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return (p[..., None] * v[:, :, None]).sum(-2).reshape(B, H, 1, D)
 
 
+def attention_mask(input_pos: torch.Tensor, key_pos: torch.Tensor,
+                   row_offsets: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The boolean mask of one forward (True = may attend), shared by every cache.
+
+    Causal over slots: a query at slot p sees the keys at slots <= p.
+
+    Args:
+        input_pos: (T,) slots of the queries, the same for every row, or (B, T) per row with -1
+            marking padding (a ragged batch, ``minillm.paged``).
+        key_pos: (S,) slots of the keys the step attends over.
+        row_offsets: (B,) left padding per row, or None (only with (T,) ``input_pos``).
+
+    Returns:
+        None when a single query at the last slot sees every key (a decode step: SDPA then takes its
+        fastest path); (T, S) for one causal pattern shared by all rows; (B, 1, T, S) per row. A
+        padding query sees one key (its own slot, or slot 0 in a ragged batch) so that no softmax
+        row is empty; its output is never used.
+    """
+    if input_pos.dim() == 2:
+        mask = key_pos[None, None, :] <= input_pos[:, :, None]  # (B, T, S)
+        padding = (input_pos < 0)[:, :, None] & (key_pos == 0)  # (B, T, S)
+        return (mask | padding)[:, None]  # (B, 1, T, S)
+    mask = None
+    if len(input_pos) > 1 or row_offsets is not None:
+        mask = key_pos[None, :] <= input_pos[:, None]  # (T, S)
+    if row_offsets is not None:
+        real = key_pos[None, :] >= row_offsets[:, None]  # (B, S): not padding
+        mask = mask & (real[:, None, :] | (key_pos[None, :] == input_pos[:, None]))  # (B, T, S)
+        mask = mask[:, None]  # (B, 1, T, S)
+    return mask
+
+
 class Attention(nn.Module):
     """Grouped-query attention. Q, K and V are one fused Linear ``wqkv`` (C -> (H + 2 Hkv) * D),
     as vLLM's ``qkv_proj``: one weight read instead of three (measured: SmolLM2-135M's batch-1
@@ -342,56 +374,59 @@ class Decoder(nn.Module):
 
         Args:
             tokens: (B, T) int64 token ids.
-            input_pos: (T,) int64 slots of those tokens in the sequence (0-based); without
-                ``row_offsets`` these are also their positions.
+            input_pos: (T,) int64 slots of those tokens in the sequence (0-based), shared by every
+                row; without ``row_offsets`` these are also their positions. Or (B, T): row b's own
+                positions (a ragged batch: one row per sequence and span of new tokens), -1 marking
+                padding, which is neither written nor attended to; this needs a cache that serves
+                ragged batches (``minillm.paged.PagedKVCache``).
             cache: None (attend only over ``tokens``; positions must then start at 0) or a KV
                 cache such as ``minillm.kv_cache.KVCache`` holding slots ``0..input_pos[0]-1``.
             row_offsets: (B,) int64 or None. For a batch of prompts of different lengths, left
                 padded: row b's first ``row_offsets[b]`` slots are padding. Its tokens then sit at
                 positions ``slot - row_offsets[b]`` (for RoPE / learned positions) and no query
-                attends to its padding.
+                attends to its padding. Only with (T,) ``input_pos``.
 
         Returns:
             (B, T, V) float32 logits.
 
         Raises:
-            ValueError: a position at or past the context length, or (through the cache) a write
-                that would leave a gap.
+            ValueError: a position at or past the context length, (B, T) positions without a
+                ragged-batch cache, or (through the cache) a write that would leave a gap.
         """
         B, T = tokens.shape
-        if T == 0 or input_pos.shape[-1] != T:
+        if T == 0 or input_pos.shape[-1] != T or input_pos.dim() > 2 or (input_pos.dim() == 2 and len(input_pos) != B):
             raise ValueError(f"input_pos: needs one position per token ({T}), got shape {tuple(input_pos.shape)}")
+        per_row = input_pos.dim() == 2
+        if per_row and (not getattr(cache, "serves_ragged_batch", False) or row_offsets is not None):
+            raise ValueError("input_pos: per-row (B, T) positions need a cache that serves a ragged batch "
+                             "(minillm.paged.PagedKVCache) and no row_offsets; pass (T,) positions otherwise")
         # the checks read two values back from the device, once per forward
-        first, last = input_pos[[0, -1]].tolist()
+        ends = torch.stack([input_pos.min(), input_pos.max()]) if per_row else input_pos[[0, -1]]
+        first, last = ends.tolist()
         if ((tokens < 0) | (tokens >= self.config.vocab_size)).any():
             raise ValueError(f"tokens: ids must be in [0, {self.config.vocab_size})")
         if last >= self.config.max_seq_len:
             raise ValueError(f"input_pos: position {last} is past the context length ({self.config.max_seq_len} tokens)")
-        if first < 0 or (cache is None and first != 0):
-            raise ValueError("input_pos: must start at 0 without a cache (and be >= 0 with one)")
-        pos = input_pos if row_offsets is None else (input_pos[None, :] - row_offsets[:, None]).clamp_min(0)  # (B, T)
+        if first < -per_row or (cache is None and first != 0):
+            raise ValueError("input_pos: must start at 0 without a cache (and be >= 0 with one; -1 marks padding "
+                             "in per-row positions)")
+        if per_row:
+            pos = input_pos.clamp_min(0)  # (B, T); padding gets position 0, its output is never used
+        else:
+            pos = input_pos if row_offsets is None else (input_pos[None, :] - row_offsets[:, None]).clamp_min(0)
         x = self.embed(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
             x = x + self.pos_embeddings[pos]
         rope = None
         if self.config.arch == "llama":
             rope = (self.rope_cos[pos], self.rope_sin[pos])  # (T, D) each, or (B, T, D) per row
-            if row_offsets is not None:
+            if pos.dim() == 2:
                 rope = (rope[0][:, None], rope[1][:, None])  # (B, 1, T, D): broadcast over heads
         if cache is None:
             key_pos = input_pos
         else:
             key_pos = torch.arange(cache.prepare(input_pos), device=tokens.device)
-        # causal mask over slots: query at slot p sees keys at slots <= p. A single query at the last
-        # slot sees every key, so decoding one token needs no mask (SDPA then takes its fastest path)
-        mask = None
-        if T > 1 or row_offsets is not None:
-            mask = key_pos[None, :] <= input_pos[:, None]  # (T, S)
-        if row_offsets is not None:
-            # hide each row's padding; a padding query sees itself so that no softmax row is empty
-            real = key_pos[None, :] >= row_offsets[:, None]  # (B, S)
-            mask = mask & (real[:, None, :] | (key_pos[None, :] == input_pos[:, None]))  # (B, T, S)
-            mask = mask[:, None]  # (B, 1, T, S)
+        mask = attention_mask(input_pos, key_pos, row_offsets)
         if self._compiled_decode is not None and T == 1 and not torch.is_grad_enabled():
             return self._compiled_decode(x, rope, cache, mask)
         return self.forward_layers(x, rope, cache, mask)

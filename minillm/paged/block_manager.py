@@ -1,0 +1,363 @@
+"""The block manager of PagedAttention: a free list, reference counts, one block table per sequence,
+copy-on-write after a fork, and prefix caching.
+
+Kwon et al. 2023 (vLLM, arXiv 2309.06180): Sec. 4.1-4.2 (logical blocks of a sequence mapped to
+physical blocks through its block table), Sec. 4.4 (parallel sampling and beam search share blocks,
+counted by reference; the first write into a shared block copies it), and vLLM's design note on
+automatic prefix caching (docs/design/prefix_caching.md: a full block is found by a hash chained
+over its parent's hash and its own token ids; free blocks form one queue in eviction order).
+
+One rule, stated once: ``blocks_for(n) = ceil(n / block_size)``. A sequence of n tokens holds exactly
+``blocks_for(n)`` blocks, so its last block is full (not empty) when n is a multiple of block_size
+and a new block is taken exactly when a token lands at a multiple of block_size. ``grow(n)`` takes
+blocks until the sequence holds ``blocks_for(n)``; ``truncate(n)`` and ``free`` give back the rest.
+
+The manager holds no tensors: it hands out block ids, and returns the (source, destination) block
+copies that a copy-on-write needs, which the KV pool (``minillm.paged.cache``) performs.
+
+Prefix caching, as vLLM does it, with two choices of ours:
+* A cached block is used only if its own token ids equal the request's and its parent is the very
+  block (id and allocation count) matched for the previous block, so the whole prefix is verified
+  and a hash collision costs a miss, never wrong keys and values.
+* A freed block that holds no cached tokens goes to the front of the free queue (taken first: its
+  content is worth nothing); freed cached blocks go to the back in reverse order (a sequence's last
+  block is evicted before its first, which more prompts share). Taking a cached block from the free
+  queue evicts it: it is no longer found under its old hash.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Too few free blocks for the request; nothing was changed. A scheduler catches this and
+    preempts a sequence (frees its blocks) before trying again."""
+
+    def __init__(self, needed: int, free: int, total: int):
+        super().__init__(f"out of KV blocks: need {needed} free blocks but {free} of {total} are free; "
+                         "preempt a sequence (free its blocks) or make the pool larger")
+        self.needed, self.free, self.total = needed, free, total
+
+
+class UnknownSequenceError(ValueError):
+    """A sequence id the manager does not hold."""
+
+
+class DoubleFreeError(ValueError):
+    """``free`` called again on a sequence that was already freed."""
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` tokens: ceil(num_tokens / block_size)."""
+    return -(-num_tokens // block_size)
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """The prefix-cache key of a full block: a hash of its parent block's hash and its own token ids,
+    so the same tokens after a different prefix get a different key."""
+    return hash((parent_hash, token_ids))
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups counted in full blocks: ``queries`` looked up, ``hits`` reused."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def misses(self) -> int:
+        return self.queries - self.hits
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / queries (0 when nothing was looked up)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass(frozen=True)
+class _CachedBlock:
+    block_hash: int
+    token_ids: tuple[int, ...]
+    parent: tuple[int, int] | None  # (block id, allocation count) of the block before it; None for a first block
+
+
+class BlockManager:
+    """Physical KV blocks, their reference counts, and each sequence's block table.
+
+    Args:
+        num_blocks: physical blocks in the pool (at least 1).
+        block_size: tokens per block.
+        enable_prefix_caching: keep full blocks findable by their hash after their sequence ends.
+        hash_fn: ``(parent_hash, token_ids) -> int`` (``hash_block_tokens``; tests pass a colliding one).
+
+    Per sequence (by id): its ``block_table`` (logical block i -> physical block), ``num_tokens``
+    (positions that have slots), and the token ids known so far (``allocate`` / ``add_token_ids``),
+    which name its full blocks in the prefix cache.
+
+    Raises:
+        ValueError: num_blocks or block_size below 1.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
+                 hash_fn: Callable[[int | None, tuple[int, ...]], int] = hash_block_tokens):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks: the pool needs at least one block, got {num_blocks}; give more blocks "
+                             "or more KV bytes")
+        if block_size < 1:
+            raise ValueError(f"block_size: must be at least 1, got {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching, self.hash_fn = enable_prefix_caching, hash_fn
+        self.ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front is taken first
+        self._times_taken = [0] * num_blocks  # a block's identity for verifying a cached prefix
+        self._cached: dict[int, _CachedBlock] = {}  # block id -> what it holds
+        self._hash_to_block: dict[int, int] = {}
+        self._tables: dict[int, list[int]] = {}
+        self._num_tokens: dict[int, int] = {}
+        self._token_ids: dict[int, list[int]] = {}
+        self._block_hashes: dict[int, list[int]] = {}  # hashes of the leading full blocks with known tokens
+        self._freed: set[int] = set()
+        self.stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds (free cached blocks included: taking one evicts it)."""
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def free_block_ids(self) -> list[int]:
+        """The free blocks in eviction order (the first is taken next)."""
+        return list(self._free)
+
+    def seq_ids(self) -> list[int]:
+        return list(self._tables)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        """Physical block of each logical block of the sequence (a copy)."""
+        return list(self._table(seq_id))
+
+    def num_tokens(self, seq_id: int) -> int:
+        """Positions of the sequence that have slots (written, or about to be in this forward)."""
+        self._table(seq_id)
+        return self._num_tokens[seq_id]
+
+    def token_ids(self, seq_id: int) -> list[int]:
+        self._table(seq_id)
+        return list(self._token_ids[seq_id])
+
+    def is_cached(self, block: int) -> bool:
+        """Whether a prefix lookup can find this block."""
+        return block in self._cached
+
+    def slot_mapping(self, seq_id: int, positions: Iterable[int]) -> list[int]:
+        """The pool slot of each position: ``block_table[pos // block_size] * block_size + pos % block_size``.
+
+        Raises:
+            ValueError: a position outside ``0..num_tokens-1`` (past the sequence's blocks: ``grow`` first).
+        """
+        table, bs, n = self._table(seq_id), self.block_size, self._num_tokens[seq_id]
+        slots = []
+        for p in positions:
+            if not 0 <= p < n:
+                raise ValueError(f"position {p} is past sequence {seq_id}'s {n} tokens ({len(table)} blocks of "
+                                 f"{bs}); grow the sequence before writing there")
+            slots.append(table[p // bs] * bs + p % bs)
+        return slots
+
+    def blocks_needed(self, seq_id: int, start: int, end: int) -> int:
+        """Free blocks that writing positions ``start..end-1`` takes, after truncating to ``start``:
+        new blocks, plus one when the first write lands in a shared, partly filled block (copy-on-write)."""
+        table, bs = self._table(seq_id), self.block_size
+        n = min(start, self._num_tokens[seq_id])
+        needed = max(0, blocks_for(end, bs) - blocks_for(n, bs))
+        if end > n and n % bs and self.ref_counts[table[n // bs]] > 1:
+            needed += 1
+        return needed
+
+    # ---- sequence lifecycle --------------------------------------------------------------------
+    def allocate(self, seq_id: int, token_ids: Iterable[int] = ()) -> int:
+        """Start a sequence whose known tokens are ``token_ids`` (its prompt), reusing the longest
+        cached prefix of full blocks; returns num_computed_tokens (a multiple of block_size). Blocks
+        for the rest come with ``grow``. At least the last prompt token is always left to compute, so
+        that the forward has logits to sample from.
+
+        Raises:
+            ValueError: the id is in use, or the prompt needs more blocks than the whole pool has.
+        """
+        token_ids = list(token_ids)
+        if seq_id in self._tables:
+            raise ValueError(f"seq_id: {seq_id} is already allocated; free it first or use another id")
+        if blocks_for(len(token_ids), self.block_size) > self.num_blocks:
+            raise ValueError(f"pool too small: {len(token_ids)} tokens need {blocks_for(len(token_ids), self.block_size)} "
+                             f"blocks of {self.block_size} but the pool has {self.num_blocks}; make the pool larger")
+        hits = self._lookup(token_ids) if self.enable_prefix_caching else []
+        for block, _ in hits:
+            if self.ref_counts[block] == 0:
+                del self._free[block]
+            self.ref_counts[block] += 1
+        self._freed.discard(seq_id)
+        self._tables[seq_id] = [b for b, _ in hits]
+        self._block_hashes[seq_id] = [h for _, h in hits]
+        self._num_tokens[seq_id] = len(hits) * self.block_size
+        self._token_ids[seq_id] = token_ids
+        return self._num_tokens[seq_id]
+
+    def add_token_ids(self, seq_id: int, token_ids: Iterable[int]) -> None:
+        """Record more known tokens (a sampled token, before the forward that writes its KV)."""
+        self._table(seq_id)
+        self._token_ids[seq_id].extend(token_ids)
+        self._cache_full_blocks(seq_id)
+
+    def grow(self, seq_id: int, n: int) -> list[tuple[int, int]]:
+        """Give the sequence slots for n tokens (it then holds ``blocks_for(n)`` blocks); returns the
+        (source, destination) block copies to make before writing (copy-on-write of a shared, partly
+        filled last block: the other owners keep the source unchanged).
+
+        Raises:
+            ValueError: n below the sequence's ``num_tokens`` (use ``truncate``).
+            NoFreeBlocksError: too few free blocks; nothing is changed.
+        """
+        table, bs, cur = self._table(seq_id), self.block_size, self._num_tokens[seq_id]
+        if n < cur:
+            raise ValueError(f"n: sequence {seq_id} holds {cur} tokens; grow to {n} would shrink it, use truncate")
+        needed = self.blocks_needed(seq_id, cur, n)
+        if needed > len(self._free):
+            raise NoFreeBlocksError(needed, len(self._free), self.num_blocks)
+        copies = []
+        if n > cur and cur % bs:
+            i = cur // bs
+            old = table[i]
+            if self.ref_counts[old] > 1:  # shared: the first write copies it
+                table[i] = self._take()
+                self.ref_counts[old] -= 1
+                copies.append((old, table[i]))
+            elif old in self._cached:  # a full cached block cut by truncate: its content changes now
+                self._uncache(old)
+        while len(table) < blocks_for(n, bs):
+            table.append(self._take())
+        self._num_tokens[seq_id] = n
+        self._cache_full_blocks(seq_id)
+        return copies
+
+    def truncate(self, seq_id: int, n: int) -> None:
+        """Keep positions ``0..n-1`` (and the known tokens before n); the blocks past
+        ``blocks_for(n)`` go back to the free queue (speculative rollback, overwriting).
+
+        Raises:
+            ValueError: n negative or above the sequence's ``num_tokens``.
+        """
+        table = self._table(seq_id)
+        if not 0 <= n <= self._num_tokens[seq_id]:
+            raise ValueError(f"n: cannot truncate sequence {seq_id} of {self._num_tokens[seq_id]} tokens to {n}")
+        keep = blocks_for(n, self.block_size)
+        for block in reversed(table[keep:]):
+            self._release(block)
+        del table[keep:]
+        self._num_tokens[seq_id] = n
+        del self._token_ids[seq_id][n:]
+        del self._block_hashes[seq_id][n // self.block_size:]
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Make ``child_id`` share every block of ``parent_id`` (parallel sampling, beam search): each
+        block's reference count goes up by one; writes later copy a shared partly filled block.
+
+        Raises:
+            UnknownSequenceError: no such parent. ValueError: child_id already in use.
+        """
+        table = self._table(parent_id)
+        if child_id in self._tables:
+            raise ValueError(f"child_id: {child_id} is already allocated; fork into a new id")
+        for block in table:
+            self.ref_counts[block] += 1
+        self._freed.discard(child_id)
+        self._tables[child_id] = list(table)
+        self._num_tokens[child_id] = self._num_tokens[parent_id]
+        self._token_ids[child_id] = list(self._token_ids[parent_id])
+        self._block_hashes[child_id] = list(self._block_hashes[parent_id])
+
+    def free(self, seq_id: int) -> None:
+        """End a sequence: each of its blocks loses one reference, and those left with none return to
+        the free queue (last block first).
+
+        Raises:
+            DoubleFreeError: the sequence was already freed. UnknownSequenceError: never allocated.
+        """
+        if seq_id in self._freed:
+            raise DoubleFreeError(f"seq_id: sequence {seq_id} was already freed; free each sequence once")
+        table = self._table(seq_id)
+        for block in reversed(table):
+            self._release(block)
+        for state in (self._tables, self._num_tokens, self._token_ids, self._block_hashes):
+            del state[seq_id]
+        self._freed.add(seq_id)
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _table(self, seq_id: int) -> list[int]:
+        table = self._tables.get(seq_id)
+        if table is None:
+            state = "was freed" if seq_id in self._freed else "was never allocated"
+            raise UnknownSequenceError(f"seq_id: sequence {seq_id} {state}; allocate it first")
+        return table
+
+    def _take(self) -> int:
+        """Pop the block at the front of the free queue (evicting it from the prefix cache)."""
+        block, _ = self._free.popitem(last=False)
+        if block in self._cached:
+            self._uncache(block)
+        self._times_taken[block] += 1
+        self.ref_counts[block] = 1
+        return block
+
+    def _release(self, block: int) -> None:
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free[block] = None  # at the back: evicted last
+            if block not in self._cached:
+                self._free.move_to_end(block, last=False)  # holds nothing reusable: taken first
+
+    def _uncache(self, block: int) -> None:
+        entry = self._cached.pop(block)
+        if self._hash_to_block.get(entry.block_hash) == block:
+            del self._hash_to_block[entry.block_hash]
+
+    def _lookup(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """(block, hash) of the longest verified cached prefix, leaving the last token uncached."""
+        bs, hits = self.block_size, []
+        n_full = (len(token_ids) - 1) // bs if token_ids else 0
+        self.stats.queries += n_full
+        parent_hash, parent = None, None
+        for i in range(n_full):
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.hash_fn(parent_hash, tokens)
+            block = self._hash_to_block.get(h)
+            entry = self._cached.get(block)
+            if entry is None or entry.token_ids != tokens or entry.parent != parent:
+                break  # a miss, or a collision that verification catches
+            hits.append((block, h))
+            parent_hash, parent = h, (block, self._times_taken[block])
+        self.stats.hits += len(hits)
+        return hits
+
+    def _cache_full_blocks(self, seq_id: int) -> None:
+        """Name each newly full block whose tokens are known by its chained hash."""
+        if not self.enable_prefix_caching:
+            return
+        bs, table, hashes = self.block_size, self._tables[seq_id], self._block_hashes[seq_id]
+        tokens = self._token_ids[seq_id]
+        for i in range(len(hashes), min(self._num_tokens[seq_id], len(tokens)) // bs):
+            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
+            h = self.hash_fn(hashes[-1] if i else None, block_tokens)
+            hashes.append(h)
+            block = table[i]
+            if block not in self._cached and h not in self._hash_to_block:
+                parent = (table[i - 1], self._times_taken[table[i - 1]]) if i else None
+                self._cached[block] = _CachedBlock(h, block_tokens, parent)
+                self._hash_to_block[h] = block

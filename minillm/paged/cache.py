@@ -1,0 +1,238 @@
+"""PagedKVCache: keys and values in a pool of fixed-size blocks, served to the one ``Decoder.forward``
+through the cache interface of ``minillm.kv_cache`` (``prepare`` / ``update`` / ``truncate``, ``seq_len``).
+
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1 (PagedAttention: a sequence's keys and values
+in non-contiguous blocks) and Sec. 4.3 (the block table maps logical to physical blocks; the
+slot_mapping says where each new token's keys and values go).
+
+The pool. Per layer one key and one value tensor of shape (num_blocks, block_size, Hkv, D), allocated
+once. Token-major within a block (as vLLM's FlashAttention backend stores it): the flat view
+(num_blocks * block_size, Hkv, D) is indexed by slot = block * block_size + offset, so writing the new
+tokens is one ``index_copy_`` with the slot_mapping and reading a sequence is one ``index_select``.
+
+The ragged batch. Row b of a forward belongs to sequence ``rows[b]`` (``set_rows``) and carries a
+span of its new tokens: ``input_pos`` (B, T) holds row b's positions, -1 marking padding (never
+written, never attended: ``minillm.model.attention_mask``); (T,) positions apply to every row. Each
+layer writes every row's keys and values before any row attends, so several rows may belong to one
+sequence (consecutive spans, in position order: a prefill in chunks, or a verified draft), and a
+later row sees what an earlier row wrote in the same forward.
+
+Two ways to hand the attention its keys (``attention=``):
+* "gather", the reference: per row, the sequence's blocks concatenated and cut to its length, then
+  padded to S and stacked; fresh tensors every layer.
+* "indexed", the default: the (B * S,) slot indices of every row's positions, computed once per
+  forward in ``prepare``, and one ``index_select`` per layer into a buffer reused by every layer.
+Positions past a row's length read the slot of its last token (masked out), so no slot the sequence
+does not hold is ever read. The block-wise online softmax of the PagedAttention kernel is
+``minillm.paged.attention.paged_attention``; on this 2-core CPU it is slower than either (see there).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kv_cache import kv_cache_bytes
+from ..model import ModelConfig
+from .block_manager import BlockManager, NoFreeBlocksError
+
+ATTENTION_PATHS = ("indexed", "gather")
+
+
+class PagedKVCache:
+    """A pool of KV blocks with a ``BlockManager``; a cache for ``Decoder.forward``.
+
+    Args:
+        config: the model's config (layers, Hkv, D).
+        num_blocks: physical blocks, or None to size the pool by ``kv_bytes``.
+        block_size: tokens per block.
+        kv_bytes: bytes of keys and values for the whole pool (``kv_cache_bytes`` per block), rounded
+            down to whole blocks.
+        dtype, device: of the pool (normally the model's).
+        enable_prefix_caching: passed to the ``BlockManager``.
+        attention: "indexed" (default) or "gather" (the reference; see the module docstring).
+
+    Raises:
+        ValueError: neither or both of num_blocks / kv_bytes, a pool smaller than one block, an
+            unknown attention path.
+    """
+
+    serves_ragged_batch = True  # Decoder.forward accepts (B, T) input_pos with this cache
+
+    def __init__(self, config: ModelConfig, num_blocks: int | None = None, block_size: int = 16, *,
+                 kv_bytes: float | None = None, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu", enable_prefix_caching: bool = True,
+                 attention: str = "indexed"):
+        if (num_blocks is None) == (kv_bytes is None):
+            raise ValueError("num_blocks / kv_bytes: give exactly one of them to size the pool")
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention: {attention!r} is not one of {ATTENTION_PATHS}")
+        block_bytes = kv_cache_bytes(config, 1, block_size, torch.empty((), dtype=dtype).element_size())
+        if kv_bytes is not None:
+            num_blocks = int(kv_bytes // block_bytes)
+            if num_blocks < 1:
+                raise ValueError(f"kv_bytes: {kv_bytes:.0f} bytes hold no block; one block of {block_size} tokens "
+                                 f"takes {block_bytes:.0f} bytes over {config.n_layers} layers, give at least that")
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.block_size, self.attention = block_size, attention
+        self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
+        shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
+        # one tensor per layer (as KVCache): a layer's write never touches another layer's memory
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
+        self.rows: list[int] = []
+        self._buf_k = self._buf_v = None  # the "indexed" path's (B * S, Hkv, D) buffers, grown as needed
+
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the pool (every block, used or not)."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def seq_len(self) -> int:
+        """The longest sequence among the rows (what the next forward attends over)."""
+        return max((self.manager.num_tokens(s) for s in self.rows), default=0)
+
+    # ---- sequences (the block manager, with copy-on-write performed on the pool) -------------------
+    def add_sequence(self, seq_id: int, token_ids=()) -> int:
+        """``BlockManager.allocate``: returns num_computed_tokens (served from the prefix cache)."""
+        return self.manager.allocate(seq_id, token_ids)
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        self.manager.fork(parent_id, child_id)
+
+    def free(self, seq_id: int) -> None:
+        self.manager.free(seq_id)
+        self.rows = [s for s in self.rows if s != seq_id]
+
+    def set_rows(self, seq_ids) -> None:
+        """Row b of the next forwards belongs to sequence ``seq_ids[b]`` (ids may repeat).
+
+        Raises:
+            UnknownSequenceError: an id the manager does not hold.
+        """
+        seq_ids = list(seq_ids)
+        for s in seq_ids:
+            self.manager.num_tokens(s)
+        self.rows = seq_ids
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy each (source, destination) block in every layer (copy-on-write)."""
+        for src, dst in copies:
+            for t in self.k + self.v:
+                t[dst] = t[src]
+
+    # ---- the cache interface -------------------------------------------------------------------
+    def prepare(self, input_pos: torch.Tensor) -> int:
+        """Take slots for the positions about to be written and plan this forward's reads.
+
+        input_pos: (T,) positions shared by every row, or (B, T) per row, -1 for padding. Writing at a
+        position below a sequence's length first truncates it there (as ``KVCache.prepare``).
+        Returns S, the key positions the forward attends over (the longest row's sequence).
+
+        Raises:
+            ValueError: no rows set, a row count different from B, positions that are not
+                consecutive, leave a gap, or overlap an earlier row of the same sequence.
+            NoFreeBlocksError: too few free blocks for all rows; nothing is changed.
+        """
+        if not self.rows:
+            raise ValueError("rows: no sequences set; call set_rows(seq_ids) before the forward")
+        B = len(self.rows)
+        pos = input_pos.tolist()
+        pos = [pos] * B if input_pos.dim() == 1 else pos
+        if len(pos) != B:
+            raise ValueError(f"input_pos: {len(pos)} rows of positions for {B} rows set by set_rows")
+        spans: dict[int, tuple[int, int]] = {}  # sequence -> (start, end) written in this forward
+        for b, (seq, row) in enumerate(zip(self.rows, pos)):
+            real = [p for p in row if p >= 0]
+            if not real:
+                continue
+            start, end = real[0], real[-1] + 1
+            if end - start != len(real):
+                raise ValueError(f"input_pos: row {b}'s positions must be consecutive, got {start}..{end - 1} for "
+                                 f"{len(real)} tokens")
+            if seq in spans:
+                if start != spans[seq][1]:
+                    raise ValueError(f"input_pos: row {b} of sequence {seq} starts at {start}, not where its previous "
+                                     f"row ends ({spans[seq][1]}); give one sequence's rows in position order")
+                spans[seq] = (spans[seq][0], end)
+            else:
+                if start > self.manager.num_tokens(seq):
+                    raise ValueError(f"input_pos: row {b} starts at {start} but sequence {seq} holds only "
+                                     f"{self.manager.num_tokens(seq)} positions; write the positions in between first")
+                spans[seq] = (start, end)
+        needed = sum(self.manager.blocks_needed(s, a, e) for s, (a, e) in spans.items())
+        if needed > self.manager.num_free_blocks:
+            raise NoFreeBlocksError(needed, self.manager.num_free_blocks, self.num_blocks)
+        for seq, (start, end) in spans.items():
+            if start < self.manager.num_tokens(seq):
+                self.manager.truncate(seq, start)
+            self.copy_blocks(self.manager.grow(seq, end))
+        self._plan(pos)
+        return self._S
+
+    def _plan(self, pos: list[list[int]]) -> None:
+        """This forward's write slots and, per row, the slot of every key position 0..S-1."""
+        bs, device = self.block_size, self.k[0].device
+        lens = [self.manager.num_tokens(s) for s in self.rows]
+        if min(lens) == 0:
+            raise ValueError(f"rows: sequence {self.rows[lens.index(0)]} holds no tokens; give each row at least one")
+        write_slots, write_index = [], []
+        for b, (seq, row) in enumerate(zip(self.rows, pos)):
+            real = [(t, p) for t, p in enumerate(row) if p >= 0]
+            write_slots += self.manager.slot_mapping(seq, [p for _, p in real])
+            write_index += [b * len(row) + t for t, _ in real]
+        self._write_slots = torch.tensor(write_slots, dtype=torch.long, device=device)
+        n_entries = len(pos) * len(pos[0])
+        self._write_index = (None if len(write_index) == n_entries
+                             else torch.tensor(write_index, dtype=torch.long, device=device))
+        self._S = S = max(lens)
+        self._tables = [self.manager.block_table(s) for s in self.rows]
+        self._lens = lens
+        if self.attention == "indexed":
+            width = max(len(t) for t in self._tables)
+            tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in self._tables], dtype=torch.long)  # (B, nb)
+            key_pos = torch.minimum(torch.arange(S)[None, :], torch.tensor(lens)[:, None] - 1)  # (B, S): clamp to the row
+            slots = tables.gather(1, key_pos // bs) * bs + key_pos % bs  # (B, S)
+            self._read_slots = slots.reshape(-1).to(device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new k, v (B, Hkv, T, D) at the prepared slots; return every row's keys and
+        values at positions 0..S-1, (B, Hkv, S, D) (positions past a row's length repeat its last)."""
+        B, Hkv, T, D = k.shape
+        for pool, new in ((self.k[layer], k), (self.v[layer], v)):
+            new = new.transpose(1, 2).reshape(B * T, Hkv, D)  # (B*T, Hkv, D): one entry per token
+            if self._write_index is not None:
+                new = new[self._write_index]  # padding is not written
+            pool.view(-1, Hkv, D).index_copy_(0, self._write_slots, new)
+        if self.attention == "gather":
+            return self._gather(self.k[layer]), self._gather(self.v[layer])
+        n = B * self._S
+        if self._buf_k is None or self._buf_k.shape[0] < n:
+            self._buf_k = k.new_empty((2 * n, Hkv, D))
+            self._buf_v = k.new_empty((2 * n, Hkv, D))
+        out = []
+        for pool, buf in ((self.k[layer], self._buf_k), (self.v[layer], self._buf_v)):
+            torch.index_select(pool.view(-1, Hkv, D), 0, self._read_slots, out=buf[:n])
+            out.append(buf[:n].view(B, self._S, Hkv, D).transpose(1, 2))  # (B, Hkv, S, D)
+        return out[0], out[1]
+
+    def _gather(self, pool: torch.Tensor) -> torch.Tensor:
+        """The reference read: each row's blocks, concatenated, cut, padded; (B, Hkv, S, D)."""
+        rows = []
+        for table, n in zip(self._tables, self._lens):
+            x = torch.cat([pool[block] for block in table])[:n]  # (n, Hkv, D): the row's positions in order
+            rows.append(torch.cat([x, x[-1:].expand(self._S - n, -1, -1)]))  # (S, Hkv, D)
+        return torch.stack(rows).transpose(1, 2)
+
+    def truncate(self, n: int) -> None:
+        """Cut every row's sequence to its first n positions (rolling back rejected tokens).
+
+        Raises:
+            ValueError: n negative or larger than a row's sequence.
+        """
+        for seq in dict.fromkeys(self.rows):
+            self.manager.truncate(seq, n)
