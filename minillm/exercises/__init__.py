@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .checker import Case, CaseResult, Exercise, Failure, Report, SEED, run_case
+from .checker import SEED, Case, CaseResult, Exercise, Failure, Report, run_case
 from .ex_blocks import BLOCK_EXERCISES, COPY_ON_WRITE
 from .ex_cache import ROPE, UPDATE
 from .ex_cost import COST, KV_SIZE

@@ -143,7 +143,7 @@ def run_case(ex: Exercise, fn: Callable, case: Case) -> CaseResult:
     except Exception as e:  # any error in the student's code is reported in words, never re-raised
         hint = ex.error_hint(case, e) or "read the error and the docstring's shapes; try this case by hand"
         return CaseResult(case.name, False, describe(expected),
-                          f"your function raised {type(e).__name__}: {first_line(e)}{where(e)}", hint)
+                          f"your function raised {error_name(e)}: {first_line(e)}{where(e)}", hint)
     try:
         failure = ex.judge(case, expected, got, args)
     except Exception as e:  # an answer so odd that comparing it fails: say what came back
@@ -153,6 +153,13 @@ def run_case(ex: Exercise, fn: Callable, case: Case) -> CaseResult:
     if failure is None:
         return CaseResult(case.name, True)
     return CaseResult(case.name, False, failure.expected, failure.got, failure.hint)
+
+
+def error_name(e: BaseException) -> str:
+    """The exception's name as the student would write it (torch's LinAlgError is a private class)."""
+    if isinstance(e, torch.linalg.LinAlgError):
+        return "torch.linalg.LinAlgError"
+    return type(e).__name__
 
 
 def first_line(e: BaseException) -> str:

@@ -63,7 +63,7 @@ def update_random(g: torch.Generator) -> list[Case]:
 
 
 def judge_update(case: Case, expected, got, args) -> Failure | None:
-    k_cache, v_cache, k_new, v_new, start = case.args
+    k_cache, _, k_new, _, start = case.args
     B, Hkv, S, D = k_cache.shape
     T, n = k_new.shape[2], start + k_new.shape[2]
     want = f"(k_all, v_all), each {B}x{Hkv}x{n}x{D}"

@@ -167,7 +167,7 @@ def judge_kv(case: Case, expected, got, args) -> Failure | None:
         return Failure(describe(expected), describe(got), problem)
     if close(got, expected):
         return None
-    c, B, L, dtype = args
+    c, B, _, dtype = args
     size = torch.empty((), dtype=dtype).element_size()
     ratios = [(1 / 2, "keys and values: the factor 2 is missing"),
               (c.n_heads / c.n_kv_heads, "with GQA the cache holds n_kv_heads heads, not n_heads"),

@@ -173,7 +173,7 @@ def top_p_random(g: torch.Generator) -> list[Case]:
 
 
 def judge_top_p(case: Case, expected, got, args) -> Failure | None:
-    probs, top_p = case.args
+    probs = case.args[0]
     problem = tensor_problem(got, probs.shape, torch.float32)
     if problem:
         return Failure(describe(expected), describe(got), problem)

@@ -115,7 +115,7 @@ def out_of_date(solutions: Path = SOLUTIONS_DIR, out: Path = STUDENT_DIR) -> lis
 def exercise_names(nb: nbformat.NotebookNode) -> list[str]:
     """The exercise functions a notebook defines (``def <name>(`` in a code cell), in EXERCISES' order."""
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
-    return [n for n in EXERCISES if re.search(rf"^\s*def {n}\(", code, re.M)]
+    return [n for n in EXERCISES if re.search(rf"^\s*def {n}\(", code, re.MULTILINE)]
 
 
 @dataclass
