@@ -8,8 +8,9 @@ the fragmentation lab (Sec. 3, Fig. 2).
   the cache interface, so ``minillm.model.Decoder.forward`` runs on it, for ragged batches too.
 * ``paged_attention`` (attention.py): block-wise attention with an online softmax (the kernel's algorithm).
 * ``generate_paged`` (generate.py): ``generate_cached`` on a paged cache.
-* ``run_lab`` / ``format_table`` (fragmentation.py): the share of reserved KV memory holding tokens
-  under reservation and paging; ``python -m minillm fragmentation`` (cli.py).
+* ``run_lab`` / ``format_table`` / ``kv_utilization`` (fragmentation.py): the share of reserved KV
+  memory holding tokens under reservation and paging; figures in plots.py;
+  ``python -m minillm fragmentation`` (cli.py, ``register``).
 """
 
 from .attention import measure_attention_paths, paged_attention
@@ -23,10 +24,13 @@ from .block_manager import (
     hash_block_tokens,
 )
 from .cache import PagedKVCache
+from .fragmentation import TRACES, format_table, kv_utilization, make_trace, run_lab
 from .generate import generate_paged
+from .plots import fork_example, plot_fork_cow, plot_memory_vs_block_size
 
 __all__ = [
-    "BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PagedKVCache", "PrefixCacheStats",
-    "UnknownSequenceError", "blocks_for", "generate_paged", "hash_block_tokens", "measure_attention_paths",
-    "paged_attention",
+    "BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PagedKVCache", "PrefixCacheStats", "TRACES",
+    "UnknownSequenceError", "blocks_for", "fork_example", "format_table", "generate_paged", "hash_block_tokens",
+    "kv_utilization", "make_trace", "measure_attention_paths", "paged_attention", "plot_fork_cow",
+    "plot_memory_vs_block_size", "run_lab",
 ]

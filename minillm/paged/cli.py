@@ -1,0 +1,37 @@
+"""``python -m minillm fragmentation``: the fragmentation lab's table (or JSON) and its figures
+(Kwon et al. 2023, Sec. 3, Fig. 2; ``minillm.paged.fragmentation``)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from .fragmentation import TRACES, format_table, run_lab
+from .plots import plot_fork_cow, plot_memory_vs_block_size
+
+
+def cmd_fragmentation(args) -> int:
+    """Print the lab's table (``--json``: one line of strict JSON) and write its two figures under
+    ``--out``; returns the exit code (0)."""
+    report = run_lab([args.trace] if args.trace else list(TRACES))
+    out = Path(args.out)
+    figures = [plot_memory_vs_block_size(report, out / "paged_memory_vs_block_size.png"),
+               plot_fork_cow(out / "paged_fork_cow.png")]
+    report["figures"] = [str(f) for f in figures]
+    if args.json:
+        print(json.dumps(report, allow_nan=False))
+    else:
+        print(format_table(report))
+        print("figures: " + ", ".join(report["figures"]), file=sys.stderr)
+    return 0
+
+
+def register(sub) -> None:
+    """Add the ``fragmentation`` subcommand to an argparse subparsers object."""
+    f = sub.add_parser("fragmentation", help="share of reserved KV memory holding tokens: reservation vs paging")
+    f.add_argument("--trace", choices=sorted(TRACES), default=None,
+                   help="one request trace (default: both); lengths drawn with a fixed seed")
+    f.add_argument("--json", action="store_true", help="print one line of strict JSON instead of the table")
+    f.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
+    f.set_defaults(func=cmd_fragmentation)
