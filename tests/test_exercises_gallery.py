@@ -147,6 +147,19 @@ def awq(x, W, config, n_grid=20, divide=True, normalise=True):
     return best[1], best[2]
 
 
+def awq_unclamped(x, W, config, n_grid=20):
+    ref = x @ W.t()
+    s_x = x.abs().mean(0)  # a dead channel gives 0, then 0 / 0
+    best = (float("inf"), None, 0.0)
+    for i in range(n_grid):
+        s = s_x ** (i / n_grid)
+        s = s / (s.max() * s.min()).sqrt()
+        err = (x @ (rtn_quantize(W * s, config).dequantize() / s).t() - ref).pow(2).mean().item()
+        if err < best[0]:
+            best = (err, s, i / n_grid)
+    return best[1], best[2]
+
+
 def top_p(probs, p, strict=False, renormalise=True):
     sp, order = probs.sort(-1, descending=True)
     drop = sp.cumsum(-1) > p if strict else (sp.cumsum(-1) - sp) >= p  # strict: one token too few
@@ -177,6 +190,7 @@ GALLERY = [
     ("gptq_quantize_columns", lambda *a, **k: gptq(*a, **k, feedback=False), "no error feedback"),
     ("awq_search_scale", lambda *a: awq(*a, divide=False), "divide by s"),
     ("awq_search_scale", lambda *a: awq(*a, normalise=False), "normalise s by sqrt(max(s) * min(s))"),
+    ("awq_search_scale", awq_unclamped, "clamp it at 1e-8"),
     ("top_p_filter", lambda probs, p: top_p(probs, p, strict=True), "one token too few"),
     ("top_p_filter", lambda probs, p: top_p(probs, p, renormalise=False), "renormalise"),
 ]
@@ -237,3 +251,57 @@ def test_checks_are_deterministic():
 def test_unknown_exercise_names_the_exercises():
     with pytest.raises(KeyError, match="top_p_filter"):
         check("top_k", lambda: None)
+
+
+# ---- every other mistake the README lists, written with the checkers' own variants -----------------
+# (these confirm that each variant's hint is the one reported, not an earlier variant's or the generic one)
+
+def _variants():
+    from minillm.exercises import ex_cache, ex_cost, ex_quant, ex_sampling
+
+    cost = ex_cost._cost
+    return [
+        ("forward_flops_bytes", lambda *a: cost(*a, causal=False), "count the causal triangle"),
+        ("forward_flops_bytes", lambda *a: cost(*a, all_logits=False), "logits for every new token"),
+        ("forward_flops_bytes", lambda *a: cost(*a, mac_flops=1), "a multiply-add is 2 FLOPs"),
+        ("forward_flops_bytes", lambda *a: cost(*a, kv_heads=a[0].n_heads), "n_kv_heads heads, not n_heads"),
+        ("forward_flops_bytes", lambda *a: cost(*a, new_kv=False), "new tokens' keys and values"),
+        ("forward_flops_bytes", lambda *a: cost(*a, norms=False), "norm weights"),
+        ("forward_flops_bytes", lambda *a: cost(*a, head=False), "output projection (vocab x dim) is read"),
+        ("kv_cache_size", lambda c, B, L, d: 8 * EXERCISES["kv_cache_size"].reference(c, B, L, d), "bytes, not bits"),
+        ("kv_cache_size", lambda c, B, L, d: EXERCISES["kv_cache_size"].reference(c, B, L, d) // c.n_layers,
+         "multiply by n_layers"),
+        ("cache_update", lambda k, v, kn, vn, s: (update_at_zero(k, v, kn, vn, s), (k, v))[1], "not the whole buffer"),
+        ("cache_update", lambda *a: EXERCISES["cache_update"].reference(*a)[::-1], "keys and values are swapped"),
+        ("rope_at_offset", lambda x, s, b: ex_cache._rope(x, torch.arange(s + 1, s + 1 + x.shape[2]), b), "off by one"),
+        ("rope_at_offset", lambda x, s, b: ex_cache._rope(x, torch.arange(s, s + x.shape[2]), b, sign=-1), "wrong way"),
+        ("rope_at_offset", lambda x, s, b: ex_cache._rope(x, torch.arange(s, s + x.shape[2]), b, exponent=1),
+         "base^(-2i / D)"),
+        ("rope_at_offset", lambda x, s, b: x.clone(), "nothing was rotated"),
+        ("blocks_needed", lambda n, bs: n // bs, "round up, not down"),
+        ("slot_mapping", lambda t, p, bs: torch.tensor(t)[p // bs] + p % bs, "multiply the physical block"),
+        ("slot_mapping", lambda t, p, bs: torch.tensor(t)[p % bs] * bs + p // bs, "swapped"),
+        ("needs_new_block", lambda n, bs: n > 0 and n % bs == 0, "the first token of an empty sequence"),
+        ("append_token_cow", lambda *a: reference_append(*a, copy_sole=True), "only shared blocks are copied"),
+        ("append_token_cow", lambda *a: reference_append(*a, new_ref=0), "set its reference count to 1"),
+        ("speculative_verify", lambda *a: ex_sampling._wrong_verify(*a, ratio="draft/target"), "the target's probability on top"),
+        ("speculative_verify", lambda *a: ex_sampling._wrong_verify(*a, count_rejected=True), "not the rejected one"),
+        ("gptq_quantize_columns", lambda *a, **k: ex_quant._gptq(*a, **k, divide=False), "divide the column's error"),
+        ("gptq_quantize_columns", lambda *a, **k: ex_quant._gptq(*a, **k, dead=False), "always zero has H[j, j] = 0"),
+        ("gptq_quantize_columns", lambda *a, **k: ex_quant._gptq(*a, **k, inverse="plain"), "Cholesky factor"),
+        ("awq_search_scale", lambda *a: ex_quant._awq(*a, magnitude="max"), "not the max"),
+        ("awq_search_scale", lambda *a: ex_quant._awq(*a, power=-1.0), "not s_x^-alpha"),
+        ("awq_search_scale", lambda *a: ex_quant._awq(*a, grid="closed"), "1 excluded"),
+        ("top_p_filter", lambda probs, p: top_p(probs, p + 1e-6) if p < 1 else probs, "one token too many"),
+        ("top_p_filter", lambda probs, p: top_p(probs, p).sort(-1, descending=True).values, "scatter the kept"),
+    ]
+
+
+VARIANTS = _variants()
+
+
+@pytest.mark.parametrize("name, fn, hint", VARIANTS, ids=[f"{n}-{h[:24]}" for n, _, h in VARIANTS])
+def test_each_listed_mistake_gets_its_own_hint(name, fn, hint):
+    report, text = run(name, fn)
+    assert not report.passed
+    assert any(hint in f.hint for f in report.failures), text

@@ -191,6 +191,9 @@ def awq_random(g: torch.Generator) -> list[Case]:
     return cases
 
 
+DEAD_CHANNEL_HINT = "a channel that is always zero has mean |x| = 0: clamp it at 1e-8 before the power"
+
+
 def judge_awq(case: Case, expected, got, args) -> Failure | None:
     x, W, config, n_grid = case.args
     s_exp, a_exp = expected
@@ -200,7 +203,7 @@ def judge_awq(case: Case, expected, got, args) -> Failure | None:
     problem = tensor_problem(s, (x.shape[1],), what="s") or number_problem(alpha, "alpha")
     dead = bool((x.abs().sum(0) == 0).any())
     if problem:
-        hint = "; a channel that is always zero has mean |x| = 0: clamp it at 1e-8 before the power" if dead else ""
+        hint = f"; {DEAD_CHANNEL_HINT}" if dead else ""
         return Failure(describe(expected), describe(got), problem + hint)
     if close(alpha, a_exp, 1e-6) and same_tensor(s.float(), s_exp, atol=1e-6, rtol=1e-4):
         return None
@@ -224,10 +227,14 @@ def judge_awq(case: Case, expected, got, args) -> Failure | None:
     if hint is None and close(alpha, a_exp, 1e-6) and same_tensor(s.float() / s_exp, torch.full_like(s_exp, float(s[0] / s_exp[0]))):
         hint = "normalise s by sqrt(max(s) * min(s))"
     if hint is None and dead:
-        hint = "a channel that is always zero has mean |x| = 0: clamp it at 1e-8 before the power"
+        hint = DEAD_CHANNEL_HINT
     return Failure(describe(expected), describe(got), hint or (
         "for each alpha: s = mean|x|^alpha / sqrt(max * min), error = mean((x (Q(W s) / s)^T - x W^T)^2); keep "
         "the alpha with the smallest error"))
+
+
+def awq_error_hint(case: Case, e: BaseException) -> str | None:
+    return DEAD_CHANNEL_HINT if bool((case.args[0].abs().sum(0) == 0).any()) else None
 
 
 AWQ = Exercise(
@@ -239,4 +246,5 @@ AWQ = Exercise(
     hand_cases=awq_cases,
     random_cases=awq_random,
     judge=judge_awq,
+    error_hint=awq_error_hint,
 )
