@@ -11,7 +11,7 @@ import nbformat
 import pytest
 
 from minillm.exercises import EXERCISES
-from minillm.exercises.cli import register
+from minillm.exercises.cli import main, register
 from minillm.exercises.notebooks import (SOLUTIONS_DIR, STUDENT_DIR, MarkerError, build, exercise_names, out_of_date,
                                          strip_solution)
 
@@ -113,6 +113,8 @@ def test_check_command_grades_notebooks(tmp_path):
     for name in ("blocks_needed", "slot_mapping", "needs_new_block"):
         assert re.search(rf"{name}: 0/\d+ cases passed", text), text
     assert "not written yet" in text and "Traceback" not in text
+    # run by a real kernel too, the unfinished notebook stops at its blank and nowhere else
+    assert "cells that raised: 1 (first: NotImplementedError: write this function: blocks_needed)" in text
 
 
 def test_check_command_passes_a_solution_notebook():
@@ -127,6 +129,7 @@ def test_check_command_refuses_a_notebook_without_exercises(tmp_path):
     assert code == 1 and "defines none of the exercise functions" in text
 
 
-def test_list_names_every_exercise():
+def test_list_names_every_exercise(capsys):
     code, text = cli("list")
     assert code == 0 and all(ex.signature in text for ex in EXERCISES.values())
+    assert main(["list"]) == 0 and capsys.readouterr().out == text  # python -m minillm.exercises.cli list

@@ -1,7 +1,8 @@
 """``python -m minillm exercises build | check NOTEBOOK... | list``.
 
 ``register(subparsers)`` adds the command to minillm's parser; each action's ``func(args)`` returns
-the exit code (``check``: 0 only when every function of every notebook passes).
+the exit code (``check``: 0 only when every function of every notebook passes). ``python -m
+minillm.exercises.cli ACTION ...`` runs the same actions on their own.
 """
 
 from __future__ import annotations
@@ -76,3 +77,15 @@ def run_list(args) -> int:
     for ex in EXERCISES.values():
         print(f"{ex.notebook:32} {ex.signature}")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m minillm.exercises.cli ACTION ...``: the actions without minillm's own parser."""
+    parser = argparse.ArgumentParser(prog="python -m minillm")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["exercises", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

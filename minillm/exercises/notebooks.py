@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,6 +148,20 @@ print(%r + _json.dumps(_results))
 """
 
 
+def _current_env_kernel():
+    """A kernel manager that starts this Python (the one with minillm installed), whatever kernel the
+    notebook names or the machine's kernelspecs say (nbval's --nbval-current-env does the same)."""
+    from jupyter_client import KernelManager
+    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+
+    class CurrentEnv(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                              display_name="minillm exercises", language="python")
+
+    return KernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnv())
+
+
 def check_notebook(path: Path, timeout: int = 600) -> NotebookResult:
     """Execute a student's notebook in a fresh kernel (its own folder as working directory, cells that
     raise do not stop the run) and check each exercise function it defines.
@@ -162,7 +177,7 @@ def check_notebook(path: Path, timeout: int = 600) -> NotebookResult:
     if not names:
         raise ValueError(f"{path}: defines none of the exercise functions ({', '.join(EXERCISES)})")
     nb.cells.append(nbformat.v4.new_code_cell(_CHECK_CELL % (names, _MARK)))
-    NotebookClient(nb, timeout=timeout, allow_errors=True, kernel_name="python3",
+    NotebookClient(nb, km=_current_env_kernel(), timeout=timeout, allow_errors=True,
                    resources={"metadata": {"path": str(path.parent.resolve())}}).execute()
     errors = [f"{o.ename}: {o.evalue}" for c in nb.cells[:-1] if c.cell_type == "code"
               for o in c.get("outputs", []) if o.output_type == "error"]
