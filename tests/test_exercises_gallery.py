@@ -31,26 +31,31 @@ def test_package_implementation_passes_every_check(name):
 
 def cost_weights_per_token(config, batch_size, new_tokens, context, bytes_per_element):
     c, B, T, L = config, batch_size, new_tokens, context
-    per_layer = c.dim * c.head_dim * (c.n_heads + 2 * c.n_kv_heads) + c.n_heads * c.head_dim * c.dim + 3 * c.dim * c.ffn_dim
+    per_layer = c.dim * c.head_dim * (c.n_heads + 2 * c.n_kv_heads) + c.n_heads * c.head_dim * c.dim
+    per_layer += 3 * c.dim * c.ffn_dim
     head = c.vocab_size * c.dim
-    flops = c.n_layers * (2 * B * T * per_layer + 4 * B * (L * T + T * (T + 1) / 2) * c.n_heads * c.head_dim) + 2 * B * T * head
+    attention = 4 * B * (L * T + T * (T + 1) / 2) * c.n_heads * c.head_dim
+    flops = c.n_layers * (2 * B * T * per_layer + attention) + 2 * B * T * head
     weights = (c.n_layers * per_layer + head + (2 * c.n_layers + 1) * c.dim) * B * T  # re-read for every token
     kv = 2 * B * (L + T) * c.n_layers * c.n_kv_heads * c.head_dim
     return flops, (weights + kv) * bytes_per_element
 
 
 def cost_no_attention(config, batch_size, new_tokens, context, bytes_per_element):
-    flops, nbytes = EXERCISES["forward_flops_bytes"].reference(config, batch_size, new_tokens, context, bytes_per_element)
+    reference = EXERCISES["forward_flops_bytes"].reference
+    flops, nbytes = reference(config, batch_size, new_tokens, context, bytes_per_element)
     c, T, L = config, new_tokens, context
     return flops - c.n_layers * 4 * batch_size * (L * T + T * (T + 1) / 2) * c.n_heads * c.head_dim, nbytes
 
 
 def kv_without_2(config, batch_size, seq_len, dtype):
-    return batch_size * seq_len * config.n_layers * config.n_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    return batch_size * seq_len * config.n_layers * config.n_kv_heads * config.head_dim * size
 
 
 def kv_with_n_heads(config, batch_size, seq_len, dtype):
-    return 2 * batch_size * seq_len * config.n_layers * config.n_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+    size = torch.empty((), dtype=dtype).element_size()
+    return 2 * batch_size * seq_len * config.n_layers * config.n_heads * config.head_dim * size
 
 
 def update_only_new(k_cache, v_cache, k_new, v_new, start):
@@ -284,7 +289,8 @@ def _variants():
         ("needs_new_block", lambda n, bs: n > 0 and n % bs == 0, "the first token of an empty sequence"),
         ("append_token_cow", lambda *a: reference_append(*a, copy_sole=True), "only shared blocks are copied"),
         ("append_token_cow", lambda *a: reference_append(*a, new_ref=0), "set its reference count to 1"),
-        ("speculative_verify", lambda *a: ex_sampling._wrong_verify(*a, ratio="draft/target"), "the target's probability on top"),
+        ("speculative_verify", lambda *a: ex_sampling._wrong_verify(*a, ratio="draft/target"),
+         "the target's probability on top"),
         ("speculative_verify", lambda *a: ex_sampling._wrong_verify(*a, count_rejected=True), "not the rejected one"),
         ("gptq_quantize_columns", lambda *a, **k: ex_quant._gptq(*a, **k, divide=False), "divide the column's error"),
         ("gptq_quantize_columns", lambda *a, **k: ex_quant._gptq(*a, **k, dead=False), "always zero has H[j, j] = 0"),

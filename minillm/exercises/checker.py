@@ -133,7 +133,10 @@ def where(e: BaseException) -> str:
 
 
 def run_case(ex: Exercise, fn: Callable, case: Case) -> CaseResult:
-    expected = case.expected if case.expected is not None else ex.reference(*copy.deepcopy(case.args), **case.reference_kwargs)
+    """One case: the student's answer judged against the known answer or the reference's."""
+    expected = case.expected
+    if expected is None:
+        expected = ex.reference(*copy.deepcopy(case.args), **case.reference_kwargs)
     args = copy.deepcopy(case.args)  # the student may write into its inputs (the cache exercise must)
     try:
         got = fn(*args)

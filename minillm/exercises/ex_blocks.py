@@ -144,7 +144,8 @@ SLOT_MAPPING = Exercise(
     name="slot_mapping",
     signature="slot_mapping(block_table, positions (T,) int64, block_size) -> (T,) int64 slots",
     notebook="05_block_table.ipynb",
-    follows="PagedAttention's slot_mapping (vLLM's name): block_table[pos // block_size] * block_size + pos % block_size",
+    follows=("PagedAttention's slot_mapping (vLLM's name): "
+             "block_table[pos // block_size] * block_size + pos % block_size"),
     reference=reference_slot_mapping,
     hand_cases=slot_cases,
     random_cases=slot_random,
@@ -173,7 +174,8 @@ def _needs_new_block_case(g: torch.Generator, i: int, block_size: int) -> Case:
     if i % 2:
         n -= n % block_size  # every other case at a block boundary
     m = _manager(g, block_size, [n])
-    return Case(f"random {i + 1} ({n} tokens, block_size {block_size})", (n, block_size), m.blocks_needed(0, n, n + 1) == 1)
+    expected = m.blocks_needed(0, n, n + 1) == 1  # the package: free blocks that writing position n takes
+    return Case(f"random {i + 1} ({n} tokens, block_size {block_size})", (n, block_size), expected)
 
 
 NEEDS_NEW_BLOCK = Exercise(
@@ -292,7 +294,8 @@ def judge_cow(case: Case, expected, got, args) -> Failure | None:
         (wrong(new_ref=0), "the block just taken has one owner: set its reference count to 1"),
     ]
     hint = first_match(answer, mutants, lambda a, b: a == tuple(b))
-    if hint is None and answer[3] == expected[3] and sorted(answer[2]) == sorted(expected[2]) and answer[2] != expected[2]:
+    same_blocks = sorted(answer[2]) == sorted(expected[2])
+    if hint is None and answer[3] == expected[3] and same_blocks and answer[2] != expected[2]:
         hint = "take the first free block (free_blocks[0]) and keep the others in order"
     return Failure(describe(expected), describe(answer), hint or (
         "at a block boundary take free_blocks[0]; else, if the last block is shared (reference count > 1), copy it "

@@ -32,7 +32,8 @@ def _update_case(name, B, Hkv, S, D, start, T, g=None, stale=0):
         return torch.randn(*shape, generator=g) if g is not None else torch.arange(
             math.prod(shape), dtype=torch.float32).reshape(shape) / 10 + 1
     k_cache, v_cache = torch.zeros(B, Hkv, S, D), torch.zeros(B, Hkv, S, D)
-    k_cache[:, :, :start + stale], v_cache[:, :, :start + stale] = randn(B, Hkv, start + stale, D), -randn(B, Hkv, start + stale, D)
+    held = start + stale
+    k_cache[:, :, :held], v_cache[:, :, :held] = randn(B, Hkv, held, D), -randn(B, Hkv, held, D)
     k_new, v_new = randn(B, Hkv, T, D) + 100, -randn(B, Hkv, T, D) - 100
     # the known answer: what the cache held before start, then the new tokens
     expected = None if g is not None else (torch.cat([k_cache[:, :, :start], k_new], 2),
@@ -183,7 +184,8 @@ def judge_rope(case: Case, expected, got, args) -> Failure | None:
     ]
     hint = first_match(got, mutants, same_tensor)
     return Failure(describe(expected), describe(got),
-                   hint or "out = x * cos + rotate_half(x) * sin at angles p * base^(-2i/D); check one position by hand")
+                   hint or "out = x * cos + rotate_half(x) * sin at angles p * base^(-2i/D); "
+                           "check one position by hand")
 
 
 ROPE = Exercise(

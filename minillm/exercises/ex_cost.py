@@ -32,7 +32,8 @@ def _cost(c: ModelConfig, B: int, T: int, L: int, nbytes: float, *, mac_flops=2,
     pairs = L * T + T * (T + 1) / 2 if causal else T * (L + T)  # (query, key) pairs per row
     flops = c.n_layers * (mac_flops * B * T * per_layer + (4 * B * pairs * c.n_heads * c.head_dim if attention else 0))
     flops += mac_flops * B * (T if all_logits else 1) * c.vocab_size * c.dim
-    weights = c.n_layers * per_layer + (c.vocab_size * c.dim if head else 0) + ((2 * c.n_layers + 1) * c.dim if norms else 0)
+    weights = c.n_layers * per_layer + (c.vocab_size * c.dim if head else 0)
+    weights += (2 * c.n_layers + 1) * c.dim if norms else 0
     weight_bytes = weights * nbytes * (B * T if weights_per_token else 1)
     hkv = c.n_kv_heads if kv_heads is None else kv_heads
     kv = kv_factor * B * (L + (T if new_kv else 0)) * c.n_layers * hkv * c.head_dim * nbytes
@@ -112,7 +113,8 @@ def judge_cost(case: Case, expected, got, args) -> Failure | None:
     hint = first_match(got, mutants, lambda a, b: close(a[index], b[index]) and close(a[1 - index], b[1 - index])) \
         or first_match(got, mutants, lambda a, b: close(a[index], b[index]))
     part = "flops" if index == 0 else "bytes"
-    return Failure(describe(expected), describe(got), hint or f"{part} differ; redo this case by hand from the docstring")
+    return Failure(describe(expected), describe(got),
+                   hint or f"{part} differ; redo this case by hand from the docstring")
 
 
 COST = Exercise(

@@ -124,7 +124,8 @@ def gptq_error_hint(case: Case, e: BaseException) -> str | None:
 
 GPTQ = Exercise(
     name="gptq_quantize_columns",
-    signature="gptq_quantize_columns(W (O, I), H (I, I), scale (O,), zero (O,), maxq, percdamp=0.01) -> codes (O, I) int64",
+    signature=("gptq_quantize_columns(W (O, I), H (I, I), scale (O,), zero (O,), maxq, percdamp=0.01) "
+               "-> codes (O, I) int64"),
     notebook="08_gptq_column.ipynb",
     follows="minillm.quant.gptq.gptq_quantize (group_size=-1)",
     reference=reference_gptq,
@@ -224,7 +225,8 @@ def judge_awq(case: Case, expected, got, args) -> Failure | None:
         return close(a[1], b[1], 1e-6) and same_tensor(a[0].float(), b[0], atol=1e-6, rtol=1e-4)
 
     hint = first_match(got, mutants, equal)
-    if hint is None and close(alpha, a_exp, 1e-6) and same_tensor(s.float() / s_exp, torch.full_like(s_exp, float(s[0] / s_exp[0]))):
+    ratio = s.float() / s_exp
+    if hint is None and close(alpha, a_exp, 1e-6) and same_tensor(ratio, torch.full_like(ratio, float(ratio[0]))):
         hint = "normalise s by sqrt(max(s) * min(s))"
     if hint is None and dead:
         hint = DEAD_CHANNEL_HINT

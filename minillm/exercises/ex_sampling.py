@@ -107,7 +107,8 @@ def judge_verify(case: Case, expected, got, args) -> Failure | None:
         return lambda: _wrong_verify(tokens, draft, target, u, **kw)
 
     mutants = [
-        (wrong(normalise=False), "the residual is not normalised: divide max(0, target_probs - draft_probs) by its sum"),
+        (wrong(normalise=False), "the residual is not normalised: divide max(0, target_probs - draft_probs) "
+                                 "by its sum"),
         (wrong(residual=False), "after a rejection draw from the residual max(0, target_probs - draft_probs), "
                                 "normalised, not from target_probs: the draft already had its chance at those tokens"),
         (wrong(bonus=False), "every draft was accepted, so the step still emits one more token: the bonus, "
@@ -124,13 +125,15 @@ def judge_verify(case: Case, expected, got, args) -> Failure | None:
     if hint is None and abs(float(probs.sum()) - 1) > 1e-4:
         hint = "next_probs should sum to 1"
     if hint is None and int(n) != n_exp:
-        hint = "accept draft i when uniforms[i] < min(1, target_probs[i, x] / draft_probs[i, x]); stop at the first rejection"
+        hint = ("accept draft i when uniforms[i] < min(1, target_probs[i, x] / draft_probs[i, x]); "
+                "stop at the first rejection")
     return Failure(describe(expected), describe(got), hint or "compare with Leviathan et al. 2023, Algorithm 1")
 
 
 VERIFY = Exercise(
     name="speculative_verify",
-    signature="speculative_verify(draft_tokens, draft_probs, target_probs, uniforms) -> (num_accepted, next_probs (V,))",
+    signature=("speculative_verify(draft_tokens, draft_probs, target_probs, uniforms) "
+               "-> (num_accepted, next_probs (V,))"),
     notebook="07_speculative_sampling.ipynb",
     follows="minillm.speculative.rejection_sample, acceptance_probability, residual_distribution",
     reference=reference_verify,

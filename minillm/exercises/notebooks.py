@@ -184,6 +184,7 @@ def check_notebook(path: Path, timeout: int = 600) -> NotebookResult:
     text = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")
     if _MARK not in text:  # the kernel could not even run the checks (minillm missing there?)
         failed = [f"{o.ename}: {o.evalue}" for o in nb.cells[-1].outputs if o.output_type == "error"]
-        return NotebookResult(path, {n: (f"check {n}: could not run ({'; '.join(failed)})", False) for n in names}, errors)
+        reports = {n: (f"check {n}: could not run ({'; '.join(failed)})", False) for n in names}
+        return NotebookResult(path, reports, errors)
     results = json.loads(text.split(_MARK, 1)[1].strip().splitlines()[0])
     return NotebookResult(path, {n: tuple(v) for n, v in results.items()}, errors)
