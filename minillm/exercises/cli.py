@@ -14,13 +14,12 @@ from pathlib import Path
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``exercises`` (with ``build``, ``check`` and ``list``) to an argparse subparsers object."""
-    from .notebooks import SOLUTIONS_DIR, STUDENT_DIR
-
     p = subparsers.add_parser("exercises", help="classroom exercises: build the student notebooks, check a student's")
     sub = p.add_subparsers(dest="exercises_action", required=True)
     b = sub.add_parser("build", help="write the student notebooks from the solution notebooks")
-    b.add_argument("--solutions", type=Path, default=SOLUTIONS_DIR, help=f"default: {SOLUTIONS_DIR}")
-    b.add_argument("--out", type=Path, default=STUDENT_DIR, help=f"default: {STUDENT_DIR}")
+    # the defaults are resolved when the action runs, so that registering imports no notebook machinery
+    b.add_argument("--solutions", type=Path, default=None, help="default: notebooks/exercises/solutions")
+    b.add_argument("--out", type=Path, default=None, help="default: notebooks/exercises/student")
     b.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 if the student notebooks are out of date")
     b.set_defaults(func=run_build)
@@ -34,15 +33,16 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run_build(args) -> int:
-    from .notebooks import MarkerError, build, out_of_date
+    from .notebooks import SOLUTIONS_DIR, STUDENT_DIR, MarkerError, build, out_of_date
 
+    solutions, out = args.solutions or SOLUTIONS_DIR, args.out or STUDENT_DIR
     try:
         if args.check:
-            stale = out_of_date(args.solutions, args.out)
+            stale = out_of_date(solutions, out)
             for name in stale:
-                print(f"out of date: {args.out / name}; run python -m minillm exercises build", file=sys.stderr)
+                print(f"out of date: {out / name}; run python -m minillm exercises build", file=sys.stderr)
             return 1 if stale else 0
-        for path in build(args.solutions, args.out):
+        for path in build(solutions, out):
             print(f"wrote {path}")
     except (FileNotFoundError, MarkerError) as e:
         print(f"error: {e}", file=sys.stderr)
