@@ -8,12 +8,13 @@ from helpers import random_decoder
 from minillm.generation import generate_cached
 from minillm.kv_cache import KVCache, kv_cache_bytes
 from minillm.model import ModelConfig, attention, attention_mask
-from minillm.paged import NoFreeBlocksError, PagedKVCache, generate_paged, paged_attention
+from minillm.paged import BlockManager, NoFreeBlocksError, PagedKVCache, generate_paged, paged_attention
 from minillm.sampling import SamplingParams
 
 CFG = ModelConfig(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=300,
                   max_seq_len=128)
 PATHS = ["indexed", "gather"]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])  # the same code on every device
 
 
 def shuffled_pool(cache: PagedKVCache, seed: int = 0) -> None:
@@ -67,58 +68,61 @@ def test_paged_attention_equals_contiguous_with_nan_in_unowned_slots(path):
     torch.testing.assert_close(blockwise, out, rtol=1e-5, atol=1e-5)
 
 
-def test_block_attention_prefill_queries_and_padding():
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_attention_prefill_queries_and_padding(device):
     torch.manual_seed(1)
     bs, N, Hkv, D, H = 4, 10, 2, 16, 4
-    k_pool, v_pool = torch.randn(N, bs, Hkv, D), torch.randn(N, bs, Hkv, D)
-    table = torch.tensor([[7, 2, 9], [4, 4, 4]])  # row 1 holds one block, padded with its own
-    lens = torch.tensor([11, 3])
-    qpos = torch.tensor([[8, 9, 10], [1, 2, -1]])
-    q = torch.randn(2, H, 3, D)
+    k_pool, v_pool = torch.randn(N, bs, Hkv, D, device=device), torch.randn(N, bs, Hkv, D, device=device)
+    table = torch.tensor([[7, 2, 9], [4, 4, 4]], device=device)  # row 1 holds one block, padded with its own
+    lens = torch.tensor([11, 3], device=device)
+    qpos = torch.tensor([[8, 9, 10], [1, 2, -1]], device=device)
+    q = torch.randn(2, H, 3, D, device=device)
     out = paged_attention(q, k_pool, v_pool, table, lens, qpos)
     for b in range(2):
-        slots = torch.cat([torch.arange(blk * bs, blk * bs + bs) for blk in table[b].tolist()])[: lens[b]]
+        slots = torch.cat([torch.arange(blk * bs, blk * bs + bs, device=device) for blk in table[b].tolist()])[: lens[b]]
         k = k_pool.view(-1, Hkv, D)[slots].transpose(0, 1)[None]  # (1, Hkv, S, D)
         v = v_pool.view(-1, Hkv, D)[slots].transpose(0, 1)[None]
         real = qpos[b] >= 0
-        mask = torch.arange(int(lens[b]))[None, :] <= qpos[b][real][:, None]
+        mask = torch.arange(int(lens[b]), device=device)[None, :] <= qpos[b][real][:, None]
         want = attention(q[b:b + 1, :, real], k, v, mask)
         torch.testing.assert_close(out[b:b + 1, :, real], want, rtol=1e-5, atol=1e-5)
-    assert torch.equal(out[1, :, 2], torch.zeros(H, D))  # a padding query's output
+    assert torch.equal(out[1, :, 2].cpu(), torch.zeros(H, D))  # a padding query's output
 
 
 def contiguous_logits(model, tokens: list[int], prompt_len: int) -> torch.Tensor:
     """Logits (len - prompt_len + 1, V) after the prompt and after each later token, through KVCache."""
-    cache = KVCache(model.config, 1, len(tokens) + 1)
-    out = [model(torch.tensor([tokens[:prompt_len]]), torch.arange(prompt_len), cache)[0, -1]]
+    dev = model.device
+    cache = KVCache(model.config, 1, len(tokens) + 1, device=dev)
+    out = [model(torch.tensor([tokens[:prompt_len]], device=dev), torch.arange(prompt_len, device=dev), cache)[0, -1]]
     for i in range(prompt_len, len(tokens)):
-        out.append(model(torch.tensor([[tokens[i]]]), torch.tensor([i]), cache)[0, -1])
+        out.append(model(torch.tensor([[tokens[i]]], device=dev), torch.tensor([i], device=dev), cache)[0, -1])
     return torch.stack(out)
 
 
 def ragged_run(model, cache, seqs, prompt_lens):
     """Prefill all prompts in one (B, T) forward with padding, then decode every row together."""
-    B, T = len(seqs), max(prompt_lens)
+    B, T, dev = len(seqs), max(prompt_lens), model.device
     cache.set_rows(range(B))
-    toks = torch.tensor([s[:n] + [0] * (T - n) for s, n in zip(seqs, prompt_lens)])
-    pos = torch.tensor([list(range(n)) + [-1] * (T - n) for n in prompt_lens])
+    toks = torch.tensor([s[:n] + [0] * (T - n) for s, n in zip(seqs, prompt_lens)], device=dev)
+    pos = torch.tensor([list(range(n)) + [-1] * (T - n) for n in prompt_lens], device=dev)
     logits = model(toks, pos, cache)
     outs = [[logits[b, n - 1]] for b, n in enumerate(prompt_lens)]
     for step in range(len(seqs[0]) - prompt_lens[0]):
-        toks = torch.tensor([[s[n + step]] for s, n in zip(seqs, prompt_lens)])
-        logits = model(toks, torch.tensor([[n + step] for n in prompt_lens]), cache)
+        toks = torch.tensor([[s[n + step]] for s, n in zip(seqs, prompt_lens)], device=dev)
+        logits = model(toks, torch.tensor([[n + step] for n in prompt_lens], device=dev), cache)
         for b in range(B):
             outs[b].append(logits[b, 0])
     return [torch.stack(o) for o in outs]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("path", PATHS)
-def test_tiny_model_ragged_batch_equals_contiguous(path):
-    model = random_decoder(300)
+def test_tiny_model_ragged_batch_equals_contiguous(path, device):
+    model = random_decoder(300).to(device)
     torch.manual_seed(2)
     prompt_lens, steps = [3, 8, 13, 4], 10
     seqs = [torch.randint(0, 300, (n + steps,)).tolist() for n in prompt_lens]
-    cache = PagedKVCache(model.config, 40, 4, attention=path)
+    cache = PagedKVCache(model.config, 40, 4, device=device, attention=path)
     shuffled_pool(cache)
     for s in range(len(seqs)):
         cache.add_sequence(s)
@@ -234,3 +238,27 @@ def test_generate_paged_equals_generate_cached_tiny(path):
         assert got.tokens == want.tokens and got.finish_reason == want.finish_reason
     with pytest.raises(NoFreeBlocksError):
         generate_paged(model, [5], params, block_size=4, num_blocks=2)
+
+
+@pytest.mark.parametrize("collide", [False, True])
+def test_prefix_cache_hit_gives_the_logits_of_a_full_prefill(collide):
+    """A second request with the same prompt starts from cached blocks (num_computed_tokens) and
+    computes only the rest; with every hash colliding, verification still serves only matching blocks."""
+    model = random_decoder(300)
+    prompt = list(range(40, 51))  # 11 tokens: two full blocks of 4, then 3
+    want = contiguous_logits(model, prompt, 11)[0]
+    cache = PagedKVCache(model.config, 8, 4)
+    if collide:
+        cache.manager = BlockManager(8, 4, hash_fn=lambda parent, tokens: 0)
+    other = [7, 7, 7, 7] + prompt[4:]  # same second block, other prefix: must not be served
+    for s, ids in enumerate((prompt, other)):
+        assert cache.add_sequence(s, ids) == 0
+        cache.set_rows([s])
+        model(torch.tensor([ids]), torch.arange(11), cache)
+        cache.free(s)
+    computed = cache.add_sequence(2, prompt)
+    assert computed == (4 if collide else 8)  # colliding keys: only the block registered first is found
+    cache.set_rows([2])
+    got = model(torch.tensor([prompt[computed:]]), torch.arange(computed, 11), cache)[0, -1]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert cache.manager.stats.hits == computed // 4

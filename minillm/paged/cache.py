@@ -201,7 +201,8 @@ class PagedKVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's new k, v (B, Hkv, T, D) at the prepared slots; return every row's keys and
-        values at positions 0..S-1, (B, Hkv, S, D) (positions past a row's length repeat its last)."""
+        values at positions 0..S-1, (B, Hkv, S, D) (positions past a row's length repeat its last). On the
+        "indexed" path these are views of a buffer that the next layer's ``update`` overwrites."""
         B, Hkv, T, D = k.shape
         for pool, new in ((self.k[layer], k), (self.v[layer], v)):
             new = new.transpose(1, 2).reshape(B * T, Hkv, D)  # (B*T, Hkv, D): one entry per token
