@@ -8,7 +8,8 @@ from helpers import random_decoder
 from minillm.generation import generate_cached
 from minillm.kv_cache import KVCache, kv_cache_bytes
 from minillm.model import ModelConfig, attention, attention_mask
-from minillm.paged import BlockManager, NoFreeBlocksError, PagedKVCache, generate_paged, paged_attention
+from minillm.paged import (BlockManager, NoFreeBlocksError, PagedKVCache, generate_paged, measure_attention_paths,
+                           paged_attention)
 from minillm.sampling import SamplingParams
 
 CFG = ModelConfig(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=300,
@@ -62,7 +63,8 @@ def test_paged_attention_equals_contiguous_with_nan_in_unowned_slots(path):
         want = attention(q[b:b + 1], keys[b][None], values[b][None], None)
         torch.testing.assert_close(out[b:b + 1], want, rtol=1e-5, atol=1e-5)
     width = max(len(cache.manager.block_table(s)) for s in range(B))
-    block_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in (cache.manager.block_table(s) for s in range(B))])
+    tables = [cache.manager.block_table(s) for s in range(B)]
+    block_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables])  # padded with an own block
     blockwise = paged_attention(q, cache.k[0], cache.v[0], block_tables, torch.tensor(lens) + 1,
                                 torch.tensor([[n] for n in lens]))
     torch.testing.assert_close(blockwise, out, rtol=1e-5, atol=1e-5)
@@ -79,7 +81,8 @@ def test_block_attention_prefill_queries_and_padding(device):
     q = torch.randn(2, H, 3, D, device=device)
     out = paged_attention(q, k_pool, v_pool, table, lens, qpos)
     for b in range(2):
-        slots = torch.cat([torch.arange(blk * bs, blk * bs + bs, device=device) for blk in table[b].tolist()])[: lens[b]]
+        slots = torch.cat([torch.arange(blk * bs, (blk + 1) * bs, device=device) for blk in table[b].tolist()])
+        slots = slots[: lens[b]]
         k = k_pool.view(-1, Hkv, D)[slots].transpose(0, 1)[None]  # (1, Hkv, S, D)
         v = v_pool.view(-1, Hkv, D)[slots].transpose(0, 1)[None]
         real = qpos[b] >= 0
@@ -262,3 +265,9 @@ def test_prefix_cache_hit_gives_the_logits_of_a_full_prefill(collide):
     got = model(torch.tensor([prompt[computed:]]), torch.arange(computed, 11), cache)[0, -1]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert cache.manager.stats.hits == computed // 4
+
+
+def test_measure_attention_paths_reports_each_path():
+    timings = measure_attention_paths(seq_lens=(8, 20), block_size=4, repeats=1)
+    assert list(timings) == [8, 20]
+    assert all(set(t) == {"contiguous", "indexed", "blockwise"} and min(t.values()) > 0 for t in timings.values())

@@ -195,9 +195,10 @@ class BlockManager:
         token_ids = list(token_ids)
         if seq_id in self._tables:
             raise ValueError(f"seq_id: {seq_id} is already allocated; free it first or use another id")
-        if blocks_for(len(token_ids), self.block_size) > self.num_blocks:
-            raise ValueError(f"pool too small: {len(token_ids)} tokens need {blocks_for(len(token_ids), self.block_size)} "
-                             f"blocks of {self.block_size} but the pool has {self.num_blocks}; make the pool larger")
+        needed = blocks_for(len(token_ids), self.block_size)
+        if needed > self.num_blocks:
+            raise ValueError(f"pool too small: {len(token_ids)} tokens need {needed} blocks of {self.block_size} "
+                             f"but the pool has {self.num_blocks}; make the pool larger")
         hits = self._lookup(token_ids) if self.enable_prefix_caching else []
         for block, _ in hits:
             if self.ref_counts[block] == 0:

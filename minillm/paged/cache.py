@@ -104,7 +104,9 @@ class PagedKVCache:
 
     # ---- sequences (the block manager, with copy-on-write performed on the pool) -------------------
     def add_sequence(self, seq_id: int, token_ids=()) -> int:
-        """``BlockManager.allocate``: returns num_computed_tokens (served from the prefix cache)."""
+        """``BlockManager.allocate``: returns num_computed_tokens (served from the prefix cache). The
+        forwards must then write these tokens at these positions: full blocks are named in the prefix
+        cache by them (``BlockManager.add_token_ids`` records later ones)."""
         return self.manager.allocate(seq_id, token_ids)
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -201,7 +203,7 @@ class PagedKVCache:
         if self.attention == "indexed":
             width = max(len(t) for t in self._tables)
             tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in self._tables], dtype=torch.long)  # (B, nb)
-            key_pos = torch.minimum(torch.arange(S)[None, :], torch.tensor(lens)[:, None] - 1)  # (B, S): clamp to the row
+            key_pos = torch.minimum(torch.arange(S)[None, :], torch.tensor(lens)[:, None] - 1)  # (B, S), within the row
             slots = tables.gather(1, key_pos // bs) * bs + key_pos % bs  # (B, S)
             self._read_slots = slots.reshape(-1).to(device)
 

@@ -121,7 +121,8 @@ def run_lab(trace_names=tuple(TRACES), block_sizes=BLOCK_SIZES, max_seq_len: int
         spec = TRACES[name]
         prompt, output = make_trace(spec, max_seq_len)
         schemes = {s: kv_utilization(prompt, output, s, max_seq_len) for s in ("max", "pow2", "oracle")}
-        schemes.update({f"paged_{bs}": kv_utilization(prompt, output, f"paged_{bs}", max_seq_len) for bs in block_sizes})
+        for bs in block_sizes:
+            schemes[f"paged_{bs}"] = kv_utilization(prompt, output, f"paged_{bs}", max_seq_len)
         report["traces"][name] = {
             "schemes": schemes, "num_requests": spec.num_requests,
             "mean_prompt": float(prompt.mean()), "mean_output": float(output.mean()),
