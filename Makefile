@@ -1,9 +1,9 @@
-# The two commands of the README: `make demo` and `make test`. Both set up .venv first (once).
+# The commands of the README: `make demo`, `make test` and `make test-fast`. Each sets up .venv first (once).
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test test-fast setup bench clean
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest
+
+# the inner loop: every module on tiny random models, no notebooks and no embedded model (under 3 minutes)
+test-fast: setup
+	$(BIN)/python -m pytest tests -m "not slow" -q
 
 bench: setup
 	$(BIN)/python -m minillm bench decode

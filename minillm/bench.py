@@ -17,8 +17,9 @@ import torch
 from .data import BENCH_PROMPT
 from .generation import generate, generate_cached, generate_dynamic, generate_naive
 from .kv_cache import make_cache
+from .paged import generate_paged
 from .sampling import SamplingParams
-from .timing import machine, synchronize, time_median
+from .timing import dtype_name, machine, synchronize, time_median
 
 
 
@@ -93,8 +94,9 @@ def _transformers(hf, prompt_tokens, params):
 
 def bench_decode(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: int = 64, repeats: int = 3,
                  peer: bool = True, model_path=None, progress: bool = True) -> dict:
-    """Batch-1 greedy decode tokens/s: naive (no cache), dynamic KV cache, static (contiguous) KV
-    cache in the model's dtype and in int8, and, with ``peer``, transformers on the same GGUF weights.
+    """Batch-1 greedy decode tokens/s: naive (no cache), dynamic KV cache, contiguous KV cache in the
+    model's dtype and in int8, the paged KV cache (blocks of 16, ``minillm.paged``), and, with ``peer``,
+    transformers on the same GGUF weights.
 
     Returns:
         dict with machine, dtype, batch_size, prompt_tokens, new_tokens, repeats, weight_bytes and
@@ -109,6 +111,7 @@ def bench_decode(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: in
     paths = {"ours naive (no cache)": _ours(generate_naive, model, prompt_tokens, params),
              "ours dynamic KV (concatenation)": _ours(generate_dynamic, model, prompt_tokens, params),
              "ours cached (contiguous KV)": _ours(generate_cached, model, prompt_tokens, params),
+             "ours paged KV (block_size 16)": _ours(generate_paged, model, prompt_tokens, params),
              "ours cached, int8 KV": _ours(lambda *a: generate(*a, kv_dtype="int8"), model, prompt_tokens, params)}
     if peer:
         hf = load_transformers_peer(model_path, model.dtype, model.device)
@@ -125,7 +128,7 @@ def bench_decode(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: in
     base = results["ours cached (contiguous KV)"]["decode_tokens_per_s"]
     if peer:
         results["cached_over_transformers"] = base / results["transformers (same GGUF)"]["decode_tokens_per_s"]
-    return {"machine": machine(), "device": str(model.device), "dtype": str(model.dtype).replace("torch.", ""),
+    return {"machine": machine(), "device": str(model.device), "dtype": dtype_name(model.dtype),
             "batch_size": 1, "prompt": prompt, "prompt_tokens": len(prompt_tokens), "new_tokens": new_tokens,
             "repeats": repeats, "weight_bytes": wbytes, "results": results}
 
@@ -174,7 +177,7 @@ def step_time_at_positions(model, positions=(32, 128, 256, 512), repeats: int = 
 
     * "none": a forward over all ``p`` tokens (what the naive path does at position p);
     * "dynamic": one decode step after ``p`` positions in a ``DynamicKVCache`` (copies them);
-    * "contiguous": one decode step after ``p`` positions in the static ``KVCache``.
+    * "contiguous": one decode step after ``p`` positions in the contiguous ``KVCache``.
 
     Returns {path: {position: median seconds}}.
     """

@@ -14,8 +14,10 @@ import argparse
 import sys
 
 from .bench import bench_decode, format_bench
+from .exercises import cli as exercises_cli
 from .generation import generate
-from .options import add_model_args, at_least, check_model_path, is_quantized_file, load, print_json
+from .paged import cli as paged_cli
+from .options import add_model_args, at_least, is_quantized_file, load, print_json
 from .quant import cli as quant_cli
 from .roofline import cli as roofline_cli
 from .sampling import SamplingParams
@@ -70,7 +72,7 @@ def check_generate_options(args) -> None:
         if args.cache != "contiguous" or args.kv_dtype:
             raise ValueError("draft: speculative decoding uses the contiguous float cache; drop --cache/--kv-dtype")
         if args.draft != "ngram":
-            check_model_path(args.draft, "--draft")
+            speculative_cli.check_draft(args.draft)
     if not args.prompt:
         raise ValueError("prompt: is empty; give some text with --prompt")
 
@@ -83,7 +85,7 @@ def cmd_generate(args) -> int:
     if tokenizer is None:
         raise ValueError(f"model: {args.model} has no byte-level BPE tokenizer.json, so text cannot be encoded")
     if args.chat:
-        prompt_tokens = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt_tokens = tokenizer.encode_chat(args.prompt)
     else:
         prompt_tokens = tokenizer.encode(args.prompt)
     printer = None if args.json else StopStringPrinter(tokenizer, params.stop)
@@ -156,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--cache", default="contiguous", choices=["none", "dynamic", "contiguous"],
                    help="none: recompute the sequence every step (the naive baseline); dynamic: a cache "
-                        "grown by concatenation; contiguous: a static preallocated cache (default)")
+                        "grown by concatenation; contiguous: one preallocated buffer per layer (default)")
     g.add_argument("--kv-dtype", default=None, choices=["int8"], help="store the contiguous cache in int8")
     g.add_argument("--draft", default=None, help="speculative decoding: 'ngram' (prompt lookup) or a draft model path")
     g.add_argument("--num-speculative-tokens", type=at_least(1), default=4, help="drafts per target pass (gamma)")
@@ -184,6 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
     roofline_cli.register(sub)
     speculative_cli.register(sub, bench)
     quant_cli.register(sub, bench)
+    paged_cli.register(sub)
+    exercises_cli.register(sub)
     return parser
 
 

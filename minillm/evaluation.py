@@ -24,13 +24,13 @@ def windows(tokens: list[int], seqlen: int, max_tokens: int | None = None,
     """
     if seqlen < 2:
         raise ValueError(f"seqlen: must be >= 2, got {seqlen}")
-    if context is not None and seqlen > context:
-        raise ValueError(f"seqlen: windows of {seqlen} tokens do not fit the model's context of {context} tokens; "
-                         f"use a seqlen of {context} or less")
     tokens = tokens[:max_tokens] if max_tokens else tokens
     n = len(tokens) // seqlen
     if n == 0:
         raise ValueError(f"seqlen: the text has {len(tokens)} tokens, fewer than one window of {seqlen}")
+    if context is not None and seqlen > context:
+        raise ValueError(f"seqlen: windows of {seqlen} tokens do not fit the model's context of {context} tokens; "
+                         f"use a seqlen of {context} or less")
     return [torch.tensor(tokens[i * seqlen:(i + 1) * seqlen]) for i in range(n)]
 
 

@@ -120,6 +120,15 @@ class Stopper:
             raise ValueError("stop: stop strings need a tokenizer; pass tokenizer=")
         self.params, self.tokenizer, self.eos_ids = params, tokenizer, eos_ids
 
+    def emit(self, result: GenerationResult, token: int, seconds: float, on_token=None) -> bool:
+        """Append one new token that took ``seconds``, stream it to ``on_token``; returns whether the
+        sequence is done (EOS or a stop string: ``check``)."""
+        result.tokens.append(token)
+        result.step_s.append(seconds)
+        if on_token is not None:
+            on_token(token)
+        return self.check(result)
+
     def check(self, result: GenerationResult) -> bool:
         tok = result.tokens[-1]
         if not self.params.ignore_eos and tok in self.eos_ids:
@@ -135,15 +144,21 @@ class Stopper:
         return False
 
 
-def finish(result: GenerationResult, tokenizer) -> GenerationResult:
-    """Fill ``result.text`` (without the EOS token; a stop string's cut is kept as it is)."""
+def finish(result: GenerationResult, tokenizer, prompt_s: float = 0.0) -> GenerationResult:
+    """Fill ``result.text`` (without the EOS token; a stop string's cut is kept as it is) and the timings
+    from ``step_s``: ``prefill_s`` is the first token's time, plus ``prompt_s`` (a prompt forward that ran
+    before the first step was timed), ``decode_s`` the rest."""
+    if result.step_s:
+        result.step_s[0] += prompt_s
+    result.prefill_s = result.step_s[0] if result.step_s else prompt_s
+    result.decode_s = sum(result.step_s[1:])
     if tokenizer is not None and result.finish_reason != "stop":
         ids = result.tokens[:-1] if result.finish_reason == "eos" else result.tokens
         result.text = tokenizer.decode(ids)
     return result
 
 
-def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, tokenizer, on_token, eos_ids,
+def run_batch(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, tokenizer, on_token, eos_ids,
          cache_factory=None):
     """Generate for a batch of prompts (left padded when their lengths differ). ``cache_factory(config,
     batch_size, max_seq_len, dtype, device)``, when given, builds the cache instead of ``make_cache``
@@ -176,13 +191,8 @@ def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, toke
             synchronize(device)
             t1 = time.perf_counter()
             for b, r in enumerate(results):
-                if done[b]:
-                    continue
-                r.tokens.append(int(tokens[b]))
-                r.step_s.append(t1 - t0)
-                if on_token is not None:
-                    on_token(r.tokens[-1])
-                done[b] = stopper.check(r)
+                if not done[b]:
+                    done[b] = stopper.emit(r, int(tokens[b]), t1 - t0, on_token)
             t0 = t1
             if all(done) or step == n_new - 1:
                 break
@@ -192,16 +202,12 @@ def _run(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len, toke
             else:
                 seq = torch.cat([seq, tokens[:, None]], dim=1)  # (B, slot + 1): recompute it all
                 logits = prefill(model, seq, None, row_offsets)
-    for r in results:
-        r.prefill_s = r.step_s[0]
-        r.decode_s = sum(r.step_s[1:])
-        finish(r, tokenizer)
-    return results
+    return [finish(r, tokenizer) for r in results]
 
 
 def _generate(model, prompt_tokens, params, *, max_seq_len=None, tokenizer=None, on_token=None, eos_ids=None,
               **kwargs):
-    return _run(model, [prompt_tokens], params, max_seq_len=max_seq_len, tokenizer=tokenizer, on_token=on_token,
+    return run_batch(model, [prompt_tokens], params, max_seq_len=max_seq_len, tokenizer=tokenizer, on_token=on_token,
                 eos_ids=eos_ids, **kwargs)[0]
 
 
@@ -235,7 +241,7 @@ def generate_cached(model, prompt_tokens: list[int], params: SamplingParams = Sa
                     max_seq_len: int | None = None, tokenizer=None,
                     on_token: Callable[[int], None] | None = None,
                     eos_ids: set[int] | None = None, kv_dtype: str | None = None) -> GenerationResult:
-    """Generate with a static, preallocated KV cache (``KVCache``): prefill once, then one token
+    """Generate with a contiguous, preallocated KV cache (``KVCache``): prefill once, then one token
     per decode step.
 
     Same signature, arguments, result and errors as ``generate_naive``; the cache holds
@@ -285,5 +291,5 @@ def generate_batch(model, prompts: list[list[int]], params: SamplingParams = Sam
     Raises:
         ValueError: as ``generate``, for any prompt.
     """
-    return _run(model, prompts, params, cache_kind=cache, kv_dtype=kv_dtype, max_seq_len=max_seq_len,
+    return run_batch(model, prompts, params, cache_kind=cache, kv_dtype=kv_dtype, max_seq_len=max_seq_len,
                 tokenizer=tokenizer, on_token=None, eos_ids=eos_ids)

@@ -91,8 +91,22 @@ class KVCache:
         self.seq_len = end
         return end
 
+    def check_batch(self, k: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+        """Raises ValueError unless ``k`` (B, Hkv, T, D) has the cache's batch size (and ``dtype``)."""
+        if k.shape[0] != self.k[0].shape[0]:
+            raise ValueError(f"cache: holds a batch of {self.k[0].shape[0]} rows, the forward has {k.shape[0]}; "
+                             "make the cache with the batch size of the tokens")
+        if dtype is not None and k.dtype != dtype:
+            raise ValueError(f"cache: stores {dtype}, the model computes in {k.dtype}; make the cache with the "
+                             "model's dtype (model.dtype)")
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v (B, Hkv, T, D) at the prepared positions; return (B, Hkv, seq_len, D) views."""
+        """Store k, v (B, Hkv, T, D) at the prepared positions; return (B, Hkv, seq_len, D) views.
+
+        Raises:
+            ValueError: k's batch size or dtype is not the cache's.
+        """
+        self.check_batch(k, self.k[layer].dtype)
         self.k[layer][:, :, self._pos] = k  # (B, Hkv, T, D) into slots input_pos
         self.v[layer][:, :, self._pos] = v
         return self.k[layer][:, :, : self.seq_len], self.v[layer][:, :, : self.seq_len]
@@ -183,7 +197,7 @@ def dequantize_int8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 
 
 class Int8KVCache(KVCache):
-    """A static cache storing keys and values as int8 with a float32 scale per token and head.
+    """A contiguous cache storing keys and values as int8 with a float32 scale per token and head.
 
     Bytes per position: 2 x Hkv x (D + 4) x layers instead of 2 x Hkv x D x 2 (float16): about half.
     ``update`` returns the dequantized keys/values of every stored position. Same interface as
@@ -203,6 +217,7 @@ class Int8KVCache(KVCache):
         return super().nbytes + sum(t.numel() * 4 for t in self.k_scale + self.v_scale)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.check_batch(k, self.dtype)
         for codes, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
             q, s = quantize_int8(x)
             codes[layer][:, :, self._pos] = q
@@ -217,8 +232,8 @@ CACHES = {"contiguous": KVCache, "dynamic": DynamicKVCache}
 
 def make_cache(kind: str, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
                dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", kv_dtype: str | None = None):
-    """A cache by name: "none" (None: recompute every step), "contiguous" (static, preallocated) or
-    "dynamic" (grows by concatenation); ``kv_dtype="int8"`` stores a static cache in int8.
+    """A cache by name: "none" (None: recompute every step), "contiguous" (preallocated) or
+    "dynamic" (grows by concatenation); ``kv_dtype="int8"`` stores a contiguous cache in int8.
 
     Raises:
         ValueError: an unknown kind, an unknown kv_dtype, or int8 with another cache than contiguous.

@@ -30,13 +30,10 @@ class Linear(nn.Module):
     linears on CPU).
 
     Why: MKL runs ``x @ W`` for a single row on one core, whatever ``torch.get_num_threads()``
-    says, and its small-batch GEMMs stream the weights slowly. Measured on the 2-core AVX2 machine
-    this project targets, all the matmuls of one SmolLM2-135M step (538 MB of float32 weights)
-    take, for 1 / 4 / 16 rows: 47 / 67 / 77 ms as ``F.linear(x, W)``, 38 / 76 / 86 ms as
-    ``x @ W^T`` with W^T contiguous, 27 / 39 / 61 ms as 2 shards through ``torch.bmm``, and
-    33 / 27 / 37 ms through oneDNN's packed weight. The same bytes are read each time; the kernel
-    decides how close to the memory bandwidth they stream. Notebook 01 measures it on the machine
-    at hand. This is tensor parallelism across cores (Megatron-LM's column-parallel linear, Shoeybi
+    says, and its small-batch GEMMs stream the weights slowly: on the 2-core CPU one row is fastest
+    as column shards through ``torch.bmm`` and several rows through oneDNN's packed weight. The same
+    bytes are read each time; the kernel decides how close to the memory bandwidth they stream.
+    Notebook 01 (``roofline.measure_linear_layouts``) measures the four layouts on the machine at hand. This is tensor parallelism across cores (Megatron-LM's column-parallel linear, Shoeybi
     et al. 2019) for one row, and a layout change for several. ``linear_naive`` is the plain form
     the tests compare with.
 

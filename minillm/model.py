@@ -176,8 +176,8 @@ def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Same as ``attention_naive`` through torch's fused ``scaled_dot_product_attention`` (GQA aware);
-    under ``torch.compile`` on the CPU, one unmasked query per row goes to ``attention_decode`` (on a
-    GPU it was not measured, and SDPA stays)."""
+    under ``torch.compile`` on the CPU, one unmasked query per row goes to ``attention_decode``, which
+    inductor fuses better there; on a GPU SDPA's kernels stay."""
     if mask is None and q.shape[2] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
         return attention_decode(q, k, v)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=bool(q.shape[1] != k.shape[1]))
@@ -190,9 +190,8 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     q: (B, H, 1, D); k, v: (B, Hkv, S, D). Returns (B, H, 1, D), as ``attention_naive``.
 
     Written for ``torch.compile`` (``minillm.compiled``): inductor turns the two sums into short loops
-    fused with the softmax. SDPA's fused kernel sets up a parallel region and buffers for each of the
-    30 layers' one-row products; on the 2-core CPU the compiled SmolLM2-135M step took 18.2-18.6 ms
-    this way against 19.0-20.7 ms through SDPA (64 and 1,500 cached positions).
+    fused with the softmax, where SDPA's fused kernel sets up a parallel region and buffers for each
+    of the layers' one-row products (docs/roofline.md times the compiled step both ways).
     """
     B, H, _, D = q.shape
     Hkv = k.shape[1]
@@ -300,7 +299,7 @@ class Decoder(nn.Module):
             CPU, 1 on a GPU. ``minillm.load_model`` chooses it.
         state: float tensors in minillm's names (``tok_embeddings.weight`` (V, C),
             ``layers.{i}.attn.wq.weight`` (H*D, C), ``layers.{i}.mlp.w_gate.weight`` (F, C), ...;
-            see ``minillm.gguf_file``), with Linear weights as (out, in).
+            see ``minillm.formats.gguf``), with Linear weights as (out, in).
 
     Raises:
         KeyError: a tensor is missing from ``state`` (the loaders check first and say which file).

@@ -64,8 +64,8 @@ def check_model_path(path: str | None, option: str = "--model") -> None:
         return
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"{option}: {path!r} does not exist; give a .gguf file, a .safetensors file written by "
-                         "`python -m minillm quantize`, or a Hugging Face checkpoint folder")
+        raise ValueError(f"{path}: no such file or folder ({option}); give a .gguf file, a .safetensors file "
+                         "written by `python -m minillm quantize`, or a Hugging Face checkpoint folder")
     if p.is_file() and p.suffix not in (".gguf", ".safetensors"):
         raise ValueError(f"{option}: {path!r} is neither a .gguf nor a .safetensors file; give a model file or a "
                          "Hugging Face checkpoint folder")

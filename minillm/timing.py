@@ -1,6 +1,6 @@
 """Timing on this machine: what it is, whether it is quiet, and how long the model's steps take.
 
-The measuring rule every benchmark follows (shared/STYLE.md 12): a warm-up run, device
+The measuring rule every benchmark follows: a warm-up run, device
 synchronization, several repeats, the median (``time_median``), and every number printed with the
 machine (``machine``), dtype, batch size and lengths. ``measure_decode`` / ``measure_prefill`` /
 ``measure_verify`` time the real model's forwards; the roofline (``minillm.roofline``) sets them
@@ -25,6 +25,11 @@ def synchronize(device: str | torch.device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.float32 -> "float32": how reports and tables name a dtype."""
+    return str(dtype).removeprefix("torch.")
 
 
 def machine() -> str:

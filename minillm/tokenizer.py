@@ -234,6 +234,10 @@ class Tokenizer:
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         return lambda token_id: utf8.decode(self.encoding.decode_single_token_bytes(token_id))
 
+    def encode_chat(self, text: str) -> list[int]:
+        """The ids of one user message in the chat template, ready for the assistant's answer."""
+        return self.apply_chat_template([{"role": "user", "content": text}])
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Render the model's chat template (ChatML for SmolLM2) into token ids.
 

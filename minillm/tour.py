@@ -14,7 +14,7 @@ from .quant import QuantConfig
 from .quant.pipeline import quantize_model
 from .sampling import SamplingParams
 from .speculative.bench import SPEC_WORKLOADS, compare_once
-from .timing import machine
+from .timing import dtype_name, machine
 
 
 def runs_folder() -> Path:
@@ -28,7 +28,7 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
          quantized: bool = False) -> dict:
     """Every technique so far against its naive baseline on the embedded model, as one table.
 
-    Naive vs KV-cached generation (static, dynamic, int8; same greedy tokens, tokens/s, speedup), and
+    Naive vs KV-cached generation (contiguous, dynamic, int8; same greedy tokens, tokens/s, speedup), and
     speculative decoding with n-gram drafts vs plain cached decoding on an input-grounded chat prompt, and
     4-bit weights (RTN, group 64, torch's int4 kernel) vs float32 weights. Writes
     tour_decode_step_time.png into ``figures`` (default ``runs_folder()``: figures/runs, git-ignored).
@@ -63,14 +63,14 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
     if not quantized:
         rows.append(quantization_row(model, prompt_tokens, params, cached))
     fig = plot_step_times(naive.step_s, cached.step_s, len(prompt_tokens), Path(figures) / "tour_decode_step_time.png")
-    return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "prompt_tokens": len(prompt_tokens),
+    return {"machine": machine(), "dtype": dtype_name(model.dtype), "prompt_tokens": len(prompt_tokens),
             "new_tokens": new_tokens, "rows": rows, "figures": [str(fig)]}
 
 
 def speculative_row(model, tokenizer, new_tokens: int) -> dict:
     """The tour's speculative-decoding row: prompt lookup (gamma 4) vs plain cached decoding, greedy,
     on the "rewrite" workload of ``bench spec`` (the answer copies the prompt), via ``compare_once``."""
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": SPEC_WORKLOADS["rewrite (input-grounded)"]}])
+    ids = tokenizer.encode_chat(SPEC_WORKLOADS["rewrite (input-grounded)"])
     r = compare_once(model, tokenizer, ids, SamplingParams(max_new_tokens=new_tokens), gamma=4)
     return {"technique": "speculative (n-gram)", "baseline": "cached decode, rewrite a passage",
             "baseline_tokens_per_s": r["plain_tokens_per_s"], "tokens_per_s": r["spec_tokens_per_s"],

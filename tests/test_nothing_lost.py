@@ -8,9 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import write_tiny_gguf
 
-from minillm import load_model
+from minillm import KVCache, SamplingParams, generate_cached, load_model
+from minillm.generation import prefill
+from minillm.kv_cache import Int8KVCache
 from minillm.files import atomic_write, check_output_path
 from minillm.quant import gguf_quant
 from minillm.quant.gguf_quant import write_gguf
@@ -90,3 +93,39 @@ def test_output_paths_are_checked_before_any_work(tmp_path, kind):
     (tmp_path / "afile").write_text("")
     with pytest.raises(ValueError, match="--out: .* is a file, and a folder is written there"):
         check_output_path(tmp_path / "afile", "--out", folder=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return load_model(path)[0]
+
+
+@pytest.mark.parametrize("prompt,message", [
+    ("To be", "prompt_tokens: must be a list of int token ids, got str"),
+    (torch.tensor([1, 2, 3]), "prompt_tokens: must be a list of int token ids, got Tensor"),
+    ([1, 2.0, 3], r"prompt_tokens: token ids must be ints, got 2.0 \(float\)"),
+    ([1, True], "prompt_tokens: token ids must be ints, got True"),
+])
+def test_the_python_api_names_a_prompt_of_the_wrong_kind(tiny_model, prompt, message):
+    with pytest.raises(ValueError, match=message):
+        generate_cached(tiny_model, prompt, SamplingParams(max_new_tokens=2))
+
+
+def test_a_cache_of_another_batch_size_or_dtype_is_named(tiny_model):
+    tokens = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match="cache: holds a batch of 1 rows, the forward has 2"):
+        prefill(tiny_model, tokens, KVCache(tiny_model.config, 1, 8))
+    with pytest.raises(ValueError, match="cache: stores torch.float16, the model computes in torch.float32"):
+        prefill(tiny_model, tokens, KVCache(tiny_model.config, 2, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="cache: holds a batch of 1 rows"):
+        prefill(tiny_model, tokens, Int8KVCache(tiny_model.config, 1, 8))
+
+
+def test_a_prompt_past_the_models_own_context_names_its_limit(tiny_model):
+    ctx = tiny_model.config.max_seq_len
+    with pytest.raises(ValueError, match=f"do not fit the model's context of {ctx} tokens"):
+        generate_cached(tiny_model, [1] * ctx, SamplingParams(max_new_tokens=2))
+    with pytest.raises(ValueError, match=f"raise max_seq_len \\(the model allows {ctx}\\)"):
+        generate_cached(tiny_model, [1] * 20, SamplingParams(max_new_tokens=2), max_seq_len=10)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..generation import GenerationResult, _run, check_prompt
+from ..generation import GenerationResult, check_prompt, run_batch
 from ..sampling import SamplingParams
 from .block_manager import blocks_for
 from .cache import PagedKVCache
@@ -47,5 +47,5 @@ def generate_paged(model, prompt_tokens: list[int], params: SamplingParams = Sam
         cache.set_rows([0])
         return cache
 
-    return _run(model, [prompt_tokens], params, cache_kind="paged", max_seq_len=max_seq_len, tokenizer=tokenizer,
+    return run_batch(model, [prompt_tokens], params, cache_kind="paged", max_seq_len=max_seq_len, tokenizer=tokenizer,
                 on_token=on_token, eos_ids=eos_ids, cache_factory=paged_cache)[0]

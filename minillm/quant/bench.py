@@ -56,10 +56,10 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
     """Quantize and evaluate every (method, bits, group_size) in ``configs``.
 
     GPTQ runs with ``act_order`` (and dynamic groups) when asked, dampening ``percdamp`` (0.1% of the
-    mean diagonal: on this model 10% gave a clearly worse 4-bit perplexity than 0.1%; the paper uses
-    1%) and, with ``gptq_mse``, each group's range searched (``QuantConfig.mse``, the GPTQ reference
-    quantizer's option; measured at 4-bit group 64 with 16 x 512 calibration tokens: perplexity 32.61
-    -> 32.02; 3-bit group 64: 54.90 -> 40.99). RTN keeps min / max: it is the baseline. AWQ uses a
+    mean diagonal, where the paper uses 1%: on this model a larger dampening gave a worse 4-bit
+    perplexity) and, with ``gptq_mse``, each group's range searched (``QuantConfig.mse``, the GPTQ
+    reference quantizer's option; docs/quantization.md measures both). RTN keeps min / max: it is the
+    baseline. AWQ uses a
     20-point alpha grid and its own clip search; AWQ+GPTQ with the range search uses AWQ's scales only
     (``awq_clip``: see ``quantize_model``). Returns {"float": {...}, "rows": [...], "setup": {...}}; each row has method,
     bits, group_size, bytes, bits_per_weight (linear layers), size_vs_float32, perplexity, kl,

@@ -18,7 +18,7 @@ from ..files import atomic_write
 from ..formats.gguf_blocks import dequantize_q8_0
 from ..model import Decoder, ModelConfig, weight_shapes
 from .gguf_quant import quantize_q8_0
-from .pipeline import LAYERS, _module
+from .pipeline import LAYERS, linear_of
 from .qlinear import QuantLinear, from_state
 from .rtn import QuantConfig
 
@@ -41,7 +41,7 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
     state = {}
     for i, block in enumerate(model.layers):
         for name in LAYERS:
-            lin = _module(block, name)[0]
+            lin = linear_of(block, name)[0]
             if not isinstance(lin, QuantLinear):
                 raise ValueError(f"model: layers.{i}.{name} is not quantized; run quantize_model first")
             for key, t in lin.state_dict().items():
@@ -104,7 +104,7 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
         model = Decoder(config, float_state, n_shards=n_shards or torch.get_num_threads())
         for i, block in enumerate(model.layers):
             for name in LAYERS:
-                lin, parent, attr = _module(block, name)
+                lin, parent, attr = linear_of(block, name)
                 setattr(parent, attr, from_state(state, f"layers.{i}.{name}", qconfig, lin.out_features,
                                                  lin.in_features, fast))
     except KeyError as e:

@@ -8,7 +8,7 @@ import os
 import sys
 
 from ..data import HELD_OUT_PLAY, play_text
-from ..evaluation import perplexity, reference_logprobs
+from ..evaluation import perplexity, reference_logprobs, windows
 from ..files import check_output_path
 from ..loading import default_model_path
 from ..options import add_model_args, at_least, load, print_json
@@ -84,10 +84,8 @@ def cmd_perplexity(args) -> int:
     model, tokenizer = load(args)
     if tokenizer is None:
         raise ValueError("model: this checkpoint has no tokenizer minillm can use")
-    if args.seqlen > model.config.max_seq_len:
-        raise ValueError(f"seqlen: windows of {args.seqlen} tokens do not fit the model's context of "
-                         f"{model.config.max_seq_len} tokens; use --seqlen {model.config.max_seq_len} or less")
     tokens = tokenizer.encode(text)
+    windows(tokens, args.seqlen, args.max_tokens, model.config.max_seq_len)  # the text and the context, checked first
     report = {"text": name, "model": args.model or "embedded SmolLM2-135M-Instruct", "tokenizer": "the model's (GGUF BPE)"}
     reference = None
     if args.quant:

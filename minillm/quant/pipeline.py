@@ -20,6 +20,7 @@ from __future__ import annotations
 
 
 import torch
+from tqdm.auto import tqdm
 
 from ..data import CALIBRATION_PLAY, play_text
 from ..model import Linear
@@ -48,7 +49,8 @@ def calibration_tokens(tokenizer, nsamples: int = 16, seqlen: int = 512, seed: i
     return torch.tensor([ids[s:s + seqlen] for s in starts])
 
 
-def _module(block, name):
+def linear_of(block, name: str):
+    """(the Linear at ``name`` (e.g. "attn.wqkv") in ``block``, its parent module, its attribute name)."""
     parent, attr = name.split(".")
     return getattr(getattr(block, parent), attr), getattr(block, parent), attr
 
@@ -103,23 +105,21 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         awq_clip: run AWQ's clip search (Lin et al. 2024, Sec. 3.3). Default: yes, except for
             "awq+gptq" with ``config.mse``: there clipping would replace the float weights GPTQ then
             reproduces (the clipped-away part is an error GPTQ's feedback never sees) while GPTQ's
-            range search already shrinks each group's range on the error-updated columns. Measured on
-            this model, 3-bit group 32, 32 x 512 calibration, with the range search: perplexity 38.1
-            with the clip, 36.6 without. Without the range search GPTQ keeps min / max and the clip
-            is needed (3-bit group 64, a small run: 44.8 with it, 56.6 without).
-        fast: let each ``QuantLinear`` use the int4 kernel when it can.
+            range search already shrinks each group's range on the error-updated columns
+            (measured in docs/quantization.md).
+        fast: let each ``QuantLinear`` use the int4 kernel when it can (a warning names the layers
+            whose layout it cannot run).
         progress: progress bar over blocks.
 
     Returns:
-        {"method", "bits", "group_size", "layers": [{"name", "rel_error", "alpha"?}], ...} where
-        rel_error = ||W_hat X - W X|| / ||W X|| on the layer's calibration inputs (NaN for RTN when
-        no calibration is given).
+        {"method", "bits", "group_size", "act_order", ... (the options that ran), "layers": [{"name",
+        "rel_error", "alpha"?}]} where rel_error = ||W_hat X - W X|| / ||W X|| on the layer's
+        calibration inputs (NaN for RTN when no calibration is given).
 
     Raises:
-        ValueError: unknown method, missing calibration, or an architecture other than Llama with AWQ.
+        ValueError: unknown method, missing calibration, calibration windows longer than the model's
+            context, or an architecture other than Llama.
     """
-    from tqdm.auto import tqdm
-
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {METHODS}")
     awq, gptq = method.startswith("awq"), method.endswith("gptq")
@@ -129,75 +129,101 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         raise ValueError(f"calib: {method} needs calibration tokens (see calibration_tokens)")
     if model.config.arch != "llama":
         raise ValueError(f"model: quantization supports the llama architecture, not {model.config.arch!r}")
+    if calib is not None and calib.shape[1] > model.config.max_seq_len:
+        raise ValueError(f"calib_seqlen: calibration windows of {calib.shape[1]} tokens do not fit the model's "
+                         f"context of {model.config.max_seq_len} tokens; use {model.config.max_seq_len} or less")
     model._compiled_decode = None  # a compiled decode (minillm.compiled) froze the float weights
+    quantizer = LayerQuantizer(model, config, awq=awq, gptq=gptq, awq_clip=awq and awq_clip, act_order=act_order,
+                               static_groups=static_groups, blocksize=blocksize, percdamp=percdamp,
+                               awq_tokens=awq_tokens, fast=fast)
     report = {"method": method, "bits": config.bits, "group_size": config.group_size, "sym": config.sym,
-              "mse": config.mse, "act_order": act_order, "static_groups": static_groups,
-              "awq_clip": awq and awq_clip, "layers": []}
-    X = None
-    if calib is not None:
-        if calib.shape[1] > model.config.max_seq_len:
-            raise ValueError(f"calib_seqlen: calibration windows of {calib.shape[1]} tokens do not fit the model's "
-                             f"context of {model.config.max_seq_len} tokens; use {model.config.max_seq_len} or less")
-        calib = calib.to(model.device)
-        report.update(calib_samples=calib.shape[0], calib_seqlen=calib.shape[1])
-        T = calib.shape[1]
-        pos = torch.arange(T, device=model.device)
-        rope = (model.rope_cos[pos], model.rope_sin[pos])
-        mask = pos[None, :] <= pos[:, None]  # (T, T) causal
-        X = model.embed(calib).float()  # (N, T, C)
-    for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
-        if awq:
-            report["layers"] += awq_scale_block(model, block, i, X, rope, mask, config, awq_grid, awq_tokens)
-        if X is None:  # RTN without calibration: no inputs needed
+              "mse": config.mse, "act_order": gptq and act_order, "static_groups": gptq and static_groups,
+              "awq_clip": awq and awq_clip, "layers": quantizer.layers}
+    if calib is None:  # RTN without calibration: no inputs needed
+        for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
             for name in LAYERS:
-                lin, parent, attr = _module(block, name)
-                setattr(parent, attr, QuantLinear(rtn_quantize(lin.weight, config), lin.bias, fast))
-                report["layers"].append({"name": f"layers.{i}.{name}", "rel_error": float("nan")})
-            continue
-        # execution order: each layer is calibrated on inputs computed with the layers before it
-        # already quantized; one pass through the block (its pieces run once each)
-        def quantize(name, x):
-            lin, parent, attr = _module(block, name)
-            W_float = lin.weight.float()  # (O, I), reassembled from the shards once
-            W = W_float
-            if awq and awq_clip:
-                rows = None
-                if name == "attn.wqkv":  # q and k rows are not clipped (AWQ)
-                    c = model.config
-                    rows = slice((c.n_heads + c.n_kv_heads) * c.head_dim, W.shape[0])
-                W = search_clip(W, _subsample(x, min(awq_tokens, 512)), config, rows)
-            if gptq:
-                h = Hessian(W.shape[1], device=W.device)
-                h.add_batch(x)
-                qw = gptq_quantize(W, h.H, config, blocksize=blocksize, percdamp=percdamp, act_order=act_order,
-                                   static_groups=static_groups)
-            else:
-                qw = rtn_quantize(W, config)
-            x2 = _subsample(x, 4096)
-            ref = x2 @ W_float.t()
-            rel = ((x2 @ qw.dequantize().t() - ref).norm() / ref.norm()).item()
-            report["layers"].append({"name": f"layers.{i}.{name}", "rel_error": rel})
-            new = QuantLinear(qw, lin.bias, fast)
-            setattr(parent, attr, new)
-            return new
-
-        a = block.attn_norm(X)  # (N, T, C): input of q/k/v
-        quantize("attn.wqkv", a)
-        o_in = capture_input(block.attn.wo, lambda: block.attn(a, i, rope, None, mask))  # (N, T, H*D)
-        X = X + quantize("attn.wo", o_in)(o_in)
-        m = block.ffn_norm(X)
-        quantize("mlp.w_gate_up", m)
-        d_in = capture_input(block.mlp.w_down, lambda: block.mlp(m))  # (N, T, F)
-        X = X + quantize("mlp.w_down", d_in)(d_in)
+                quantizer.rtn(block, i, name)
+    else:
+        report.update(calib_samples=calib.shape[0], calib_seqlen=calib.shape[1])
+        X, rope, mask = block_inputs(model, calib.to(model.device))
+        for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
+            if awq:
+                report["layers"] += awq_scale_block(model, block, i, X, rope, mask, config, awq_grid, awq_tokens)
+            X = quantize_block(quantizer, block, i, X, rope, mask)
     warn_slow_layers(model, config)
     return report
+
+
+def block_inputs(model, calib: torch.Tensor):
+    """The first block's input for calibration ids (N, T): (X (N, T, C) float32, rope (cos, sin), causal mask)."""
+    pos = torch.arange(calib.shape[1], device=model.device)
+    mask = pos[None, :] <= pos[:, None]  # (T, T) causal
+    return model.embed(calib).float(), (model.rope_cos[pos], model.rope_sin[pos]), mask
+
+
+def quantize_block(quantizer: LayerQuantizer, block, i: int, X: torch.Tensor, rope, mask) -> torch.Tensor:
+    """Quantize one block's layers in execution order, each calibrated on inputs computed with the layers
+    before it already quantized (one pass through the block); returns the next block's input (N, T, C)."""
+    a = block.attn_norm(X)  # (N, T, C): input of q/k/v
+    quantizer(block, i, "attn.wqkv", a)
+    o_in = capture_input(block.attn.wo, lambda: block.attn(a, i, rope, None, mask))  # (N, T, H*D)
+    X = X + quantizer(block, i, "attn.wo", o_in)(o_in)
+    m = block.ffn_norm(X)
+    quantizer(block, i, "mlp.w_gate_up", m)
+    d_in = capture_input(block.mlp.w_down, lambda: block.mlp(m))  # (N, T, F)
+    return X + quantizer(block, i, "mlp.w_down", d_in)(d_in)
+
+
+class LayerQuantizer:
+    """Replaces one linear layer of a block by its ``QuantLinear``, quantized by the method's settings
+    (AWQ's clip search, then GPTQ or RTN) on that layer's calibration inputs, and records its error
+    in ``layers``."""
+
+    def __init__(self, model, config: QuantConfig, *, awq: bool, gptq: bool, awq_clip: bool, act_order: bool,
+                 static_groups: bool, blocksize: int, percdamp: float, awq_tokens: int, fast: bool):
+        self.model_config, self.config = model.config, config
+        self.awq, self.gptq, self.awq_clip = awq, gptq, awq_clip
+        self.gptq_options = {"blocksize": blocksize, "percdamp": percdamp, "act_order": act_order,
+                             "static_groups": static_groups}
+        self.awq_tokens, self.fast = awq_tokens, fast
+        self.layers: list[dict] = []
+
+    def rtn(self, block, i: int, name: str) -> None:
+        """Round to nearest, without calibration inputs (its error is not measured: NaN)."""
+        lin, parent, attr = linear_of(block, name)
+        setattr(parent, attr, QuantLinear(rtn_quantize(lin.weight, self.config), lin.bias, self.fast))
+        self.layers.append({"name": f"layers.{i}.{name}", "rel_error": float("nan")})
+
+    def __call__(self, block, i: int, name: str, x: torch.Tensor) -> QuantLinear:
+        lin, parent, attr = linear_of(block, name)
+        W_float = lin.weight.float()  # (O, I), reassembled from the shards once
+        W = W_float
+        if self.awq_clip:
+            rows = None
+            if name == "attn.wqkv":  # q and k rows are not clipped (AWQ)
+                c = self.model_config
+                rows = slice((c.n_heads + c.n_kv_heads) * c.head_dim, W.shape[0])
+            W = search_clip(W, _subsample(x, min(self.awq_tokens, 512)), self.config, rows)
+        if self.gptq:
+            h = Hessian(W.shape[1], device=W.device)
+            h.add_batch(x)
+            qw = gptq_quantize(W, h.H, self.config, **self.gptq_options)
+        else:
+            qw = rtn_quantize(W, self.config)
+        x2 = _subsample(x, 4096)
+        ref = x2 @ W_float.t()
+        rel = ((x2 @ qw.dequantize().t() - ref).norm() / ref.norm()).item()
+        self.layers.append({"name": f"layers.{i}.{name}", "rel_error": rel})
+        new = QuantLinear(qw, lin.bias, self.fast)
+        setattr(parent, attr, new)
+        return new
 
 
 def awq_scale_block(model, block, i, X, rope, mask, config, n_grid, n_tokens) -> list[dict]:
     """Search and fold AWQ scales for one float block; returns the chosen alphas."""
     c = model.config
     ins = {}
-    hooks = [_module(block, n)[0].register_forward_pre_hook(
+    hooks = [linear_of(block, n)[0].register_forward_pre_hook(
         lambda m, args, n=n: ins.__setitem__(n, _subsample(args[0].detach(), n_tokens))) for n in LAYERS]
     try:
         block(X, i, rope, None, mask)

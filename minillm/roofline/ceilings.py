@@ -16,7 +16,7 @@ from ..compiled import is_compiled
 from ..linear import Linear
 from ..loading import parse_dtype
 from ..model import _ONEDNN
-from ..timing import measure_decode, measure_prefill, time_median
+from ..timing import dtype_name, measure_decode, measure_prefill, time_median
 from .cost import DTYPE_BYTES, decode_cost, prefill_cost
 
 
@@ -138,7 +138,7 @@ def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), cont
         ValueError: no matmul peak in ``ceilings`` for the model's dtype, a batch size < 1, or
             sequences longer than the model's context.
     """
-    dtype = str(model.dtype).replace("torch.", "")
+    dtype = dtype_name(model.dtype)
     nbytes = DTYPE_BYTES[dtype]
     if dtype not in ceilings.matmul_flops:
         raise ValueError(f"ceilings: no matmul peak measured for {dtype}, the model's dtype; "

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from ..generation import generate_cached
 from ..sampling import SamplingParams
-from ..timing import machine, measure_verify
+from ..timing import dtype_name, machine, measure_verify
 from .decode import predicted_speedup, speculative_generate
 from .proposers import DraftModelProposer, NgramProposer
 from .rejection import expected_tokens_per_pass, leviathan_speedup
@@ -104,10 +104,10 @@ def bench_spec(model, tokenizer, *, num_speculative_tokens: int = 4, new_tokens:
     c = 0.0 if draft is None else draft_cost_ratio(model, draft)
     rows = []
     for name in tqdm(workloads or list(SPEC_WORKLOADS), desc="bench spec", disable=not progress, leave=False):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": SPEC_WORKLOADS[name]}])
+        ids = tokenizer.encode_chat(SPEC_WORKLOADS[name])
         rows.append({"workload": name, "prompt_tokens": len(ids),
                      **compare_once(model, tokenizer, ids, params, gamma, draft, repeats, verify, c)})
-    return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "proposer": draft_name,
+    return {"machine": machine(), "dtype": dtype_name(model.dtype), "proposer": draft_name,
             "num_speculative_tokens": gamma, "new_tokens": new_tokens, "repeats": repeats,
             "verify_s": verify, "verify_cost_ratio": verify[gamma + 1] / verify[1], "draft_cost_ratio": c, "rows": rows}
 
@@ -130,7 +130,7 @@ def sweep_gamma(model, tokenizer, *, gammas=(1, 2, 3, 4, 6, 8), workloads=None, 
     jobs = [(w, g) for w in (workloads or INPUT_GROUNDED) for g in gammas]
     plain = {}
     for name, gamma in tqdm(jobs, desc="sweep gamma", disable=not progress, leave=False):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": SPEC_WORKLOADS[name]}])
+        ids = tokenizer.encode_chat(SPEC_WORKLOADS[name])
         if name not in plain:
             runs = [generate_cached(model, ids, params, tokenizer=tokenizer) for _ in range(repeats)]
             plain[name] = (statistics.median(r.decode_tokens_per_s for r in runs), runs[-1].tokens)
@@ -145,7 +145,7 @@ def sweep_gamma(model, tokenizer, *, gammas=(1, 2, 3, 4, 6, 8), workloads=None, 
     for name in dict.fromkeys(r["workload"] for r in rows):
         mine = [r for r in rows if r["workload"] == name]
         best[name] = {key: max(mine, key=lambda r: r[f"{key}_speedup"])["gamma"] for key in ("measured", "predicted")}
-    return {"machine": machine(), "dtype": str(model.dtype).replace("torch.", ""), "new_tokens": new_tokens,
+    return {"machine": machine(), "dtype": dtype_name(model.dtype), "new_tokens": new_tokens,
             "repeats": repeats, "verify_s": verify, "draft_cost_ratio": c, "rows": rows, "best": best}
 
 

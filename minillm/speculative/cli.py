@@ -13,14 +13,26 @@ from .draft import distill_draft, save_llama_checkpoint
 from .proposers import DraftModelProposer, NgramProposer
 
 
+def _not_a_draft(path: str, why: Exception) -> ValueError:
+    return ValueError(f"draft: {path!r} is neither 'ngram' nor a model minillm can load ({why}); give "
+                      "'ngram' or a folder written by `python -m minillm distill-draft --out PATH`")
+
+
+def check_draft(path: str) -> None:
+    """Refuse, before the target is loaded, a ``--draft`` path that cannot be a model."""
+    try:
+        check_model_path(path, "--draft")
+    except ValueError as e:
+        raise _not_a_draft(path, e) from None
+
+
 def load_draft(args, model):
     """The draft model at ``args.draft``, checked to share the target's vocabulary."""
-    check_model_path(args.draft, "--draft")
+    check_draft(args.draft)
     try:
         draft, _ = load_model(args.draft, dtype=args.dtype, device=model.device, n_shards=args.shards)
     except ValueError as e:  # ModelFileError included
-        raise ValueError(f"draft: {args.draft!r} is neither 'ngram' nor a model minillm can load ({e}); give "
-                         "'ngram' or a folder written by `python -m minillm distill-draft --out PATH`") from None
+        raise _not_a_draft(args.draft, e) from None
     if draft.config.vocab_size != model.config.vocab_size:
         raise ValueError(f"draft: {args.draft} has a vocabulary of {draft.config.vocab_size}, "
                          f"the target {model.config.vocab_size}; the draft must share the tokenizer")
@@ -36,7 +48,7 @@ def make_proposer(args, model, ctx: int):
 
 def cmd_bench_spec(args) -> int:
     if args.draft != "ngram":
-        check_model_path(args.draft, "--draft")
+        check_draft(args.draft)
     model, tokenizer = load(args)
     draft = None if args.draft == "ngram" else load_draft(args, model)
     report = bench_spec(model, tokenizer, num_speculative_tokens=args.num_speculative_tokens,

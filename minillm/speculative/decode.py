@@ -128,17 +128,13 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
         emitted, n_ok = rejection_sample(draft, draft_probs, target_probs, gen)
         cache.truncate(start + 1 + n_ok)  # roll back the rejected drafts' keys and values
         now = time.perf_counter()
+        # keep tokens up to EOS, a stop string or max_new_tokens; the pass's time is shared among them
         done, kept = False, 0
-        for x in emitted:
-            result.tokens.append(x)
-            tokens.append(x)
+        while kept < len(emitted) and not done and len(result.tokens) < params.max_new_tokens:
             kept += 1
-            if on_token is not None:
-                on_token(x)
-            done = stopper.check(result)  # EOS or a stop string (sets finish_reason)
-            if done or len(result.tokens) >= params.max_new_tokens:
-                break
-        result.step_s += [(now - t0) / kept] * kept
+            done = stopper.emit(result, emitted[kept - 1], 0.0, on_token)
+        tokens += emitted[:kept]
+        result.step_s[-kept:] = [(now - t0) / kept] * kept
         stats.drafted.append(len(draft))
         stats.accepted.append(n_ok)
         stats.emitted.append(kept)
@@ -147,11 +143,7 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
         t0 = now
         if done:
             break
-    if result.step_s:
-        result.step_s[0] += prompt_s  # the first new token waited for the prompt's forward too
-    result.prefill_s = result.step_s[0] if result.step_s else prompt_s
-    result.decode_s = sum(result.step_s[1:])
-    return finish(result, tokenizer), stats
+    return finish(result, tokenizer, prompt_s), stats  # the first new token waited for the prompt's forward
 
 
 def replay_greedy(proposer, prompt_tokens: list[int], answer: list[int], params: SamplingParams = SamplingParams(), *,

@@ -17,12 +17,10 @@ class NgramProposer:
     (n = max_n .. min_n) and propose the tokens that followed it. Deterministic: one-hot draft_probs.
 
     min_n = 1 by default: a one-token match drafts on almost every pass and is often wrong, so it
-    pays only where a wrong draft costs the target little. With oneDNN's packed weights
-    (``minillm.model.Linear``) verifying 5 tokens costs 1.0-1.15 decode steps on the 2-core CPU, and
-    one-token matches measured better than or equal to two-token ones on 5 of the 6 workloads
-    ``bench spec`` had then (summarise 1.36x vs 1.16x, chat 1.09x vs 0.98x; edit code 1.44x vs 1.51x). When
-    verifying costs more (with MKL's small GEMMs it was 1.86 decode steps), use min_n = 2: then
-    one-token matches measured 0.56-0.75x of plain decoding on the open-ended workloads."""
+    pays only where a wrong draft costs the target little, as here, where ``minillm.linear.Linear``
+    verifies several tokens for little more than one decode step (``bench spec`` prints that cost).
+    Where verifying costs much more than a decode step, min_n = 2 drafts less often and less wrongly
+    (docs/speculative.md compares the two)."""
 
     def __init__(self, vocab_size: int, max_n: int = 3, min_n: int = 1):
         self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
