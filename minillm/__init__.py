@@ -15,9 +15,12 @@ from .loading import default_model_path, load_model
 from .model import Decoder, ModelConfig
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tokenizer import Tokenizer
+from .paged.llm import LLM  # vLLM's API: from minillm import LLM, SamplingParams
+from .paged.beam import BeamSearchParams
 
 __all__ = [
-    "Decoder", "GenerationResult", "KVCache", "ModelConfig", "ModelFileError", "SamplingParams", "Tokenizer",
+    "BeamSearchParams", "Decoder", "GenerationResult", "KVCache", "LLM", "ModelConfig", "ModelFileError",
+    "SamplingParams", "Tokenizer",
     "decode_step", "default_model_path", "generate", "generate_cached", "generate_naive", "kv_cache_bytes",
     "load_model", "logits_to_probs", "prefill", "sample",
 ]

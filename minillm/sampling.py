@@ -8,6 +8,7 @@ Top-p is Holtzman et al. 2020, "The Curious Case of Neural Text Degeneration", S
 from __future__ import annotations
 
 import numbers
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,16 @@ class SamplingParams:
             logits are divided in float32, where it would round to 0 and every probability to NaN.
         top_k: keep the k most likely tokens; 0 keeps all. >= 0.
         top_p: keep the smallest set of tokens whose probability reaches top_p. In (0, 1].
-        max_new_tokens: tokens to generate at most. >= 1.
+        max_new_tokens: tokens to generate at most. >= 1 (default 64). ``max_tokens`` is vLLM's name for
+            the same field: pass either (both only if equal); ``params.max_tokens`` reads it back.
         seed: seeds the sampling generator (same seed, same tokens); None draws a fresh seed.
         stop: strings that end generation; the text is cut before the first one.
         ignore_eos: keep generating past the end-of-sequence token (benchmarks, oracle tests).
+        n: completions per prompt (vLLM's parallel sampling, ``minillm.paged.LLMEngine``: the samples
+            share the prompt's KV blocks); >= 1. The single-sequence paths (``generate*``) produce one.
+
+    The names are vLLM's (``vllm.SamplingParams``), so ``SamplingParams(n=2, max_tokens=32, seed=0)``
+    means the same on both.
 
     Raises:
         ValueError: naming the field, for any value outside its range.
@@ -41,11 +48,12 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self):
         # numbers.Real / Integral: Python and NumPy scalars alike
         for name, kind in (("temperature", numbers.Real), ("top_p", numbers.Real), ("top_k", numbers.Integral),
-                           ("max_new_tokens", numbers.Integral)):
+                           ("max_new_tokens", numbers.Integral), ("n", numbers.Integral)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, kind):
                 raise ValueError(f"{name}: must be a number{' (an integer)' if kind is numbers.Integral else ''}, "
@@ -66,7 +74,9 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens: must be >= 1, got {self.max_new_tokens}")
+            raise ValueError(f"max_new_tokens: must be >= 1 (max_tokens in vLLM's name), got {self.max_new_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n: completions per prompt must be >= 1, got {self.n}")
         try:
             stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         except TypeError:
@@ -78,6 +88,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+
+def _accept_max_tokens(init):
+    """Let ``__init__`` take vLLM's ``max_tokens`` for the one stored field ``max_new_tokens``. Not a
+    second field: ``dataclasses.replace`` and equality then see one length limit, never two."""
+    @functools.wraps(init)
+    def __init__(self, *args, max_tokens=None, **kwargs):
+        if max_tokens is not None:
+            if "max_new_tokens" in kwargs and kwargs["max_new_tokens"] != max_tokens:
+                raise ValueError(f"max_tokens: vLLM's name for max_new_tokens, got max_tokens={max_tokens!r} and "
+                                 f"max_new_tokens={kwargs['max_new_tokens']!r}; give one of them")
+            kwargs["max_new_tokens"] = max_tokens
+        init(self, *args, **kwargs)
+    return __init__
+
+
+SamplingParams.__init__ = _accept_max_tokens(SamplingParams.__init__)
+SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
+                                     doc="vLLM's name for ``max_new_tokens`` (the same field).")
 
 
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -1,0 +1,93 @@
+"""How one step's tokens become the (B, T) rows of one ``Decoder.forward`` on the paged cache.
+
+A step (``minillm.paged.scheduler``) gives each sequence a span of new tokens: one for a decode, a
+chunk for a prefill. The forward takes a rectangle: B rows of T tokens, -1 positions marking padding.
+A row holds consecutive tokens of one sequence; a long span is cut into several rows of the same
+sequence (``PagedKVCache`` writes every row's keys and values before any row attends, so a later row
+sees the earlier rows of the same forward). Vaswani-style attention cost aside, a forward's time on
+this CPU is
+
+    cost(T) ~ B * T * c_token + B * S * c_key
+
+with B * T the tokens the linear layers process (padding is computed too, then thrown away) and
+B * S the keys the cache gathers for the rows (every row reads S = the longest sequence's positions:
+the ``indexed`` read of ``PagedKVCache``). Decode rows want T = 1 (any wider row is padding), a prefill
+chunk wants few rows (each row costs S key reads). ``choose_row_width`` tries every power of two up to
+the longest span and keeps the cheapest by this model; ``KEY_COST`` (c_key / c_token) was measured on
+SmolLM2-135M (see ``serve_bench.measure_row_costs``).
+
+``pack_rows`` is the packer; ``pack_rows_naive`` (one row per sequence, padded to the longest span) is
+the baseline with the same result (tests/test_engine.py checks that their logits agree).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KEY_COST = 0.05  # c_key / c_token: one gathered key position per row costs this many token-rows of linear layers
+
+
+@dataclass
+class Rows:
+    """One forward's inputs: ``seq_ids`` (B,) the sequence of each row, ``tokens`` and ``input_pos``
+    (B, T) int64 (padding: token 0, position -1), and ``last`` {seq_id: (row, column)} of each
+    sequence's last token in this forward (where its next-token logits are)."""
+
+    seq_ids: list[int]
+    tokens: torch.Tensor
+    input_pos: torch.Tensor
+    last: dict[int, tuple[int, int]]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.tokens.shape)
+
+
+def _cut(spans, width: int):
+    """Each span (seq_id, start, token_ids) cut into rows of at most ``width`` tokens, in position order."""
+    for seq_id, start, ids in spans:
+        for a in range(0, len(ids), width):
+            yield seq_id, start + a, ids[a:a + width]
+
+
+def choose_row_width(span_lengths: list[int], max_seq_len: int, key_cost: float = KEY_COST) -> int:
+    """The row width T minimizing ``rows(T) * (T + key_cost * max_seq_len)`` over powers of two up to the
+    longest span (and the longest span itself). span_lengths: new tokens per sequence; max_seq_len: the
+    longest sequence after the step (S)."""
+    longest = max(span_lengths)
+    widths = sorted({1 << k for k in range(longest.bit_length()) if 1 << k <= longest} | {longest})
+    def cost(T):
+        rows = sum(-(-n // T) for n in span_lengths)
+        return rows * (T + key_cost * max_seq_len)
+    return min(widths, key=cost)
+
+
+def _to_rows(cut, width: int, device) -> Rows:
+    cut = list(cut)
+    tokens = torch.zeros((len(cut), width), dtype=torch.long)
+    input_pos = torch.full((len(cut), width), -1, dtype=torch.long)
+    last = {}
+    for b, (seq_id, start, ids) in enumerate(cut):
+        tokens[b, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        input_pos[b, :len(ids)] = torch.arange(start, start + len(ids))
+        last[seq_id] = (b, len(ids) - 1)
+    return Rows([s for s, _, _ in cut], tokens.to(device), input_pos.to(device), last)
+
+
+def pack_rows(spans: list[tuple[int, int, list[int]]], max_seq_len: int, device="cpu",
+              width: int | None = None) -> Rows:
+    """Pack spans (seq_id, first position, new token ids) into rows of width ``width`` (default:
+    ``choose_row_width``). Raises ValueError for no spans or an empty span."""
+    if not spans or any(not ids for _, _, ids in spans):
+        raise ValueError("spans: give at least one span, each with at least one token")
+    width = width or choose_row_width([len(ids) for _, _, ids in spans], max_seq_len)
+    return _to_rows(_cut(spans, width), width, device)
+
+
+def pack_rows_naive(spans: list[tuple[int, int, list[int]]], max_seq_len: int = 0, device="cpu") -> Rows:
+    """The baseline: one row per sequence, every row padded to the longest span."""
+    if not spans or any(not ids for _, _, ids in spans):
+        raise ValueError("spans: give at least one span, each with at least one token")
+    return _to_rows(spans, max(len(ids) for _, _, ids in spans), device)

@@ -1,0 +1,158 @@
+"""Beam search: the selection rule shared by the engine and by a naive baseline that recomputes every beam.
+
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.4 ("Beam search"): the beams of a request share
+blocks; a beam kept by several candidates is forked (its blocks shared, the first write into a shared
+partly filled block copied), and a beam that no candidate keeps is freed. The engine
+(``minillm.paged.engine``) does that; ``beam_search_naive`` recomputes every beam's whole sequence
+each step, shares nothing, and must give the same beams.
+
+The rule (``select_beams``), as transformers' beam search (``generate(num_beams=k)``) applies it:
+candidates are every live beam's 2k most likely next tokens, scored by the beam's cumulative
+log-probability plus the token's; walking them from the best, an end-of-sequence candidate ranked
+among the first k closes a hypothesis, any other candidate becomes a live beam until there are k.
+The search ends at ``max_tokens``, when no beam is live, or (transformers' early_stopping=False rule)
+when k hypotheses are closed and the best live beam cannot beat the worst of them. Hypotheses are
+ranked by ``cumulative_logprob / len(output tokens) ** length_penalty`` (EOS counted).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+from ..generation import check_prompt
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """vLLM's ``BeamSearchParams``: ``beam_width`` beams (>= 1), ``max_tokens`` new tokens at most
+    (>= 1), ``ignore_eos`` (an EOS token then closes nothing), ``length_penalty`` (the exponent of
+    the length in the ranking; 0 ranks by log-probability alone).
+
+    Raises:
+        ValueError: naming the field.
+    """
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self):
+        for name in ("beam_width", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.temperature != 0.0:
+            raise ValueError(f"temperature: beam search here is deterministic (0), got {self.temperature}")
+        if not isinstance(self.length_penalty, numbers.Real) or self.length_penalty != self.length_penalty:
+            raise ValueError(f"length_penalty: must be a number, got {self.length_penalty!r}")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.max_tokens
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis: ``tokens`` (prompt then output, as vLLM), ``cum_logprob``, ``text`` (the output)."""
+
+    tokens: list[int]
+    cum_logprob: float
+    text: str = ""
+    score: float = 0.0
+
+
+@dataclass
+class BeamSearchOutput:
+    """vLLM's ``BeamSearchOutput``: the best ``beam_width`` hypotheses, best first."""
+
+    sequences: list[BeamSearchSequence] = field(default_factory=list)
+
+
+def score(cum_logprob: float, num_output_tokens: int, length_penalty: float) -> float:
+    """The ranking of a hypothesis: cum_logprob / num_output_tokens ** length_penalty."""
+    return cum_logprob / max(1, num_output_tokens) ** length_penalty
+
+
+def select_beams(cum_logprobs: list[float], logprobs: torch.Tensor, beam_width: int, eos_ids=(),
+                 ignore_eos: bool = False):
+    """One step of the rule in the module docstring.
+
+    Args:
+        cum_logprobs: (K,) the live beams' cumulative log-probabilities.
+        logprobs: (K, V) float32 log-softmax of each beam's next-token logits.
+
+    Returns:
+        (live, closed): lists of (parent beam index, token id, new cumulative log-probability); live has
+        at most beam_width entries, best first; closed are EOS candidates ranked among the first beam_width.
+    """
+    K, V = logprobs.shape
+    top = torch.topk(logprobs.float(), min(2 * beam_width, V), dim=-1)  # (K, 2k) each
+    scores = top.values + torch.tensor(cum_logprobs, dtype=torch.float32)[:, None]
+    order = torch.argsort(scores.reshape(-1), descending=True, stable=True)
+    live, closed = [], []
+    for rank, flat in enumerate(order.tolist()):
+        parent, j = divmod(flat, top.indices.shape[1])
+        token, total = int(top.indices[parent, j]), float(scores[parent, j])
+        if token in eos_ids and not ignore_eos:
+            if rank < beam_width:
+                closed.append((parent, token, total))
+            continue
+        live.append((parent, token, total))
+        if len(live) == beam_width:
+            break
+    return live, closed
+
+
+def search_done(closed: list[tuple[list[int], float]], best_live: float | None, num_output_tokens: int,
+                params: BeamSearchParams) -> bool:
+    """Whether the search ends: no live beam, or beam_width hypotheses closed and the best live beam's
+    score (at its current length) no better than the worst closed one's."""
+    if best_live is None:
+        return True
+    if len(closed) < params.beam_width:
+        return False
+    worst = sorted(score(c, len(t), params.length_penalty) for t, c in closed)[-params.beam_width]
+    return worst >= score(best_live, num_output_tokens, params.length_penalty)
+
+
+def finalize(prompt: list[int], closed: list[tuple[list[int], float]], params: BeamSearchParams,
+             tokenizer=None) -> BeamSearchOutput:
+    """The best beam_width hypotheses (output token ids, cum_logprob) as a ``BeamSearchOutput``; ties in
+    score keep the order given (closed first, then live beams by rank)."""
+    ranked = sorted(closed, key=lambda h: -score(h[1], len(h[0]), params.length_penalty))[:params.beam_width]
+    return BeamSearchOutput([
+        BeamSearchSequence(list(prompt) + list(t), c, tokenizer.decode(t) if tokenizer is not None else "",
+                           score(c, len(t), params.length_penalty)) for t, c in ranked])
+
+
+@torch.inference_mode()
+def beam_search_naive(model, prompt_token_ids: list[int], params: BeamSearchParams, *, eos_ids=(),
+                      tokenizer=None) -> BeamSearchOutput:
+    """Beam search that recomputes every beam's whole sequence every step (no cache, no sharing): the
+    baseline of the engine's beam search (``LLM.beam_search``), same rule, same result.
+
+    Raises:
+        ValueError: as ``minillm.generation.check_prompt``.
+    """
+    ctx = check_prompt(model, prompt_token_ids, None)
+    beams: list[tuple[list[int], float]] = [([], 0.0)]
+    closed: list[tuple[list[int], float]] = []
+    for step in range(min(params.max_tokens, ctx - len(prompt_token_ids))):
+        logprobs = []
+        for out, _ in beams:
+            ids = torch.tensor([list(prompt_token_ids) + out], device=model.device)
+            logits = model(ids, torch.arange(ids.shape[1], device=model.device))[0, -1]  # (V,)
+            logprobs.append(torch.log_softmax(logits.float(), -1))
+        live, done = select_beams([c for _, c in beams], torch.stack(logprobs), params.beam_width, eos_ids,
+                                  params.ignore_eos)
+        closed += [(beams[p][0] + [t], c) for p, t, c in done]
+        beams = [(beams[p][0] + [t], c) for p, t, c in live]
+        if search_done(closed, beams[0][1] if beams else None, step + 1, params):
+            beams = []
+            break
+    return finalize(prompt_token_ids, closed + beams, params, tokenizer)

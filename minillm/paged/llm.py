@@ -1,0 +1,135 @@
+"""``LLM``: vLLM's offline API over ``LLMEngine`` (``generate``, ``chat``, ``beam_search``).
+
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 5 (the frontend: an ``LLM`` class whose ``generate`` is
+a loop over the engine's steps). A notebook cell written for vLLM runs here by changing the import:
+
+    from minillm import LLM, SamplingParams
+    llm = LLM()  # the embedded SmolLM2-135M-Instruct
+    outputs = llm.generate(["The history of"], SamplingParams(temperature=0, max_tokens=32))
+    print(outputs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from ..loading import load_model
+from ..sampling import SamplingParams
+from .beam import BeamSearchOutput, BeamSearchParams
+from .engine import LLMEngine
+from .sequence import RequestOutput
+
+
+class LLM:
+    """An engine with its model (vLLM's ``LLM``).
+
+    Args:
+        model: None (the embedded SmolLM2-135M-Instruct), a path ``load_model`` takes, or a loaded
+            ``minillm.model.Decoder`` (then pass its ``tokenizer``, or None for token-id prompts).
+        block_size, num_blocks, kv_cache_bytes, enable_prefix_caching, max_num_seqs,
+        max_num_batched_tokens: as ``LLMEngine``.
+        dtype, device, n_shards: how ``load_model`` loads a path (ignored for a loaded model).
+        **engine_kwargs: more ``LLMEngine`` arguments (eos_ids, max_seq_len, row_width, record_logits).
+
+    Raises:
+        ValueError / ModelFileError: from ``load_model`` and ``LLMEngine``.
+    """
+
+    def __init__(self, model=None, *, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
+                 kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 256, dtype="float32", device="cpu", n_shards: int | None = None,
+                 **engine_kwargs):
+        if model is None or isinstance(model, (str, Path)):
+            model, tokenizer = load_model(model, dtype=dtype, device=device, n_shards=n_shards)
+        self.model, self.tokenizer = model, tokenizer
+        self.llm_engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=num_blocks,
+                                    kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
+                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                    **engine_kwargs)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt (a string, ``{"prompt_token_ids": [...]}``, or a list of them) with one
+        ``SamplingParams`` for all or a list, one per prompt. Returns the finished ``RequestOutput``s in
+        the order of the prompts.
+
+        Raises:
+            ValueError: a params list of another length than the prompts, or (from ``add_request``) an
+                invalid request; no request of the call then runs.
+        """
+        return self._run(self._as_list(prompts), sampling_params or SamplingParams(), use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """``generate`` on conversations through the model's chat template: ``messages`` is one
+        conversation ([{"role", "content"}, ...]) or a list of them.
+
+        Raises:
+            ValueError: no tokenizer or chat template, a malformed message (``Tokenizer.apply_chat_template``).
+        """
+        if self.tokenizer is None:
+            raise ValueError("chat: needs a tokenizer with a chat template; pass tokenizer= to LLM")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(conv)
+            prompts.append({"prompt_token_ids": ids, "prompt": self.tokenizer.decode(ids)})
+        return self._run(prompts, sampling_params or SamplingParams(), use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (as ``generate`` takes them); the beams of a prompt share blocks
+        in the engine (``beam.py``). Returns one ``BeamSearchOutput`` per prompt (best first)."""
+        prompts = self._as_list(prompts)
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: beam_search takes BeamSearchParams, got {type(params).__name__}")
+        ids = self._add_all(prompts, [params] * len(prompts))
+        beams = {}
+        for out in self._loop(ids, use_tqdm):
+            beams[out.request_id] = self.llm_engine.beam_outputs.pop(out.request_id)
+        return [beams[i] for i in ids]
+
+    # ---- internals -----------------------------------------------------------------------------
+    @staticmethod
+    def _as_list(prompts) -> list:
+        return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+
+    def _add_all(self, prompts: list, params: list) -> list[str]:
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(str(next(self._ids)))
+                self.llm_engine.add_request(ids[-1], prompt, p)
+        except ValueError:
+            self.llm_engine.abort_request(ids)
+            raise
+        return ids
+
+    def _run(self, prompts: list, params, use_tqdm: bool) -> list[RequestOutput]:
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} params for {len(prompts)} prompts; give one, or one "
+                             "per prompt")
+        ids = self._add_all(prompts, params)
+        finished = {out.request_id: out for out in self._loop(ids, use_tqdm)}
+        return [finished[i] for i in ids]
+
+    def _loop(self, ids: list[str], use_tqdm: bool):
+        """Step the engine until these requests finish; yields each one's final ``RequestOutput``."""
+        bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)
+        wanted, left = set(ids), len(ids)
+        try:
+            while left:
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in wanted:
+                        left -= 1
+                        bar.update(1)
+                        yield out
+        finally:
+            bar.close()

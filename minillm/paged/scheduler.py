@@ -1,0 +1,150 @@
+"""The scheduler of continuous batching: which sequences run in the next step, and how many tokens each.
+
+Yu et al. 2022 (Orca, OSDI, Sec. 4: iteration-level scheduling: the batch is re-formed every step, so a
+finished sequence leaves and a waiting one joins at once), Kwon et al. 2023 (vLLM, Sec. 4.5: when the
+pool runs out, preempt the latest sequences and recompute them later), and vLLM V1's scheduler
+(vllm/v1/core/sched/scheduler.py): no prefill or decode phases. Every sequence has known tokens
+(prompt and sampled outputs) and ``num_computed_tokens``; a step gives each sequence tokens to catch
+up, within ``max_num_batched_tokens`` for the whole step. A long prompt thus runs in chunks across
+steps (chunked prefill), in the same forward as other sequences' decode tokens.
+
+One step (``Scheduler.schedule``), as the paper and vLLM V1 do it:
+1. Running sequences first, oldest first. Each takes min(tokens to catch up, budget left). If the
+   pool cannot hold its new tokens, the newest running sequence is preempted (its blocks freed, its
+   computed tokens forgotten: recompute), until the tokens fit or it was itself the newest.
+2. Then, unless something was preempted this step, waiting sequences in priority order (arrival
+   order, preempted ones at their old place) while the budget, ``max_num_seqs`` and the pool allow;
+   the first that does not fit stops admission (no overtaking, so no starvation). Admission looks up
+   the prefix cache (``BlockManager.allocate``): cached blocks count as computed.
+A request is never dropped or truncated for memory: the engine refuses, when it is added, one that
+could not fit the whole pool, and a preempted one runs again once blocks free up.
+
+Blocks are checked here (``BlockManager.blocks_needed``, copy-on-write included) and taken by the
+forward (``PagedKVCache.prepare``), so the scheduler reserves what it has checked for the step.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan: ``scheduled`` (sequence, new tokens) in row order, ``preempted`` sequences,
+    and the token count of the forward."""
+
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    """Waiting and running sequences over one ``BlockManager``.
+
+    Args:
+        manager: the pool's block manager.
+        max_num_seqs: running sequences at most (the batch's rows of decode tokens).
+        max_num_batched_tokens: tokens per step at most (the budget shared by prefill chunks and decodes).
+
+    Raises:
+        ValueError: a limit below 1.
+    """
+
+    def __init__(self, manager: BlockManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 256):
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens)):
+            if value < 1:
+                raise ValueError(f"{name}: must be at least 1, got {value}")
+        self.manager, self.max_num_seqs, self.max_num_batched_tokens = manager, max_num_seqs, max_num_batched_tokens
+        self.waiting: list[Sequence] = []  # sorted by priority
+        self.running: list[Sequence] = []  # sorted by priority: the last is preempted first
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new (or preempted) sequence; it holds no blocks."""
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=lambda s: s.priority)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence that already holds blocks (a fork) joins the running ones."""
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.priority)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a finished or aborted sequence and free its blocks (if it holds any)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.manager.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and queue it to be recomputed (Kwon et al., Sec. 4.5)."""
+        self.running.remove(seq)
+        self.manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        self.add(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step (the module docstring's two phases). Sequences with nothing to compute
+        (a beam waiting for its siblings) hold their blocks and get no tokens."""
+        out, budget, reserved = SchedulerOutput(), self.max_num_batched_tokens, 0
+        planned: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens, blocks reserved)
+        free = lambda: self.manager.num_free_blocks - reserved  # noqa: E731  (blocks not yet promised)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            need = self.manager.blocks_needed(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            while need > free() and self.running[-1] is not seq:
+                victim = self.running[-1]
+                n_victim, blocks_victim = planned.pop(victim.seq_id, (0, 0))
+                budget, reserved = budget + n_victim, reserved - blocks_victim
+                self.preempt(victim)
+                out.preempted.append(victim)
+                need = self.manager.blocks_needed(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
+            if need > free():  # it is the newest itself: it waits, recomputed later
+                self.preempt(seq)
+                out.preempted.append(seq)
+                break
+            planned[seq.seq_id] = (n, need)
+            budget, reserved = budget - n, reserved + need
+            i += 1
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                cached = self.manager.allocate(seq.seq_id, seq.token_ids)
+                n = min(seq.num_tokens - cached, budget)
+                need = self.manager.blocks_needed(seq.seq_id, cached, cached + n)
+                if need > free():
+                    self.manager.free(seq.seq_id)  # cached blocks go back to the free queue, still cached
+                    break
+                self.waiting.pop(0)
+                seq.num_computed_tokens = cached
+                self.add_running(seq)
+                planned[seq.seq_id] = (n, need)
+                budget, reserved = budget - n, reserved + need
+        out.scheduled = [(s, planned[s.seq_id][0]) for s in self.running if s.seq_id in planned]
+        return out
+
+    def preempt_idle(self) -> Sequence | None:
+        """When nothing could be scheduled: preempt the newest running sequence that is newer than the
+        first waiting one (beams waiting for a sibling hold blocks the sibling needs). Returns it, or
+        None when there is none."""
+        if not self.waiting or not self.running or self.running[-1].priority <= self.waiting[0].priority:
+            return None
+        victim = self.running[-1]
+        self.preempt(victim)
+        return victim

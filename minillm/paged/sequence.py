@@ -1,0 +1,164 @@
+"""What the engine knows about each request, as plain data: ``Sequence``, ``Request``, and the outputs
+in vLLM's names (``RequestOutput``, ``CompletionOutput``, ``RequestMetrics``).
+
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.5 (a request is a group of sequences: n parallel
+samples or the beams of a beam search, sharing the prompt's blocks) and vLLM V1's ``Request``
+(``num_computed_tokens`` catches up with the known tokens, prompt and output alike; there is no
+separate prefill or decode state).
+
+A ``Sequence`` holds no tensors and no block size: its token ids, how many are prompt, how many have
+their keys and values computed, and its status. Its ``block_table`` lives in the ``BlockManager`` (one
+owner of that state; ``LLMEngine.block_table(seq)`` reads it), so that a fork, a copy-on-write or a
+preemption can never leave two copies disagreeing.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # holds no blocks: not yet admitted, or preempted (recomputed when readmitted)
+    RUNNING = "running"  # holds blocks; catches up with its known tokens step by step
+    FINISHED = "finished"  # blocks returned
+
+
+@dataclass
+class Sequence:
+    """One sequence of a request (a sample or a beam).
+
+    Fields:
+        seq_id: the block manager's id (unique in the engine).
+        request_id: the request it belongs to; index: its sample (or beam) number in the request.
+        priority: (arrival order of the request, index): lower runs first, the highest is preempted first.
+        token_ids: every known token: prompt, then outputs (a sampled token is known before its
+            keys and values are computed).
+        num_prompt_tokens: how many of token_ids are the prompt.
+        num_computed_tokens: leading tokens whose keys and values are in the cache (0 after a
+            preemption: the sequence is recomputed, prefix-cache hits aside).
+        cumulative_logprob: sum of the log-probabilities of its output tokens (raw model
+            distribution, as vLLM reports it).
+        finish_reason: None while running; "stop" (EOS or a stop string), "length" or "abort".
+        stop_reason: the stop string that ended it (None for EOS, as vLLM).
+        text: the decoded output, cut before a stop string (filled when it finishes).
+    """
+
+    seq_id: int
+    request_id: str
+    index: int
+    priority: tuple[int, int]
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    text: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """Whether prompt tokens remain to compute (the first pass, or the recompute after a preemption)."""
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+@dataclass
+class RequestMetrics:
+    """Times of a request, in seconds of ``time.perf_counter`` (vLLM's ``RequestMetrics``):
+    arrival, first token, last token and finish (None until they happen)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token: first_token_time - arrival_time (s)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+
+@dataclass
+class Request:
+    """A request: its prompt, its parameters (``SamplingParams`` or ``BeamSearchParams``), its sequences.
+
+    ``num_cached_tokens``: prompt tokens served from the prefix cache at its first admission.
+    ``completed``: finished beams (beam search only), as (token_ids, cumulative_logprob) pairs.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: object
+    arrival_order: int
+    metrics: RequestMetrics
+    seqs: list[Sequence] = field(default_factory=list)
+    num_cached_tokens: int | None = None
+    forked: bool = False
+    aborted: bool = False
+    completed: list[tuple[list[int], float]] = field(default_factory=list)
+    beam_output: object = None  # the BeamSearchOutput, once a beam search ends
+
+    @property
+    def is_beam_search(self) -> bool:
+        return hasattr(self.params, "beam_width")
+
+    @property
+    def is_finished(self) -> bool:
+        return self.aborted or (bool(self.seqs) and all(s.is_finished for s in self.seqs))
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (vLLM's ``CompletionOutput``).
+
+    Fields: index (sample number), text (cut before a stop string), token_ids (the output ids, the stop
+    token included), cumulative_logprob (sum of the tokens' log-probabilities), finish_reason (None while
+    running, "stop", "length" or "abort"), stop_reason (the stop string, or None).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far (vLLM's ``RequestOutput``).
+
+    Fields: request_id, prompt (None when given as token ids), prompt_token_ids, outputs (one
+    ``CompletionOutput`` per sample, by index), finished, num_cached_tokens (prompt tokens served from
+    the prefix cache), metrics (``RequestMetrics``).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
