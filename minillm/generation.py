@@ -90,19 +90,19 @@ def check_prompt(model, prompt_tokens: list[int], max_seq_len: int | None) -> in
     return ctx
 
 
-def prefill(model, tokens: torch.Tensor, cache, row_offsets: torch.Tensor | None = None) -> torch.Tensor:
+def prefill(model, tokens: torch.Tensor, cache, pad_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Run the prompt (B, T) from position 0 through the model, filling ``cache`` (None: no cache).
-    ``row_offsets`` (B,): left padding per row (see ``Decoder.forward``).
+    ``pad_lengths`` (B,): left padding per row (see ``Decoder.forward``).
     Returns the last position's logits (B, V) float32."""
     input_pos = torch.arange(tokens.shape[1], device=tokens.device)
-    return model(tokens, input_pos, cache, row_offsets)[:, -1]
+    return model(tokens, input_pos, cache, pad_lengths)[:, -1]
 
 
 @torch.inference_mode()
-def decode_step(model, token: torch.Tensor, pos: int, cache, row_offsets: torch.Tensor | None = None) -> torch.Tensor:
+def decode_step(model, token: torch.Tensor, pos: int, cache, pad_lengths: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step: token (B, 1) at slot ``pos``; returns logits (B, V) float32."""
     input_pos = torch.tensor([pos], device=token.device)
-    return model(token, input_pos, cache, row_offsets)[:, -1]
+    return model(token, input_pos, cache, pad_lengths)[:, -1]
 
 
 def stop_ids(tokenizer, eos_ids: set[int] | None) -> set[int]:
@@ -174,7 +174,7 @@ def run_batch(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len,
     offsets = [P - len(p) for p in prompts]
     # (B, P): row b is offsets[b] padding tokens (id 0, never attended to) then its prompt
     seq = torch.tensor([[0] * o + list(p) for o, p in zip(offsets, prompts)], device=device)
-    row_offsets = torch.tensor(offsets, device=device) if any(offsets) else None
+    pad_lengths = torch.tensor(offsets, device=device) if any(offsets) else None
     if cache_factory is not None:
         cache = cache_factory(model.config, len(prompts), ctx, model.dtype, device)
     else:
@@ -185,7 +185,7 @@ def run_batch(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len,
     synchronize(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        logits = prefill(model, seq, cache, row_offsets)
+        logits = prefill(model, seq, cache, pad_lengths)
         for step in range(n_new):
             tokens = sample(logits, params, gen)  # (B,)
             synchronize(device)
@@ -198,10 +198,10 @@ def run_batch(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len,
                 break
             slot = P + step
             if cache is not None:
-                logits = decode_step(model, tokens[:, None], slot, cache, row_offsets)
+                logits = decode_step(model, tokens[:, None], slot, cache, pad_lengths)
             else:
                 seq = torch.cat([seq, tokens[:, None]], dim=1)  # (B, slot + 1): recompute it all
-                logits = prefill(model, seq, None, row_offsets)
+                logits = prefill(model, seq, None, pad_lengths)
     return [finish(r, tokenizer) for r in results]
 
 
@@ -279,7 +279,7 @@ def generate_batch(model, prompts: list[list[int]], params: SamplingParams = Sam
     """Generate for several prompts at once, one forward per step for the whole batch.
 
     Prompts of different lengths are left padded: row b's padding slots are never attended to and
-    its tokens get positions ``slot - padding`` (``Decoder.forward``'s ``row_offsets``), so at
+    its tokens get positions ``slot - padding`` (``Decoder.forward``'s ``pad_lengths``), so at
     temperature 0 each row gives the tokens its prompt gives alone. Each row stops on its own.
 
     Args:

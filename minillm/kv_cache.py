@@ -9,8 +9,8 @@ GQA divides it by n_heads / n_kv_heads, Ainslie et al. 2023).
 The interface every cache implements (the decoder calls nothing else):
 
 * ``prepare(input_pos) -> S``: called once per forward with the (T,) positions about to be
-  written; checks them, and returns S, the number of key positions the step attends over
-  (positions ``0..S-1``).
+  written; checks them, advances ``seq_len`` to cover them, and returns S, the number of key
+  positions the step attends over (positions ``0..S-1``).
 * ``update(layer, k, v) -> (k_all, v_all)``: stores this layer's new (B, Hkv, T, D) keys and values
   at the prepared positions and returns all S of them, (B, Hkv, S, D).
 * ``truncate(n)``: forget every position ``>= n`` (rolling back rejected speculative tokens).
@@ -65,7 +65,8 @@ class KVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
     def prepare(self, input_pos: torch.Tensor) -> int:
-        """Check that ``input_pos`` (T,) continues the stored sequence; returns the new seq_len.
+        """Check that ``input_pos`` (T,) continues the stored sequence, advance ``seq_len`` past it (the
+        positions count as stored from here on, before ``update`` writes them) and return the new seq_len.
         Writing at a position below ``seq_len`` overwrites it and forgets every later position
         (this is how rejected speculative tokens are rolled back).
 

@@ -202,7 +202,7 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
 
 
 def attention_mask(input_pos: torch.Tensor, key_pos: torch.Tensor,
-                   row_offsets: torch.Tensor | None = None) -> torch.Tensor | None:
+                   pad_lengths: torch.Tensor | None = None) -> torch.Tensor | None:
     """The boolean mask of one forward (True = may attend), shared by every cache.
 
     Causal over slots: a query at slot p sees the keys at slots <= p.
@@ -211,7 +211,7 @@ def attention_mask(input_pos: torch.Tensor, key_pos: torch.Tensor,
         input_pos: (T,) slots of the queries, the same for every row, or (B, T) per row with -1
             marking padding (a ragged batch, ``minillm.paged``).
         key_pos: (S,) slots of the keys the step attends over.
-        row_offsets: (B,) left padding per row, or None (only with (T,) ``input_pos``).
+        pad_lengths: (B,) left padding per row, or None (only with (T,) ``input_pos``).
 
     Returns:
         None when a single query at the last slot sees every key (a decode step: SDPA then takes its
@@ -224,10 +224,10 @@ def attention_mask(input_pos: torch.Tensor, key_pos: torch.Tensor,
         padding = (input_pos < 0)[:, :, None] & (key_pos == 0)  # (B, T, S)
         return (mask | padding)[:, None]  # (B, 1, T, S)
     mask = None
-    if len(input_pos) > 1 or row_offsets is not None:
+    if len(input_pos) > 1 or pad_lengths is not None:
         mask = key_pos[None, :] <= input_pos[:, None]  # (T, S)
-    if row_offsets is not None:
-        real = key_pos[None, :] >= row_offsets[:, None]  # (B, S): not padding
+    if pad_lengths is not None:
+        real = key_pos[None, :] >= pad_lengths[:, None]  # (B, S): not padding
         mask = mask & (real[:, None, :] | (key_pos[None, :] == input_pos[:, None]))  # (B, T, S)
         mask = mask[:, None]  # (B, 1, T, S)
     return mask
@@ -368,21 +368,21 @@ class Decoder(nn.Module):
         return self.output.weight_shards.dtype
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache=None,
-                row_offsets: torch.Tensor | None = None) -> torch.Tensor:
+                pad_lengths: torch.Tensor | None = None) -> torch.Tensor:
         """Logits for every position.
 
         Args:
             tokens: (B, T) int64 token ids.
             input_pos: (T,) int64 slots of those tokens in the sequence (0-based), shared by every
-                row; without ``row_offsets`` these are also their positions. Or (B, T): row b's own
+                row; without ``pad_lengths`` these are also their positions. Or (B, T): row b's own
                 positions (a ragged batch: one row per sequence and span of new tokens), -1 marking
                 padding, which is neither written nor attended to; this needs a cache that serves
                 ragged batches (``minillm.paged.PagedKVCache``).
             cache: None (attend only over ``tokens``; positions must then start at 0) or a KV
                 cache such as ``minillm.kv_cache.KVCache`` holding slots ``0..input_pos[0]-1``.
-            row_offsets: (B,) int64 or None. For a batch of prompts of different lengths, left
-                padded: row b's first ``row_offsets[b]`` slots are padding. Its tokens then sit at
-                positions ``slot - row_offsets[b]`` (for RoPE / learned positions) and no query
+            pad_lengths: (B,) int64 or None. For a batch of prompts of different lengths, left
+                padded: row b's first ``pad_lengths[b]`` slots are padding. Its tokens then sit at
+                positions ``slot - pad_lengths[b]`` (for RoPE / learned positions) and no query
                 attends to its padding. Only with (T,) ``input_pos``.
 
         Returns:
@@ -396,9 +396,9 @@ class Decoder(nn.Module):
         if T == 0 or input_pos.shape[-1] != T or input_pos.dim() > 2 or (input_pos.dim() == 2 and len(input_pos) != B):
             raise ValueError(f"input_pos: needs one position per token ({T}), got shape {tuple(input_pos.shape)}")
         per_row = input_pos.dim() == 2
-        if per_row and (not getattr(cache, "serves_ragged_batch", False) or row_offsets is not None):
+        if per_row and (not getattr(cache, "serves_ragged_batch", False) or pad_lengths is not None):
             raise ValueError("input_pos: per-row (B, T) positions need a cache that serves a ragged batch "
-                             "(minillm.paged.PagedKVCache) and no row_offsets; pass (T,) positions otherwise")
+                             "(minillm.paged.PagedKVCache) and no pad_lengths; pass (T,) positions otherwise")
         # the checks read two values back from the device, once per forward
         ends = torch.stack([input_pos.min(), input_pos.max()]) if per_row else input_pos[[0, -1]]
         first, last = ends.tolist()
@@ -412,7 +412,7 @@ class Decoder(nn.Module):
         if per_row:
             pos = input_pos.clamp_min(0)  # (B, T); padding gets position 0, its output is never used
         else:
-            pos = input_pos if row_offsets is None else (input_pos[None, :] - row_offsets[:, None]).clamp_min(0)
+            pos = input_pos if pad_lengths is None else (input_pos[None, :] - pad_lengths[:, None]).clamp_min(0)
         x = self.embed(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
             x = x + self.pos_embeddings[pos]
@@ -425,7 +425,7 @@ class Decoder(nn.Module):
             key_pos = input_pos
         else:
             key_pos = torch.arange(cache.prepare(input_pos), device=tokens.device)
-        mask = attention_mask(input_pos, key_pos, row_offsets)
+        mask = attention_mask(input_pos, key_pos, pad_lengths)
         if self._compiled_decode is not None and T == 1 and not torch.is_grad_enabled():
             return self._compiled_decode(x, rope, cache, mask)
         return self.forward_layers(x, rope, cache, mask)

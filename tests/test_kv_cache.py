@@ -58,7 +58,7 @@ def test_left_padding_positions_and_cache_reuse(model, tokenizer):
     pad = 5
     cache = KVCache(model.config, 1, 64)
     padded = torch.tensor([[0] * pad + ids])
-    out = model(padded, torch.arange(pad + len(ids)), cache, row_offsets=torch.tensor([pad]))[0, -1]
+    out = model(padded, torch.arange(pad + len(ids)), cache, pad_lengths=torch.tensor([pad]))[0, -1]
     torch.testing.assert_close(out, alone, rtol=1e-4, atol=2e-4)
     cache.reset()  # second request in the same memory: positions start again at 0
     again = model(torch.tensor([ids]), torch.arange(len(ids)), cache)[0, -1]

@@ -76,7 +76,7 @@ BLOCKS_NEEDED = Exercise(
     name="blocks_needed",
     signature="blocks_needed(num_tokens, block_size) -> int",
     notebook="05_block_table.ipynb",
-    follows="PagedAttention's rule: ceil(num_tokens / block_size) (STYLE.md, the block manager)",
+    follows="PagedAttention's rule: ceil(num_tokens / block_size) (minillm.paged.blocks_for)",
     reference=reference_blocks_needed,
     hand_cases=lambda: [
         Case("an empty sequence holds no block", (0, 16), 0),

@@ -1,0 +1,109 @@
+"""Options that would throw work away are refused before the work (and mostly before the model is
+loaded), with exit status 2 and a message naming the option; what the commands report says what ran."""
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+from helpers import CHATML, TINY, tiny_llama_weights, write_tiny_gguf
+
+from minillm import load_model
+from minillm.cli import build_parser
+from minillm.quant import QuantConfig
+from minillm.quant.pipeline import quantize_model
+
+
+def run(*args, cwd=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("MINILLM_FIGURES", None)
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+@pytest.mark.parametrize("args,message", [
+    (["quantize", "--quant", "gptq", "--out", "/nonexistent-folder/m.safetensors"], "error: --out: the folder"),
+    (["quantize", "--quant", "q4_0", "--out", "/nonexistent-folder/m.gguf"], "error: --out: the folder"),
+    (["quantize", "--quant", "rtn", "--out", "DIR.safetensors"], "error: --out: "),
+    (["distill-draft", "--out", "FILE"], "error: --out: "),
+    (["generate", "--prompt", "x", "--kv-dtype", "int8", "--cache", "dynamic"], "error: kv-dtype: int8 is implemented for"),
+    (["generate", "--prompt", "x", "--draft", "ngram", "--cache", "none"], "error: draft: speculative decoding uses"),
+    (["generate", "--prompt", "x", "--draft", "/nonexistent-draft"], "error: draft: '/nonexistent-draft' is neither"),
+    (["quantize", "--quant", "rtn", "--act-order", "--out", "x.safetensors"], "error: quant: rtn does not use --act-order"),
+    (["perplexity", "--quant", "awq", "--static-groups"], "error: quant: awq does not use --static-groups"),
+    (["perplexity", "--quant", "gptq", "--awq-clip"], "error: quant: gptq does not use --awq-clip"),
+    (["quantize", "--quant", "rtn", "--dtype", "bfloat16", "--out", "x.safetensors"], "error: dtype: quantize works on float32"),
+])
+def test_refused_before_the_model_is_loaded(tmp_path, args, message):
+    (tmp_path / "DIR.safetensors").mkdir()
+    (tmp_path / "FILE").write_text("not a folder")
+    p = run(*args, cwd=tmp_path)
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+    assert "dequantizing" not in p.stderr  # the embedded model was never loaded
+
+
+@pytest.mark.parametrize("args,message", [
+    (["quantize", "--quant", "gptq", "--calib-seqlen", "200", "--out", "OUT/q.safetensors"],
+     "error: calib-seqlen: 200 tokens do not fit the model's context of 128 tokens"),
+    (["perplexity", "--seqlen", "200", "--max-tokens", "1000"], "error: seqlen: windows of 200 tokens do not fit the model's context of 128"),
+    (["roofline", "--batch-sizes", "2000000", "--prompt-lengths", ""], "error: --batch-sizes: 2000000 needs about"),
+])
+def test_options_past_the_model_are_refused_before_the_work(tiny, tmp_path, args, message):
+    p = run(*[a.replace("OUT", str(tmp_path)) for a in args], "--model", str(tiny))
+    assert p.returncode == 2 and message in p.stderr, p.stderr
+    assert "GB/s" not in p.stdout and not list(tmp_path.iterdir())  # no ceilings measured, nothing written
+
+
+def test_perplexity_says_which_tokens_it_scored(tiny):
+    p = run("perplexity", "--model", str(tiny), "--seqlen", "100", "--max-tokens", "250")
+    assert p.returncode == 0, p.stderr
+    assert "198 tokens scored in 2 windows of 100" in p.stdout and "first 200 of 250 tokens taken" in p.stdout
+
+
+def test_the_commands_draw_into_a_git_ignored_folder_unless_told():
+    args = build_parser().parse_args(["bench", "quant"])
+    assert args.out.startswith("figures/runs/")
+    assert build_parser().parse_args(["tour"]).out is None  # tour then uses tour.runs_folder()
+    from minillm.tour import runs_folder
+
+    assert str(runs_folder()) in ("figures/runs", os.environ.get("MINILLM_FIGURES"))
+    ignored = subprocess.run(["git", "check-ignore", "-q", "figures/runs/x.png"], cwd=os.path.dirname(__file__) + "/..")
+    assert ignored.returncode == 0
+    for cmd in (["tour", "--help"], ["bench", "quant", "--help"]):
+        assert "MINILLM_FIGURES" in run(*cmd).stdout
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, 32), (4, 48)])
+def test_layers_without_an_int4_kernel_are_named_when_the_model_is_built(tiny, bits, group_size):
+    model, _ = load_model(tiny)
+    with pytest.warns(UserWarning, match="quantized layers have no int4 kernel"):
+        quantize_model(model, "rtn", QuantConfig(bits, group_size), progress=False)
+    model, _ = load_model(tiny)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quantize_model(model, "rtn", QuantConfig(4, 32), progress=False)  # the kernel's layout: no warning
+    assert "dequantize every forward" in run("quantize", "--help").stdout.replace("\n", " ").replace("  ", " ")
+
+
+def test_a_quantized_file_skips_the_peer_and_warns_when_its_tokenizer_moved(tmp_path):
+    src = tmp_path / "src.gguf"
+    cfg = {**TINY, "ctx": 1024}  # the tour's speculative row chats with a 342-token prompt
+    write_tiny_gguf(src, tiny_llama_weights(cfg=cfg), cfg=cfg, chat_template=CHATML)
+    out = tmp_path / "q.safetensors"
+    assert run("quantize", "--quant", "rtn", "--group-size", "32", "--model", str(src), "--out", str(out)).returncode == 0
+    p = run("bench", "decode", "--model", str(out), "--new-tokens", "2", "--repeats", "1", "--json")
+    assert p.returncode == 0 and "the peer is skipped" in p.stderr, p.stderr
+    p = run("tour", "--model", str(out), "--new-tokens", "2", "--out", str(tmp_path))
+    assert p.returncode == 0 and "int4" not in p.stdout, p.stdout + p.stderr
+    src.unlink()
+    with pytest.warns(UserWarning, match=f"its tokenizer was recorded as {src}, which no longer exists"):
+        load_model(out)
