@@ -249,3 +249,31 @@ def test_stop_strings_eos_and_max_tokens_end_each_request_on_its_own(tiny_with_t
     assert outs[0].outputs[0].stop_reason == stop and outs[0].outputs[0].finish_reason == "stop"
     assert outs[2].outputs[0].finish_reason == "length" and len(outs[2].outputs[0].token_ids) == 4
     assert outs[0].metrics.first_token_time >= outs[0].metrics.arrival_time
+
+
+def test_serve_bench_modes_agree_and_the_command_prints_json(tiny_with_tokenizer, tmp_path, capsys):
+    """Every mode gives the sequential mode's greedy tokens; the command (--quick --json) prints one object
+    with the four keys per mode the issue names (transformers' peer left out: it needs the real model)."""
+    import argparse
+    import json
+
+    from minillm.paged.serve_bench import format_report, serve_bench
+    from minillm.paged.serve_cli import register
+
+    model, tok = tiny_with_tokenizer
+    report = serve_bench(model, tok, num_requests=5, scale=1 / 32, max_num_seqs=3, sharing_requests=2,
+                         memory_requests=4, progress=False)
+    report.pop("_engine")
+    assert all(m["same_tokens_as_sequential"] == 5 for m in report["modes"].values())
+    assert 0 < report["modes"]["engine"]["kv_utilization"] <= 1 and "goal engine_vs_static" in format_report(report)
+    assert abs(report["memory"]["kv_utilization"] - report["memory"]["lab_kv_utilization"]) < 0.01
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["serve-bench", "--model", str(path), "--quick", "--json", "--threads", "1"])
+    assert args.measures_speed and args.func(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    for name in ("sequential", "static", "engine"):
+        assert {"output_tokens_per_s", "total_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s"} <= set(out["modes"][name])
+    assert {"kv_utilization", "preemptions", "prefix_hit_rate"} <= set(out["modes"]["engine"])

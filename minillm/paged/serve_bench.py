@@ -1,0 +1,350 @@
+"""serve-bench: offline throughput of the engine against one request at a time, static batches and
+transformers' continuous batching, on the same requests, in one process.
+
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 6 (throughput on ShareGPT / Alpaca traces: 2-4x Orca
+and FasterTransformer; Sec. 6.3-6.4 sharing: 6.1-30.5% memory saved by parallel sampling, 37.6-66.3%
+by beam search) and Yu et al. 2022 (Orca, Sec. 5: continuous over static batching).
+
+The requests (``make_requests``): prompt and output lengths from the fragmentation lab's log-normal
+traces (``fragmentation.make_trace``: ShareGPT-like mean 161 / 338 tokens, Alpaca-like 19 / 58), each
+length multiplied by ``scale`` (default 1/4 so that the sequential mode fits minutes on a 2-core CPU),
+prompts cut at seeded offsets from a play (``minillm.data.play_text``), every request arriving at time 0,
+greedy, EOS ignored (each request runs to its drawn length).
+
+Each mode reports output tokens/s, total (prompt + output) tokens/s over its wall time, time to first
+token (from time 0: queueing included) and time per output token after the first, p50 / p99. The engine
+also reports its memory: peak and mean blocks in use, ``kv_utilization`` (slots of used blocks holding
+tokens, averaged over steps, as the lab averages over iterations) beside the lab's prediction for the same
+lengths and block size, preemptions and the prefix-cache hit rate. ``memory_run`` measures the share at
+the trace's full (unscaled) lengths on a tiny random model (memory accounting does not depend on the
+weights); ``sharing_run`` measures blocks saved by n = 4 sampling and beam width 4 on the real model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..data import HELD_OUT_PLAY, play_text
+from ..generation import generate_batch, generate_cached
+from ..model import Decoder, ModelConfig
+from ..sampling import SamplingParams
+from ..timing import dtype_name, machine
+from .beam import BeamSearchParams
+from .engine import LLMEngine
+from .fragmentation import MAX_SEQ_LEN, TRACES, kv_utilization, make_trace
+
+PAPER = {"throughput_vs_orca": "2-4x (Sec. 6.2)", "parallel_sampling_saved": "6.1-30.5% (Sec. 6.3)",
+         "beam_search_saved": "37.6-66.3% (Sec. 6.3)", "kv_utilization": 0.963,
+         "orca_vs_static": "36.9x (Orca, GPT-3 175B)", "cb_vs_static_anyscale": "8x (Anyscale blog)"}
+GOALS = {"engine_vs_sequential": 4.0, "engine_vs_static": 1.3, "engine_vs_transformers": 3.0,
+         "kv_utilization": 0.96, "kv_vs_lab_points": 1.0}
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+def make_requests(tokenizer, num_requests: int = 64, trace: str = "sharegpt", scale: float = 0.25,
+                  seed: int = 0, play: str = HELD_OUT_PLAY) -> list[BenchRequest]:
+    """Requests with the trace's lengths times ``scale`` (at least 4 prompt tokens and 1 output token),
+    prompts cut from ``play`` at offsets drawn with ``seed``.
+
+    Raises:
+        ValueError: an unknown trace, num_requests below 1, scale not in (0, 1].
+    """
+    if trace not in TRACES:
+        raise ValueError(f"trace: {trace!r} is not one of {sorted(TRACES)}")
+    if num_requests < 1 or not 0 < scale <= 1:
+        raise ValueError(f"num_requests / scale: need >= 1 and (0, 1], got {num_requests} / {scale}")
+    prompt, output = make_trace(replace(TRACES[trace], num_requests=num_requests, seed=seed))
+    text = tokenizer.encode(play_text(play))
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for p, o in zip(prompt.tolist(), output.tolist()):
+        p, o = max(4, round(p * scale)), max(1, round(o * scale))
+        start = int(rng.integers(0, len(text) - p))
+        reqs.append(BenchRequest(text[start:start + p], o))
+    return reqs
+
+
+def _pct(values, q) -> float:
+    return float(np.percentile(values, q)) if len(values) else 0.0
+
+
+def _summary(reqs, wall, ttft, tpot, tokens) -> dict:
+    out = sum(r.max_tokens for r in reqs)
+    total = out + sum(len(r.prompt_token_ids) for r in reqs)
+    return {"wall_s": wall, "output_tokens": out, "total_tokens": total, "output_tokens_per_s": out / wall,
+            "total_tokens_per_s": total / wall, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "tpot_p50_s": _pct(tpot, 50), "tpot_p99_s": _pct(tpot, 99), "tokens": tokens}
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def run_sequential(model, reqs: list[BenchRequest]) -> dict:
+    """One request at a time with ``generate_cached``; request k waits for the k before it."""
+    t0, ttft, tpot, tokens = time.perf_counter(), [], [], []
+    for r in reqs:
+        start = time.perf_counter()
+        g = generate_cached(model, r.prompt_token_ids, _greedy(r.max_tokens),
+                            max_seq_len=len(r.prompt_token_ids) + r.max_tokens)  # a cache of what it needs
+        ttft.append(start - t0 + g.prefill_s)
+        if r.max_tokens > 1:
+            tpot.append(g.decode_s / (r.max_tokens - 1))
+        tokens.append(g.tokens)
+    return _summary(reqs, time.perf_counter() - t0, ttft, tpot, tokens)
+
+
+def run_static(model, reqs: list[BenchRequest], batch_size: int) -> dict:
+    """Static batches of ``batch_size`` in arrival order (``generate_batch``: left padded to the longest
+    prompt, run until the longest output of the batch ends; a request's tokens are its first max_tokens)."""
+    t0, ttft, tpot, tokens = time.perf_counter(), [], [], []
+    for i in range(0, len(reqs), batch_size):
+        batch = reqs[i:i + batch_size]
+        start = time.perf_counter()
+        longest = max(r.max_tokens for r in batch)
+        results = generate_batch(model, [r.prompt_token_ids for r in batch], _greedy(longest),
+                                 max_seq_len=max(len(r.prompt_token_ids) for r in batch) + longest)
+        for r, g in zip(batch, results):
+            ttft.append(start - t0 + g.step_s[0])
+            if r.max_tokens > 1:
+                tpot.append(sum(g.step_s[1:r.max_tokens]) / (r.max_tokens - 1))
+            tokens.append(g.tokens[:r.max_tokens])
+    return _summary(reqs, time.perf_counter() - t0, ttft, tpot, tokens)
+
+
+def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blocks: int | None = None,
+               max_num_seqs: int = 64, max_num_batched_tokens: int = 256, progress=None) -> dict:
+    """The engine, every request added at time 0; adds its memory figures and the lab's prediction."""
+    engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens)
+    t0 = time.perf_counter()
+    for i, r in enumerate(reqs):
+        engine.add_request(str(i), {"prompt_token_ids": r.prompt_token_ids}, _greedy(r.max_tokens), arrival_time=t0)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[int(out.request_id)] = out
+                if progress is not None:
+                    progress.update(1)
+    wall = time.perf_counter() - t0
+    outs = [done[i] for i in range(len(reqs))]
+    ttft = [o.metrics.first_token_time - t0 for o in outs]
+    tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (r.max_tokens - 1)
+            for o, r in zip(outs, reqs) if r.max_tokens > 1]
+    report = _summary(reqs, wall, ttft, tpot, [o.outputs[0].token_ids for o in outs])
+    mem = engine.stats.summary(block_size)
+    lab = kv_utilization([len(r.prompt_token_ids) for r in reqs], [r.max_tokens for r in reqs],
+                         f"paged_{block_size}")
+    report.update({k: mem[k] for k in ("kv_utilization", "preemptions", "prefix_hit_rate", "peak_blocks",
+                                       "mean_blocks", "steps")})
+    report.update({"lab_kv_utilization": lab, "num_blocks": engine.num_blocks,
+                   "rows_per_step_mean": float(np.mean([rec.rows[0] for rec in engine.stats.records]))})
+    report["engine"] = engine  # for the notebook's timeline; removed before JSON
+    return report
+
+
+def load_peer(model_path=None, dtype=torch.float32):
+    """transformers' LlamaForCausalLM on the same GGUF, with paged attention for its continuous batching
+    (as ``minillm.bench.load_transformers_peer``, which this folder may not import)."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from ..loading import default_model_path
+
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    path = default_model_path() if model_path is None else model_path
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
+                                              attn_implementation="paged|sdpa")
+    return hf.eval()
+
+
+def run_transformers(hf, reqs: list[BenchRequest], max_num_seqs: int = 64) -> dict:
+    """transformers' continuous batching (``ContinuousBatchingManager``, paged|sdpa attention on the CPU),
+    each request with its own max_new_tokens, EOS never ending one (eos_token_id -1), greedy."""
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1,
+                              pad_token_id=0)
+    t0 = time.perf_counter()
+    results = {}
+    with hf.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
+                                                warmup=False) as manager:
+        for i, r in enumerate(reqs):
+            manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.max_tokens,
+                                record_timestamps=True, eos_token_id=-1)
+        while len(results) < len(reqs):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[int(result.request_id)] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching stopped before every request finished")
+    wall = time.perf_counter() - t0
+    outs = [results[i] for i in range(len(reqs))]
+    ttft = [o.timestamps[0] - t0 for o in outs]
+    tpot = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs if len(o.timestamps) > 1]
+    return _summary(reqs, wall, ttft, tpot, [list(o.generated_tokens) for o in outs])
+
+
+def memory_run(trace: str = "sharegpt", num_requests: int = 64, block_size: int = 16, max_num_seqs: int = 64,
+               seed: int = 0) -> dict:
+    """The engine's kv_utilization at the trace's full lengths (requests scaled in number, not length) on
+    a one-layer random model, beside the lab's prediction for the same lengths; returns both."""
+    torch.manual_seed(seed)
+    cfg = ModelConfig(n_layers=1, dim=32, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=32, vocab_size=64,
+                      max_seq_len=MAX_SEQ_LEN)
+    state = {"tok_embeddings.weight": torch.randn(64, 32), "norm.weight": torch.ones(32)}
+    state.update({f"layers.0.{k}": torch.randn(*s) / 8 for k, s in (
+        ("attn.wq.weight", (32, 32)), ("attn.wk.weight", (16, 32)), ("attn.wv.weight", (16, 32)),
+        ("attn.wo.weight", (32, 32)), ("mlp.w_gate.weight", (32, 32)), ("mlp.w_up.weight", (32, 32)),
+        ("mlp.w_down.weight", (32, 32)))})
+    state.update({"layers.0.attn_norm.weight": torch.ones(32), "layers.0.ffn_norm.weight": torch.ones(32)})
+    model = Decoder(cfg, state).eval()
+    prompt, output = make_trace(replace(TRACES[trace], num_requests=num_requests, seed=seed))
+    engine = LLMEngine(model, block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=4096,
+                       enable_prefix_caching=False, eos_ids=set())
+    rng = np.random.default_rng(seed)
+    for i, (p, o) in enumerate(zip(prompt.tolist(), output.tolist())):
+        engine.add_request(str(i), rng.integers(0, 64, p).tolist(), _greedy(o))
+    while engine.has_unfinished_requests():
+        engine.step()
+    mem = engine.stats.summary(block_size)
+    return {"trace": trace, "num_requests": num_requests, "block_size": block_size, "max_num_seqs": max_num_seqs,
+            "mean_prompt": float(prompt.mean()), "mean_output": float(output.mean()),
+            "kv_utilization": mem["kv_utilization"], "preemptions": mem["preemptions"],
+            "lab_kv_utilization": kv_utilization(prompt, output, f"paged_{block_size}")}
+
+
+def sharing_run(model, reqs: list[BenchRequest], block_size: int = 16, width: int = 4) -> dict:
+    """Blocks saved by sharing (1 - blocks in use / blocks the sequences would hold unshared, summed over
+    steps) for n = ``width`` parallel samples (temperature 1, seed 0) and beam width ``width``."""
+    out = {}
+    for name, params in (("parallel_sampling", lambda r: SamplingParams(n=width, temperature=1.0, seed=0,
+                                                                        max_tokens=r.max_tokens, ignore_eos=True)),
+                         ("beam_search", lambda r: BeamSearchParams(width, r.max_tokens, ignore_eos=True))):
+        engine = LLMEngine(model, block_size=block_size, max_num_seqs=64 * width)
+        for i, r in enumerate(reqs):
+            engine.add_request(str(i), {"prompt_token_ids": r.prompt_token_ids}, params(r))
+        while engine.has_unfinished_requests():
+            engine.step()
+        out[name] = engine.stats.summary(block_size)["sharing_saved"]
+    return {"width": width, "num_requests": len(reqs), **out}
+
+
+def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "sharegpt", scale: float = 0.25,
+                block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 64,
+                max_num_batched_tokens: int = 256, peer: bool = False, sharing_requests: int = 8,
+                memory_requests: int = 64, progress: bool = True) -> dict:
+    """Every mode on the same requests, then the memory and sharing runs; the report described in the
+    module docstring (``modes`` keyed sequential / static / engine / transformers)."""
+    reqs = make_requests(tokenizer, num_requests, trace, scale)
+    generate_cached(model, reqs[0].prompt_token_ids, _greedy(2))  # warm-up
+    modes = {}
+    names = ["engine", "static", "sequential"] + (["transformers"] if peer else [])
+    with tqdm(total=len(names) * len(reqs), desc="serve-bench", disable=not progress) as bar:
+        for name in names:
+            bar.set_postfix_str(name)
+            if name == "engine":
+                modes[name] = run_engine(model, reqs, block_size=block_size, num_blocks=num_blocks,
+                                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         progress=bar)
+                continue
+            if name == "sequential":
+                modes[name] = run_sequential(model, reqs)
+            elif name == "static":
+                modes[name] = run_static(model, reqs, max_num_seqs)
+            else:
+                modes[name] = run_transformers(load_peer(dtype=model.dtype), reqs, max_num_seqs)
+            bar.update(len(reqs))
+    engine = modes["engine"].pop("engine")
+    ref = modes["sequential"]["tokens"]
+    for m in modes.values():
+        m["same_tokens_as_sequential"] = sum(a == b for a, b in zip(m.pop("tokens"), ref))
+    report = {"machine": machine(), "dtype": dtype_name(model.dtype), "trace": trace, "scale": scale,
+              "num_requests": num_requests, "block_size": block_size, "max_num_seqs": max_num_seqs,
+              "max_num_batched_tokens": max_num_batched_tokens,
+              "mean_prompt": float(np.mean([len(r.prompt_token_ids) for r in reqs])),
+              "mean_output": float(np.mean([r.max_tokens for r in reqs])), "modes": modes, "paper": PAPER}
+    if memory_requests:
+        report["memory"] = memory_run(trace, memory_requests, block_size, max_num_seqs)
+    if sharing_requests:
+        report["sharing"] = sharing_run(model, reqs[:sharing_requests], block_size)
+    report["goals"] = goals(report)
+    report["_engine"] = engine
+    return report
+
+
+def goals(report: dict) -> dict:
+    """Each goal of issue 18 with its measured value and whether it held (None where not measured)."""
+    m, g = report["modes"], {}
+    e = m["engine"]["output_tokens_per_s"]
+    for name, key in (("sequential", "engine_vs_sequential"), ("static", "engine_vs_static"),
+                      ("transformers", "engine_vs_transformers")):
+        ratio = e / m[name]["output_tokens_per_s"] if name in m else None
+        g[key] = {"measured": ratio, "goal": GOALS[key], "held": None if ratio is None else ratio >= GOALS[key]}
+    mem = report.get("memory")
+    if mem:
+        g["kv_utilization"] = {"measured": mem["kv_utilization"], "goal": GOALS["kv_utilization"],
+                               "held": mem["kv_utilization"] >= GOALS["kv_utilization"]}
+    points = [100 * abs(x["kv_utilization"] - x["lab_kv_utilization"]) for x in (m["engine"], mem or {}) if x]
+    g["kv_vs_lab_points"] = {"measured": max(points), "goal": GOALS["kv_vs_lab_points"],
+                             "held": max(points) <= GOALS["kv_vs_lab_points"]}
+    return g
+
+
+def format_report(report: dict) -> str:
+    """The table: one row per mode, then memory, sharing and goals."""
+    lines = [f"machine: {report['machine']}", f"{report['num_requests']} requests, {report['trace']}-like lengths x "
+             f"{report['scale']} (mean prompt {report['mean_prompt']:.0f}, output {report['mean_output']:.0f} tokens), "
+             f"all at t=0, greedy, {report['dtype']}, block {report['block_size']}, max_num_seqs "
+             f"{report['max_num_seqs']}, budget {report['max_num_batched_tokens']} tokens/step",
+             f"{'mode':<13}{'out tok/s':>10}{'total tok/s':>12}{'TTFT p50':>10}{'p99':>8}{'TPOT p50':>10}{'p99':>8}"
+             f"{'wall s':>8}  same tokens"]
+    for name, m in report["modes"].items():
+        lines.append(f"{name:<13}{m['output_tokens_per_s']:>10.1f}{m['total_tokens_per_s']:>12.1f}{m['ttft_p50_s']:>10.2f}"
+                     f"{m['ttft_p99_s']:>8.2f}{m['tpot_p50_s']:>10.3f}{m['tpot_p99_s']:>8.3f}{m['wall_s']:>8.1f}  "
+                     f"{m['same_tokens_as_sequential']}/{report['num_requests']}")
+    e = report["modes"]["engine"]
+    lines.append(f"engine memory: peak {e['peak_blocks']} / mean {e['mean_blocks']:.1f} of {e['num_blocks']} blocks, "
+                 f"kv_utilization {100 * e['kv_utilization']:.1f}% (lab predicts {100 * e['lab_kv_utilization']:.1f}%), "
+                 f"{e['preemptions']} preemptions, prefix hit rate {100 * e['prefix_hit_rate']:.1f}%, {e['steps']} steps")
+    if "memory" in report:
+        x = report["memory"]
+        lines.append(f"full {x['trace']} lengths ({x['num_requests']} requests, mean {x['mean_prompt']:.0f} / "
+                     f"{x['mean_output']:.0f}): kv_utilization {100 * x['kv_utilization']:.1f}% (lab "
+                     f"{100 * x['lab_kv_utilization']:.1f}%, paper 96.3%)")
+    if "sharing" in report:
+        s = report["sharing"]
+        lines.append(f"sharing saves: n={s['width']} sampling {100 * s['parallel_sampling']:.1f}% (paper 6.1-30.5%), "
+                     f"beam width {s['width']} {100 * s['beam_search']:.1f}% (paper 37.6-66.3%)")
+    for k, v in report["goals"].items():
+        if v["measured"] is not None:
+            lines.append(f"goal {k}: {v['measured']:.3g} vs {v['goal']} -> {'held' if v['held'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def tour_row(model, tokenizer, new_tokens: int = 128, num_requests: int = 8) -> dict:
+    """The tour's row: ``num_requests`` prompts cut from a play (ShareGPT-like prompt lengths x 1/4), each
+    generating ``new_tokens`` greedy tokens, through the engine vs one at a time with ``generate_cached``
+    (output tokens/s over the wall time of all of them); the check compares their greedy tokens."""
+    reqs = [replace(r, max_tokens=new_tokens) for r in make_requests(tokenizer, num_requests)]
+    generate_cached(model, reqs[0].prompt_token_ids, _greedy(2))  # warm-up
+    seq = run_sequential(model, reqs)
+    eng = run_engine(model, reqs, max_num_seqs=num_requests)
+    same = sum(a == b for a, b in zip(seq["tokens"], eng["tokens"]))
+    return {"technique": "paged engine (continuous batching)",
+            "baseline": f"one request at a time, {num_requests} requests",
+            "baseline_tokens_per_s": seq["output_tokens_per_s"], "tokens_per_s": eng["output_tokens_per_s"],
+            "speedup": eng["output_tokens_per_s"] / seq["output_tokens_per_s"],
+            "check": "greedy tokens identical" if same == num_requests else f"{same}/{num_requests} requests' greedy tokens equal"}
