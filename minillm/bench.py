@@ -17,6 +17,7 @@ import torch
 from .data import BENCH_PROMPT
 from .generation import generate, generate_cached, generate_dynamic, generate_naive
 from .kv_cache import make_cache
+from .loading import default_model_path
 from .paged import generate_paged
 from .sampling import SamplingParams
 from .timing import dtype_name, machine, synchronize, time_median
@@ -53,8 +54,6 @@ def load_transformers_peer(model_path=None, dtype=torch.float32, device="cpu"):
     """
     import transformers
     from transformers import AutoModelForCausalLM
-
-    from .loading import default_model_path
 
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()

@@ -133,3 +133,9 @@ def test_list_names_every_exercise(capsys):
     code, text = cli("list")
     assert code == 0 and all(ex.signature in text for ex in EXERCISES.values())
     assert main(["list"]) == 0 and capsys.readouterr().out == text  # python -m minillm.exercises.cli list
+
+
+def test_check_command_tells_a_path_that_is_no_notebook_from_a_failing_grade(tmp_path):
+    (tmp_path / "notes.md").write_text("# not a notebook")
+    code, text = cli("check", str(tmp_path / "missing.ipynb"), str(tmp_path / "notes.md"))
+    assert code == 2 and text.count(": not a notebook (") == 2, text

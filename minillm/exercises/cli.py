@@ -11,6 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import EXERCISES
+
 
 def register(subparsers) -> argparse.ArgumentParser:
     """Add ``exercises`` (with ``build``, ``check`` and ``list``) to an argparse subparsers object."""
@@ -23,7 +25,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--check", action="store_true",
                    help="write nothing; exit 1 if the student notebooks are out of date")
     b.set_defaults(func=run_build)
-    c = sub.add_parser("check", help="execute students' notebooks and print the report of each function in them")
+    c = sub.add_parser("check", help="execute students' notebooks and print the report of each function in them; "
+                       "exit 0 when every check passes, 1 when one fails, 2 when a path is not a notebook")
     c.add_argument("notebooks", nargs="+", type=Path, help="student notebooks (.ipynb)")
     c.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
     c.set_defaults(func=run_check)
@@ -33,6 +36,7 @@ def register(subparsers) -> argparse.ArgumentParser:
 
 
 def run_build(args) -> int:
+    # nbformat and the kernel client load only for the commands that run notebooks
     from .notebooks import SOLUTIONS_DIR, STUDENT_DIR, MarkerError, build, out_of_date
 
     solutions, out = args.solutions or SOLUTIONS_DIR, args.out or STUDENT_DIR
@@ -51,14 +55,18 @@ def run_build(args) -> int:
 
 
 def run_check(args) -> int:
-    from .notebooks import check_notebook
+    from .notebooks import NotANotebookError, check_notebook
 
-    ok = True
+    ok, unreadable = True, False
     for path in args.notebooks:
         print(f"== {path}")
         try:
             result = check_notebook(path, args.timeout)
-        except (FileNotFoundError, ValueError) as e:
+        except NotANotebookError as e:  # bad input, not a failing grade
+            print(f"error: {e}", file=sys.stderr)
+            unreadable = True
+            continue
+        except ValueError as e:  # a notebook without the exercises: a failing grade
             print(f"error: {e}")
             ok = False
             continue
@@ -68,12 +76,10 @@ def run_check(args) -> int:
             print(f"cells that raised: {len(result.cell_errors)} (first: {result.cell_errors[0]})")
         print(f"{path}: {'PASSED' if result.passed else 'FAILED'}")
         ok &= result.passed
-    return 0 if ok else 1
+    return 2 if unreadable else 0 if ok else 1
 
 
 def run_list(args) -> int:
-    from . import EXERCISES
-
     for ex in EXERCISES.values():
         print(f"{ex.notebook:32} {ex.signature}")
     return 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..paged import BlockManager, blocks_for
 from .checker import Case, Exercise, Failure, describe, first_match, number_problem, tensor_problem
 
 # ---------------------------------------------------------------------------------------------
@@ -20,8 +21,6 @@ from .checker import Case, Exercise, Failure, describe, first_match, number_prob
 
 
 def reference_blocks_needed(num_tokens, block_size):
-    from ..paged import blocks_for  # imported here: exercises 1-4 and 7-10 do not need the paged package
-
     return blocks_for(num_tokens, block_size)
 
 
@@ -37,8 +36,6 @@ def reference_needs_new_block(num_tokens, block_size):
 def _manager(g: torch.Generator, block_size: int, lengths: list[int], num_blocks: int = 64):
     """A ``BlockManager`` holding sequences 0, 1, ... grown to ``lengths`` in random interleaved steps,
     so that their block tables are scattered over the pool as in a real batch."""
-    from ..paged import BlockManager
-
     m = BlockManager(num_blocks, block_size, enable_prefix_caching=False)
     now = [0] * len(lengths)
     for s in range(len(lengths)):

@@ -162,17 +162,25 @@ def _current_env_kernel():
     return KernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnv())
 
 
+class NotANotebookError(ValueError):
+    """A path to check that is no notebook: missing, or not notebook JSON (bad input, not a failed grade)."""
+
+
 def check_notebook(path: Path, timeout: int = 600) -> NotebookResult:
     """Execute a student's notebook in a fresh kernel (its own folder as working directory, cells that
     raise do not stop the run) and check each exercise function it defines.
 
     Raises:
-        FileNotFoundError: no such notebook. ValueError: it defines none of the exercise functions.
+        NotANotebookError: no such file, or not a notebook. ValueError: it defines none of the exercise
+            functions.
     """
     from nbclient import NotebookClient
 
     path = Path(path)
-    nb = nbformat.read(path, as_version=4)
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except (OSError, nbformat.reader.NotJSONError, nbformat.ValidationError) as e:
+        raise NotANotebookError(f"{path}: not a notebook ({e})") from None
     names = exercise_names(nb)
     if not names:
         raise ValueError(f"{path}: defines none of the exercise functions ({', '.join(EXERCISES)})")

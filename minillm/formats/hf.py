@@ -62,12 +62,12 @@ def _load_hf_checkpoint(folder: Path) -> tuple[ModelConfig, dict[str, torch.Tens
     if not isinstance(cfg, dict):
         raise ModelFileError(f"{folder}/config.json: expected a JSON object")
     arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
+    raw = {k: v.float() for k, v in _read_safetensors(folder).items()}
     if arch not in READERS:
         raise ModelFileError(
             f"{folder}: architecture {arch!r} is not supported; minillm reads LlamaForCausalLM and "
             "GPT2LMHeadModel checkpoints (and llama GGUF files)"
         )
-    raw = {k: v.float() for k, v in _read_safetensors(folder).items()}
 
     def take(name):
         for key in (name, f"model.{name}", f"transformer.{name}"):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -15,7 +16,8 @@ def cmd_fragmentation(args) -> int:
     """Print the lab's table (``--json``: one line of strict JSON) and write its two figures under
     ``--out``; returns the exit code (0)."""
     report = run_lab([args.trace] if args.trace else list(TRACES))
-    out = Path(args.out)
+    out = Path(args.out if args.out is not None else os.environ.get("MINILLM_FIGURES", "figures/runs"))
+    out.mkdir(parents=True, exist_ok=True)
     figures = [plot_memory_vs_block_size(report, out / "paged_memory_vs_block_size.png"),
                plot_fork_cow(out / "paged_fork_cow.png")]
     report["figures"] = [str(f) for f in figures]
@@ -33,5 +35,6 @@ def register(sub) -> None:
     f.add_argument("--trace", choices=sorted(TRACES), default=None,
                    help="one request trace (default: both); lengths drawn with a fixed seed")
     f.add_argument("--json", action="store_true", help="print one line of strict JSON instead of the table")
-    f.add_argument("--out", default="figures", help="folder for the figures (default: figures)")
+    f.add_argument("--out", default=None, help="folder for the figures (default: $MINILLM_FIGURES, else "
+                   "figures/runs, which git ignores; figures/ holds notebook 03's own)")
     f.set_defaults(func=cmd_fragmentation)

@@ -5,8 +5,11 @@
     awq.py        AWQ (Lin et al., MLSys 2024): activation-aware per-channel scales, then clipping
     pack.py       int2/3/4/8 codes packed into int32 words
     qlinear.py    ``QuantLinear``: packed weights + scales + zeros, a reference and a fast forward
-    pipeline.py   quantize a whole ``Decoder`` layer by layer on calibration text; save / load
+    pipeline.py   quantize a whole ``Decoder`` block by block, in execution order, on calibration text
+    checkpoint.py save / load a quantized model (safetensors)
     gguf_quant.py llama.cpp's Q8_0 / Q4_0 / Q4_1 quantizers and a GGUF writer
+    bench.py      ``bench quant``: the table of methods x bits x group sizes
+    cli.py        ``python -m minillm perplexity | quantize | bench quant``
 
 Conventions (those of GPTQ / AutoGPTQ / vLLM): a weight W is (out_features, in_features);
 ``codes`` are unsigned integers in [0, 2^bits - 1]; ``scales`` and ``zeros`` are
@@ -14,6 +17,14 @@ Conventions (those of GPTQ / AutoGPTQ / vLLM): a weight W is (out_features, in_f
 ``scales[:, g_idx] * (codes - zeros[:, g_idx])``.
 """
 
+from .awq import search_clip, search_scales
+from .checkpoint import load_quantized, save_quantized
+from .gguf_quant import write_gguf
+from .gptq import Hessian, gptq_quantize
+from .pipeline import calibration_tokens, quantize_model
+from .qlinear import QuantLinear
 from .rtn import QuantConfig, QuantizedWeight, fake_quantize, rtn_quantize
 
-__all__ = ["QuantConfig", "QuantizedWeight", "fake_quantize", "rtn_quantize"]
+__all__ = ["Hessian", "QuantConfig", "QuantLinear", "QuantizedWeight", "calibration_tokens", "fake_quantize",
+           "gptq_quantize", "load_quantized", "quantize_model", "rtn_quantize", "save_quantized", "search_clip",
+           "search_scales", "write_gguf"]
