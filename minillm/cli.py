@@ -1,7 +1,7 @@
 """Command line: ``python -m minillm <command>``.
 
 Commands: generate, bench decode | spec | quant, distill-draft, roofline, perplexity, quantize, tour,
-fragmentation, exercises. Each technique folder registers its own (``quant.cli``, ``speculative.cli``,
+fragmentation, serve-bench, exercises. Each technique folder registers its own (``quant.cli``, ``speculative.cli``,
 ``roofline.cli``, ``paged.cli``, ``exercises.cli``) with ``set_defaults(func=...)``; the options they
 share are in ``minillm.options``. Bad input exits with status 2 and a message naming the option.
 
@@ -17,6 +17,7 @@ from .bench import bench_decode, format_bench
 from .exercises import cli as exercises_cli
 from .generation import generate
 from .paged import cli as paged_cli
+from .paged import serve_cli
 from .options import add_model_args, at_least, is_quantized_file, load, print_json
 from .quant import cli as quant_cli
 from .roofline import cli as roofline_cli
@@ -187,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     speculative_cli.register(sub, bench)
     quant_cli.register(sub, bench)
     paged_cli.register(sub)
+    serve_cli.register(sub)
     exercises_cli.register(sub)
     return parser
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from .bench import plot_step_times
 from .data import BENCH_PROMPT
 from .generation import generate, generate_cached, generate_naive
+from .paged.serve_bench import tour_row as engine_row
 from .quant import QuantConfig
 from .quant.pipeline import quantize_model
 from .sampling import SamplingParams
@@ -28,7 +29,8 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
          quantized: bool = False) -> dict:
     """Every technique so far against its naive baseline on the embedded model, as one table.
 
-    Naive vs KV-cached generation (contiguous, dynamic, int8; same greedy tokens, tokens/s, speedup), and
+    Naive vs KV-cached generation (contiguous, dynamic, int8; same greedy tokens, tokens/s, speedup), the
+    paged engine's continuous batching vs one request at a time (``minillm.paged.serve_bench.tour_row``),
     speculative decoding with n-gram drafts vs plain cached decoding on an input-grounded chat prompt, and
     4-bit weights (RTN, group 64, torch's int4 kernel) vs float32 weights. Writes
     tour_decode_step_time.png into ``figures`` (default ``runs_folder()``: figures/runs, git-ignored).
@@ -59,6 +61,7 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
             "speedup": r.decode_tokens_per_s / naive.decode_tokens_per_s,
             "check": "greedy tokens identical" if same == len(naive.tokens) else f"{same}/{len(naive.tokens)} greedy tokens equal",
         })
+    rows.append(engine_row(model, tokenizer, new_tokens))
     rows.append(speculative_row(model, tokenizer, new_tokens))
     if not quantized:
         rows.append(quantization_row(model, prompt_tokens, params, cached))

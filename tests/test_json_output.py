@@ -43,6 +43,7 @@ COMMANDS = {
     "tour": ["tour", "--new-tokens", "3"],
     "distill-draft": ["distill-draft", "--layers", "1", "--steps", "2", "--out", "OUT/draft"],
     "fragmentation": ["fragmentation", "--out", "OUT"],
+    "serve-bench": ["serve-bench", "--quick"],
     "bench quant": ["bench", "quant", "--quick", "--max-tokens", "600", "--calib-samples", "1", "--out",
                     "OUT/table.json"],
 }
