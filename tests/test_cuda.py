@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import random_decoder, rel_err, write_tiny_gguf
 
-from minillm import KVCache, SamplingParams, generate_cached, generate_naive, load_model
+from minillm import LLM, KVCache, SamplingParams, generate_cached, generate_naive, load_model
 from minillm.compiled import compile_decode
 from minillm.generation import generate_batch
 from minillm.quant import QuantConfig
@@ -107,6 +107,18 @@ def test_tiny_compiled_decode_on_cuda_matches_eager(tiny_path):
         for kv_dtype in (None, "int8"):
             ref = [r.tokens for r in generate_batch(gpu, prompts, params, kv_dtype=kv_dtype)]
             assert [r.tokens for r in generate_batch(compiled, prompts, params, kv_dtype=kv_dtype)] == ref
+
+
+def test_tiny_engine_on_cuda_equals_generate_cached_on_cpu(tiny_path):
+    """The continuous-batching engine (minillm.paged) on the GPU: mixed prompts through a pool small enough
+    to preempt, each request's greedy tokens those generate_cached gives alone on the CPU."""
+    cpu, gpu = load_model(tiny_path)[0], load_model(tiny_path, device=DEVICE)[0]
+    prompts = [[(7 * i + 3 * j) % 250 + 1 for j in range(4 + 9 * i)] for i in range(5)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    llm = LLM(gpu, block_size=4, num_blocks=16, max_num_batched_tokens=16)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [generate_cached(cpu, p, params).tokens for p in prompts]
+    assert llm.llm_engine.manager.num_free_blocks == 16
 
 
 # ---- the embedded model ------------------------------------------------------------------------------

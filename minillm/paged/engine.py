@@ -42,7 +42,7 @@ GREEDY = SamplingParams()
 
 @dataclass
 class StepRecord:
-    """One step, for the timeline: ``runs`` (request_id, index, tokens, "prefill"/"decode"), ``preempted``
+    """One step, for the timeline: ``runs`` (request_id, index, tokens, "prefill"/"decode"/"recompute"), ``preempted``
     (request_id, index), the forward's (B, T), blocks in use and KV slots holding tokens after it,
     blocks the running sequences would hold without sharing, and its start / end (perf_counter s)."""
 
@@ -80,6 +80,14 @@ class EngineStats:
                 "kv_utilization": sum(r.held_slots for r in self.records) / (block_size * total_used) if total_used else 0.0,
                 "sharing_saved": 1 - total_used / unshared if unshared else 0.0,
                 "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0}
+
+
+def _kind(seq: Sequence, n: int) -> str:
+    """What a step does for a sequence: "recompute" (tokens computed before a preemption), "prefill"
+    (prompt tokens) or "decode" (its newest token)."""
+    if seq.num_output_tokens > 1 and seq.num_computed_tokens < seq.num_tokens - 1:
+        return "recompute"
+    return "prefill" if seq.is_prefill else "decode"
 
 
 class LLMEngine:
@@ -217,7 +225,7 @@ class LLMEngine:
         self.stats.preemptions += len(preempted)
         if not out.scheduled:
             return []
-        kinds = [(s.request_id, s.index, n, "prefill" if s.is_prefill else "decode") for s, n in out.scheduled]
+        kinds = [(s.request_id, s.index, n, _kind(s, n)) for s, n in out.scheduled]
         spans = [(s.seq_id, s.num_computed_tokens, s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
                  for s, n in out.scheduled]
         rows = pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width)
