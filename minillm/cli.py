@@ -15,6 +15,7 @@ import sys
 
 from .bench import bench_decode, format_bench
 from .exercises import cli as exercises_cli
+from .files import check_output_path
 from .generation import generate
 from .paged import cli as paged_cli
 from .paged import serve_cli
@@ -137,6 +138,8 @@ def cmd_bench_decode(args) -> int:
 
 
 def cmd_tour(args) -> int:
+    if args.out is not None:
+        check_output_path(args.out, "--out", folder=True)  # before minutes of measuring
     model, tokenizer = load(args)
     report = tour(model, tokenizer, new_tokens=args.new_tokens, figures=args.out,
                   quantized=is_quantized_file(args.model))

@@ -76,9 +76,10 @@ def atomic_write(dst: str | os.PathLike, sources: Iterable[str | os.PathLike] = 
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # as open() would create it; mkstemp makes it private
     try:
         yield Path(tmp)
+        # as open() would create it: mkstemp, and writers such as safetensors' save_file, make it private
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, dst)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -108,6 +108,8 @@ def decode_step(model, token: torch.Tensor, pos: int, cache, pad_lengths: torch.
 def stop_ids(tokenizer, eos_ids: set[int] | None) -> set[int]:
     """The ids that end generation: ``eos_ids`` if given, else the tokenizer's eos_id (if any)."""
     if eos_ids is not None:
+        if isinstance(eos_ids, (str, bytes)) or not all(isinstance(i, numbers.Integral) for i in eos_ids):
+            raise ValueError(f"eos_ids: must be a set of int token ids, got {eos_ids!r}")
         return set(eos_ids)
     return {tokenizer.eos_id} if tokenizer is not None and tokenizer.eos_id is not None else set()
 
@@ -163,8 +165,16 @@ def run_batch(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len,
     """Generate for a batch of prompts (left padded when their lengths differ). ``cache_factory(config,
     batch_size, max_seq_len, dtype, device)``, when given, builds the cache instead of ``make_cache``
     (``minillm.paged.generate_paged`` passes a ``PagedKVCache``)."""
+    if not isinstance(prompts, (list, tuple)) or any(isinstance(p, numbers.Integral) for p in prompts):
+        got = type(prompts).__name__ if not isinstance(prompts, (list, tuple)) else "a list of ints"
+        raise ValueError(f"prompts: must be a list of prompts, each a list of int token ids; got {got} "
+                         "(pass a tensor as tensor.tolist(), one prompt as [ids])")
     if not prompts:
         raise ValueError("prompts: give at least one prompt")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
+    if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)):
+        raise ValueError(f"max_seq_len: must be an int or None, got {max_seq_len!r}")
     ctx = max(check_prompt(model, p, max_seq_len) for p in prompts)
     device = model.device
     stopper = Stopper(params, tokenizer, stop_ids(tokenizer, eos_ids))

@@ -47,6 +47,8 @@ class KVCache:
     def __init__(self, config: ModelConfig, batch_size: int = 1, max_seq_len: int | None = None,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         max_seq_len = config.max_seq_len if max_seq_len is None else max_seq_len
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size: must be an int >= 1, got {batch_size!r}")
         if not 0 < max_seq_len <= config.max_seq_len:
             raise ValueError(
                 f"max_seq_len: {max_seq_len} must be between 1 and the model's context length "

@@ -116,9 +116,15 @@ def _load_quantized(path: Path, dtype, device, n_shards):
     source = Path(recorded) if recorded else default_model_path()
     if not source.is_file():
         source = default_model_path()
+        tokenizer = Tokenizer.from_gguf(read_gguf(source))
+        if tokenizer.vocab_size != model.config.vocab_size:
+            raise ModelFileError(f"{path}: its tokenizer was recorded as {recorded}, which no longer exists, and the "
+                                 f"embedded model's has another vocabulary ({tokenizer.vocab_size} ids, the model "
+                                 f"{model.config.vocab_size}); move that GGUF back, or quantize again")
         warnings.warn(f"{path}: its tokenizer was recorded as {recorded}, which no longer exists; using the "
-                      f"embedded model's tokenizer ({source}) instead. If the file was made from another "
-                      "model, move that GGUF back or quantize again", stacklevel=3)
+                      f"embedded model's tokenizer ({source}), which has the same vocabulary. If the file was made "
+                      "from another model, move that GGUF back or quantize again", stacklevel=3)
+        return model.to(device), tokenizer
     return model.to(device), Tokenizer.from_gguf(read_gguf(source))
 
 

@@ -392,6 +392,8 @@ class Decoder(nn.Module):
             ValueError: a position at or past the context length, (B, T) positions without a
                 ragged-batch cache, or (through the cache) a write that would leave a gap.
         """
+        if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens: must be (B, T) integer ids, got shape {tuple(tokens.shape)} of {tokens.dtype}")
         B, T = tokens.shape
         if T == 0 or input_pos.shape[-1] != T or input_pos.dim() > 2 or (input_pos.dim() == 2 and len(input_pos) != B):
             raise ValueError(f"input_pos: needs one position per token ({T}), got shape {tuple(input_pos.shape)}")

@@ -120,13 +120,14 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         (B, V) float32 probabilities summing to 1 per row; tokens outside top-k / top-p get 0.
 
     Raises:
-        ValueError: the logits hold NaN (or every logit of a row is -inf), so no distribution exists;
-            this is the one check every sampling path (plain, batch, speculative) goes through.
+        ValueError: the logits hold NaN or +inf (or every logit of a row is -inf), so no distribution
+            exists; this is the one check every sampling path (plain, batch, speculative) goes through.
     """
     logits = logits.float()
-    if torch.isnan(logits).any() or (logits == float("-inf")).all(-1).any():
+    if (torch.isnan(logits) | (logits == float("inf"))).any() or (logits == float("-inf")).all(-1).any():
         raise ValueError("logits: contain NaN or a row that is all -inf, so there is no distribution to sample "
-                         "from; the model's forward overflowed (try --dtype float32) or its weights are corrupt")
+                         "from (or +inf); the model's forward overflowed (try --dtype float32) or its weights "
+                         "are corrupt")
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     # subtract the max first: a tiny temperature then gives 0 and -inf (a one-hot), never inf - inf
@@ -137,8 +138,10 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # drop a token when the tokens ranked above it already reach top_p
+        # drop a token when the tokens ranked above it already reach top_p; the most likely token always
+        # stays (a top_p below float32's resolution would otherwise drop every token)
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop[..., 0] = False
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)

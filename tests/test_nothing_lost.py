@@ -12,7 +12,8 @@ import torch
 from helpers import write_tiny_gguf
 
 from minillm import KVCache, SamplingParams, generate_cached, load_model
-from minillm.generation import prefill
+from minillm.generation import generate_batch, prefill
+from minillm.speculative import NgramProposer, speculative_generate
 from minillm.kv_cache import Int8KVCache
 from minillm.files import atomic_write, check_output_path
 from minillm.quant import gguf_quant
@@ -129,3 +130,19 @@ def test_a_prompt_past_the_models_own_context_names_its_limit(tiny_model):
         generate_cached(tiny_model, [1] * ctx, SamplingParams(max_new_tokens=2))
     with pytest.raises(ValueError, match=f"raise max_seq_len \\(the model allows {ctx}\\)"):
         generate_cached(tiny_model, [1] * 20, SamplingParams(max_new_tokens=2), max_seq_len=10)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda m: generate_batch(m, torch.tensor([[1, 2]])), "prompts: must be a list of prompts"),
+    (lambda m: generate_batch(m, [1, 2, 3]), "prompts: must be a list of prompts"),
+    (lambda m: generate_cached(m, [1, 2], {"temperature": 0}), "params: must be a SamplingParams, got dict"),
+    (lambda m: generate_cached(m, [1, 2], max_seq_len="10"), "max_seq_len: must be an int or None"),
+    (lambda m: generate_cached(m, [1, 2], eos_ids="0"), "eos_ids: must be a set of int token ids"),
+    (lambda m: m(torch.tensor([[1.0, 2.0]]), torch.arange(2)), "tokens: must be \\(B, T\\) integer ids"),
+    (lambda m: KVCache(m.config, 0, 8), "batch_size: must be an int >= 1"),
+    (lambda m: speculative_generate(m, NgramProposer(m.config.vocab_size), [1, 2], num_speculative_tokens=2.5),
+     "num_speculative_tokens: must be an int >= 1"),
+])
+def test_more_wrong_argument_types_are_named(tiny_model, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(tiny_model)

@@ -10,7 +10,7 @@ import warnings
 import pytest
 from helpers import CHATML, TINY, tiny_llama_weights, write_tiny_gguf
 
-from minillm import load_model
+from minillm import ModelFileError, load_model
 from minillm.cli import build_parser
 from minillm.quant import QuantConfig
 from minillm.quant.pipeline import quantize_model
@@ -104,6 +104,31 @@ def test_a_quantized_file_skips_the_peer_and_warns_when_its_tokenizer_moved(tmp_
     assert p.returncode == 0 and "the peer is skipped" in p.stderr, p.stderr
     p = run("tour", "--model", str(out), "--new-tokens", "2", "--out", str(tmp_path))
     assert p.returncode == 0 and "int4" not in p.stdout, p.stdout + p.stderr
+    assert os.stat(out).st_mode & 0o777 == 0o666 & ~umask()  # readable as any file the user writes
     src.unlink()
-    with pytest.warns(UserWarning, match=f"its tokenizer was recorded as {src}, which no longer exists"):
+    with pytest.raises(ModelFileError, match=f"its tokenizer was recorded as {src}, which no longer exists, and the "
+                       "embedded model's has another vocabulary"):
         load_model(out)
+
+
+def umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def test_a_quantized_file_records_its_source_as_an_absolute_path(tmp_path):
+    write_tiny_gguf(tmp_path / "t.gguf")
+    p = run("quantize", "--quant", "rtn", "--group-size", "32", "--model", "t.gguf", "--out", "q.safetensors",
+            cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    model, tokenizer = load_model(tmp_path / "q.safetensors")  # from another working folder
+    assert tokenizer.vocab_size == model.config.vocab_size == 300
+
+
+@pytest.mark.parametrize("args", [["tour", "--out", "FILE"], ["fragmentation", "--out", "FILE"]])
+def test_an_output_folder_that_is_a_file_is_refused_first(tmp_path, args):
+    (tmp_path / "FILE").write_text("")
+    p = run(*args, cwd=tmp_path)
+    assert p.returncode == 2 and "error: --out: 'FILE' is a file, and a folder is written there" in p.stderr, p.stderr
+    assert "dequantizing" not in p.stderr

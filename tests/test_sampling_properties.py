@@ -34,7 +34,8 @@ temperatures = st.one_of(st.just(0.0), st.sampled_from([1e-300, 1e-50, 1e-45, 1e
                          st.floats(min_value=0.05, max_value=5.0))
 params_strategy = st.builds(
     SamplingParams, temperature=temperatures, top_k=st.integers(0, 400),
-    top_p=st.one_of(st.just(1.0), st.floats(min_value=1e-6, max_value=1.0, exclude_min=True)),
+    top_p=st.one_of(st.just(1.0), st.sampled_from([1e-300, 1e-50, 1e-45]),  # below float32's resolution too
+                    st.floats(min_value=1e-6, max_value=1.0, exclude_min=True)),
     max_new_tokens=st.integers(1, 6), seed=st.integers(0, 2**31), ignore_eos=st.booleans())
 prompts = st.lists(st.integers(1, 299), min_size=1, max_size=12)
 
@@ -79,7 +80,14 @@ def test_a_temperature_below_float32_range_is_greedy(tiny):
     assert not SamplingParams(temperature=GREEDY_BELOW * 2).greedy
 
 
-@pytest.mark.parametrize("bad", [float("nan"), "all -inf"])
+def test_a_top_p_below_float32_resolution_keeps_the_most_likely_token():
+    logits = torch.tensor([[1.0, 3.0, 0.0, 2.0]])
+    for top_p in (1e-300, 1e-50, 1e-9):
+        probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        assert probs.tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "all -inf"])
 def test_nan_or_empty_logits_are_refused_where_probabilities_are_made(bad):
     logits = torch.randn(2, 50)
     if bad == "all -inf":

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 
+from ..files import check_output_path
+from ..options import print_json
 from .fragmentation import TRACES, format_table, run_lab
 from .plots import plot_fork_cow, plot_memory_vs_block_size
 
@@ -15,14 +16,17 @@ from .plots import plot_fork_cow, plot_memory_vs_block_size
 def cmd_fragmentation(args) -> int:
     """Print the lab's table (``--json``: one line of strict JSON) and write its two figures under
     ``--out``; returns the exit code (0)."""
-    report = run_lab([args.trace] if args.trace else list(TRACES))
     out = Path(args.out if args.out is not None else os.environ.get("MINILLM_FIGURES", "figures/runs"))
-    out.mkdir(parents=True, exist_ok=True)
+    if args.out is None:
+        out.mkdir(parents=True, exist_ok=True)
+    check_output_path(out, "--out", folder=True)  # before the lab runs
+    out.mkdir(exist_ok=True)
+    report = run_lab([args.trace] if args.trace else list(TRACES))
     figures = [plot_memory_vs_block_size(report, out / "paged_memory_vs_block_size.png"),
                plot_fork_cow(out / "paged_fork_cow.png")]
     report["figures"] = [str(f) for f in figures]
     if args.json:
-        print(json.dumps(report, allow_nan=False))
+        print_json(report)
     else:
         print(format_table(report))
         print("figures: " + ", ".join(report["figures"]), file=sys.stderr)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from ..data import HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity, reference_logprobs, windows
@@ -129,7 +130,8 @@ def cmd_quantize(args) -> int:
             raise ValueError(f"dtype: quantize works on float32 weights (the saved file computes in float32, and its "
                              f"embedding stays in compact Q8_0 blocks only then); drop --dtype {args.dtype}")
         config = _quant_config(args)
-        src = args.model if (args.model or "").endswith(".gguf") else str(default_model_path())
+        # an absolute path: the file is loaded later from any folder
+        src = str(Path(args.model).resolve()) if (args.model or "").endswith(".gguf") else str(default_model_path())
         check_output_path(args.out, "--out", sources=[src] + ([args.model] if args.model else []))
         model, tokenizer = load(args)
         q = _quantize(args, model, tokenizer, config)

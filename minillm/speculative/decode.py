@@ -95,8 +95,11 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
     Raises:
         ValueError: gamma < 1, or the prompt errors of ``generate_cached``.
     """
-    if num_speculative_tokens < 1:
-        raise ValueError(f"num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+            or num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens: must be an int >= 1, got {num_speculative_tokens!r}")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
     ctx = check_prompt(target, prompt_tokens, max_seq_len)
     device = target.device
     stopper = Stopper(params, tokenizer, stop_ids(tokenizer, eos_ids))
