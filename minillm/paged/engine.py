@@ -390,16 +390,17 @@ class LLMEngine:
                          f"got {type(prompt).__name__}")
 
     def _output(self, req: Request) -> RequestOutput:
-        if req.is_beam_search and getattr(req, "beam_output", None) is not None:
+        """The request's ``RequestOutput``: its samples by index, or its live beams (best first), or, once
+        a beam search ends, its best hypotheses."""
+        if req.beam_output is not None:
             outs = [CompletionOutput(i, h.text, h.tokens[len(req.prompt_token_ids):], h.cum_logprob, "length")
                     for i, h in enumerate(req.beam_output.sequences)]
         else:
-            live = sorted(req.seqs, key=lambda s: s.index) if not req.is_beam_search else \
-                [s for s in req.seqs if not s.is_finished]
+            seqs = [s for s in req.seqs if not s.is_finished] if req.is_beam_search else sorted(req.seqs, key=lambda s: s.index)
             outs = [CompletionOutput(i if req.is_beam_search else s.index,
                                      s.text if s.is_finished else self._decode(s.output_token_ids),
                                      s.output_token_ids, s.cumulative_logprob, s.finish_reason, s.stop_reason)
-                    for i, s in enumerate(live)]
+                    for i, s in enumerate(seqs)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
                              req.num_cached_tokens or 0, req.metrics)
 
