@@ -12,7 +12,7 @@ from ..options import add_model_args, at_least, load, print_json
 from .fragmentation import TRACES
 from .serve_bench import format_report, serve_bench
 
-QUICK = dict(num_requests=4, scale=1 / 32, sharing_requests=1, memory_requests=4)
+QUICK = dict(num_requests=4, scale=1 / 32, sharing_requests=1, memory_requests=2)
 
 
 def cmd_serve_bench(args) -> int:
