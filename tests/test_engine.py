@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from minillm import LLM, SamplingParams, load_model
 from minillm.generation import generate, generate_cached
 from minillm.paged import LLMEngine, pack_rows, pack_rows_naive
-from minillm.paged.batching import choose_row_width
+from minillm.paged.batching import choose_row_width, measure_row_costs
 
 V = 300
 PROMPT_LENS, OUT_LENS = [5, 14, 23, 3, 31, 9], [6, 17, 3, 25, 8, 12]
@@ -112,6 +112,7 @@ def test_pack_rows_logits_equal_one_row_per_sequence(tiny):
         outs.append(torch.stack([logits[rows.last[i]] for i in range(len(ps))]))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
     assert choose_row_width([1] * 8, 100) == 1 and choose_row_width([64], 64) == 64
+    assert set(measure_row_costs(tiny, num_rows=2, short=8, long=24, chunk=8)) == {"c_token_s", "c_key_s", "key_cost"}
 
 
 def test_prefix_cache_hits_give_the_same_tokens(tiny):
