@@ -141,7 +141,7 @@ def test_a_prompt_past_the_models_own_context_names_its_limit(tiny_model):
     (lambda m: m(torch.tensor([[1.0, 2.0]]), torch.arange(2)), "tokens: must be \\(B, T\\) integer ids"),
     (lambda m: KVCache(m.config, 0, 8), "batch_size: must be an int >= 1"),
     (lambda m: speculative_generate(m, NgramProposer(m.config.vocab_size), [1, 2], num_speculative_tokens=2.5),
-     "num_speculative_tokens: must be an int >= 1"),
+     "num_speculative_tokens: must be an int, got 2.5"),
 ])
 def test_more_wrong_argument_types_are_named(tiny_model, call, message):
     with pytest.raises(ValueError, match=message):

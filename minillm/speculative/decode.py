@@ -95,9 +95,10 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
     Raises:
         ValueError: gamma < 1, or the prompt errors of ``generate_cached``.
     """
-    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
-            or num_speculative_tokens < 1:
-        raise ValueError(f"num_speculative_tokens: must be an int >= 1, got {num_speculative_tokens!r}")
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
+        raise ValueError(f"num_speculative_tokens: must be an int, got {num_speculative_tokens!r}")
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
     if not isinstance(params, SamplingParams):
         raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
     ctx = check_prompt(target, prompt_tokens, max_seq_len)
