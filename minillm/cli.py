@@ -15,7 +15,7 @@ import sys
 
 from .bench import bench_decode, format_bench
 from .exercises import cli as exercises_cli
-from .files import check_output_path
+from .files import check_output_path, runs_folder
 from .generation import generate
 from .paged import cli as paged_cli
 from .paged import serve_cli
@@ -26,7 +26,7 @@ from .sampling import SamplingParams
 from .speculative import cli as speculative_cli
 from .speculative import speculative_generate
 from .timing import warn_if_busy
-from .tour import format_tour, runs_folder, tour
+from .tour import format_tour, tour
 
 
 class StopStringPrinter:

@@ -86,6 +86,24 @@ def atomic_write(dst: str | os.PathLike, sources: Iterable[str | os.PathLike] = 
             os.remove(tmp)
 
 
+def runs_folder() -> Path:
+    """Where the commands draw their figures: ``$MINILLM_FIGURES``, else figures/runs under the current
+    folder (git-ignored, so running a command never changes the committed figures, the notebooks' own)."""
+    return Path(os.environ.get("MINILLM_FIGURES", "figures/runs"))
+
+
+def save_figure(fig, path: str | os.PathLike, dpi: int = 120) -> Path:
+    """Save a matplotlib figure through ``atomic_write`` (its folder created if missing) and close it."""
+    import matplotlib.pyplot as plt  # matplotlib loads only for those who draw
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format=path.suffix.lstrip(".") or "png")
+    plt.close(fig)
+    return path
+
+
 def _finite(obj):
     if isinstance(obj, float) and not math.isfinite(obj):
         return None

@@ -109,6 +109,16 @@ SamplingParams.max_tokens = property(lambda self: self.max_new_tokens,
                                      doc="vLLM's name for ``max_new_tokens`` (the same field).")
 
 
+def check_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Return ``logits`` (B, V) if a distribution can be made from them; else raise ValueError (NaN or +inf,
+    or a row that is all -inf). Every sampling path goes through it, greedy included."""
+    if (torch.isnan(logits) | (logits == float("inf"))).any() or (logits == float("-inf")).all(-1).any():
+        raise ValueError("logits: contain NaN or a row that is all -inf, so there is no distribution to sample "
+                         "from (or +inf); the model's forward overflowed (try --dtype float32) or its weights "
+                         "are corrupt")
+    return logits
+
+
 def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a token is drawn from.
 
@@ -123,11 +133,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         ValueError: the logits hold NaN or +inf (or every logit of a row is -inf), so no distribution
             exists; this is the one check every sampling path (plain, batch, speculative) goes through.
     """
-    logits = logits.float()
-    if (torch.isnan(logits) | (logits == float("inf"))).any() or (logits == float("-inf")).all(-1).any():
-        raise ValueError("logits: contain NaN or a row that is all -inf, so there is no distribution to sample "
-                         "from (or +inf); the model's forward overflowed (try --dtype float32) or its weights "
-                         "are corrupt")
+    logits = check_logits(logits.float())
     if params.greedy:
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     # subtract the max first: a tiny temperature then gives 0 and -inf (a one-hot), never inf - inf
@@ -154,7 +160,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits: (B, V). Returns (B,) int64.
     """
     if params.greedy:
-        return logits_to_probs(logits, params).argmax(-1)  # checks the logits; the one-hot's argmax is theirs
+        return check_logits(logits).argmax(-1)  # no one-hot to build for a decode step
     probs = logits_to_probs(logits, params)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

@@ -4,11 +4,11 @@ one table (measured in one process, so that the ratios hold whatever the machine
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 
 from .bench import plot_step_times
 from .data import BENCH_PROMPT
+from .files import runs_folder
 from .generation import generate, generate_cached, generate_naive
 from .paged.serve_bench import tour_row as engine_row
 from .quant import QuantConfig
@@ -16,13 +16,6 @@ from .quant.pipeline import quantize_model
 from .sampling import SamplingParams
 from .speculative.bench import SPEC_WORKLOADS, compare_once
 from .timing import dtype_name, machine
-
-
-def runs_folder() -> Path:
-    """Where the commands draw their figures: ``$MINILLM_FIGURES``, else figures/runs under the
-    current folder (git-ignored, so running a command never changes the committed figures, which are
-    the notebooks' own)."""
-    return Path(os.environ.get("MINILLM_FIGURES", "figures/runs"))
 
 
 def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT, figures: str | Path | None = None,

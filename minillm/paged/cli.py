@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from ..files import check_output_path
+from ..files import check_output_path, runs_folder
 from ..options import print_json
 from .fragmentation import TRACES, format_table, run_lab
 from .plots import plot_fork_cow, plot_memory_vs_block_size
@@ -16,7 +15,7 @@ from .plots import plot_fork_cow, plot_memory_vs_block_size
 def cmd_fragmentation(args) -> int:
     """Print the lab's table (``--json``: one line of strict JSON) and write its two figures under
     ``--out``; returns the exit code (0)."""
-    out = Path(args.out if args.out is not None else os.environ.get("MINILLM_FIGURES", "figures/runs"))
+    out = Path(args.out) if args.out is not None else runs_folder()
     if args.out is None:
         out.mkdir(parents=True, exist_ok=True)
     check_output_path(out, "--out", folder=True)  # before the lab runs

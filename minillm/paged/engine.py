@@ -34,7 +34,7 @@ from .beam import BeamSearchParams, finalize, search_done, select_beams
 from .block_manager import blocks_for
 from .cache import PagedKVCache
 from .scheduler import Scheduler
-from .sequence import (CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence, SequenceStatus)
+from .sequence import (CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence)
 
 DEFAULT_KV_BYTES = 512 * 2 ** 20  # the pool when neither num_blocks nor kv_cache_bytes is given (at most)
 GREEDY = SamplingParams()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..files import save_figure
 from .block_manager import BlockManager
 
 COLOURS = {"sharegpt": "tab:blue", "alpaca": "tab:orange"}
@@ -49,11 +50,7 @@ def plot_memory_vs_block_size(report: dict, path) -> Path:
     ax.set_title("Paging vs reservation (time-averaged over each request's life)", fontsize=10)
     ax.legend(loc="lower left", fontsize=8)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def fork_example(block_size: int = 4, prompt_len: int = 10) -> tuple[BlockManager, list[tuple[int, int]]]:
@@ -114,8 +111,4 @@ def plot_fork_cow(path, block_size: int = 4, prompt_len: int = 10) -> Path:
     ax.set_title(f"Fork after {prompt_len} tokens (block size {block_size}); sequence 1 then writes token "
                  f"{prompt_len}", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

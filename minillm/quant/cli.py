@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..data import HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity, reference_logprobs, windows
-from ..files import check_output_path
+from ..files import check_output_path, runs_folder
 from ..loading import default_model_path
 from ..options import add_model_args, at_least, load, print_json
 from . import pipeline
@@ -182,7 +182,7 @@ def register(sub, bench) -> None:
     add_model_args(q)
     q.set_defaults(func=cmd_quantize)
 
-    runs = os.environ.get("MINILLM_FIGURES", "figures/runs")
+    runs = runs_folder()
     bq = bench.add_parser("quant", help="the quantization table: RTN/GPTQ/AWQ/AWQ+GPTQ at 4 and 3 bits")
     bq.add_argument("--max-tokens", type=at_least(2), default=4096, help="held-out tokens scored")
     bq.add_argument("--calib-samples", type=at_least(1), default=32, help="calibration windows of 512 tokens")
