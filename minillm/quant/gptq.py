@@ -21,6 +21,19 @@ original weight up front so that ``g_idx`` stays ``j // group_size`` (what fast 
 
 ``gptq_quantize_naive`` is the baseline with the same signature: the OBS update written out on the
 full inverse Hessian, removing one row and column per step (Eq. 3), without Cholesky or batching.
+
+**Asymmetric calibration** (GPTQv2, Li et al. 2025, "GPTQv2: efficient finetuning-free quantization with
+asymmetric calibration"; GPTQModel's ``v2``): the paper's objective compares the quantized layer with
+the float layer on the *same* inputs X, the quantized model's. The float model's own inputs X_f differ
+by the error of the layers before, so GPTQv2 asks for ``|| W X_f - W_hat X ||^2`` instead. Completing the
+square turns that into the ordinary objective with another target weight:
+
+    || W X_f - W_hat X ||^2 = || (W_hat - W*) X ||^2 + const,   W* = W X_f X^T (X X^T)^-1 = W + W C H^-1
+
+with ``C = (X_f - X) X^T`` (``Hessian.dXXT``) and H as above: the least-squares weight that maps the
+quantized model's inputs onto the float model's outputs. ``asymmetric_target`` computes W* (with the
+same dampening), and GPTQ, unchanged, quantizes W* on H. (GPTQv2's code folds the same correction into
+the column loop as an extra update term, scaled by a factor alpha = 0.25; ``alpha`` here scales W* - W.)
 """
 
 from __future__ import annotations
@@ -31,23 +44,52 @@ from .rtn import QuantConfig, QuantizedWeight, find_params, group_index, quantiz
 
 
 class Hessian:
-    """Accumulates ``H = 2 / n * sum_x x x^T`` (I, I) over calibration inputs x (..., I).
+    """Accumulates ``H = 2 / n * sum_x x x^T`` (I, I) over calibration inputs x (..., I) and, when the
+    float model's inputs x_f of the same tokens are given, ``dXXT = 2 / n * sum (x_f - x) x^T`` (I, I)
+    for asymmetric calibration (``asymmetric_target``; None until then).
 
     n counts token vectors. The products run in float32 (float64 matmuls are ~10x slower on the CPU)
-    and are summed into a float64 H.
+    and are summed into float64.
     """
 
     def __init__(self, in_features: int, device="cpu"):
         self.H = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+        self.dXXT = None
         self.n = 0
 
-    def add_batch(self, x: torch.Tensor) -> None:
+    def add_batch(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> None:
         x = x.reshape(-1, x.shape[-1]).float()  # (n, I)
         m = x.shape[0]
-        self.H *= self.n / (self.n + m)
+        keep = self.n / (self.n + m)
+        self.H *= keep
         self.n += m
-        x = x * (2.0 / self.n) ** 0.5
+        c = (2.0 / self.n) ** 0.5
+        if x_float is not None:
+            dx = (x_float.reshape(-1, x.shape[-1]).float() - x) * c  # (n, I)
+            if self.dXXT is None:
+                self.dXXT = torch.zeros_like(self.H)
+            self.dXXT *= keep
+            self.dXXT += (dx.t() @ (x * c)).double()
+        x = x * c
         self.H += (x.t() @ x).double()
+
+
+def asymmetric_target(weight: torch.Tensor, H: torch.Tensor, dXXT: torch.Tensor, percdamp: float = 0.01,
+                      alpha: float = 1.0) -> torch.Tensor:
+    """GPTQv2's target weight (O, I) float64: ``W + alpha * W dXXT (H + damp)^-1`` (module docstring).
+
+    With alpha = 1 it is the least-squares weight mapping the quantized model's inputs X onto the float
+    layer's outputs on the float model's inputs (tested against ``torch.linalg.lstsq``); dead inputs and
+    dampening as in ``gptq_quantize``, so both see the same H.
+    """
+    if dXXT.shape != H.shape:
+        raise ValueError(f"dXXT: expected {tuple(H.shape)} like H, got {tuple(dXXT.shape)}")
+    W = weight.double()
+    H = H.clone().double()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    correction = torch.linalg.solve(_damp(H, percdamp), dXXT.double().t() @ W.t()).t()  # W C H^-1, H symmetric
+    return W + alpha * correction
 
 
 def _prepare(weight: torch.Tensor, H: torch.Tensor, config: QuantConfig, act_order: bool, static_groups: bool):

@@ -6,18 +6,22 @@ the calibration tokens are embedded once, then for each block in order
 1. (AWQ) the float block runs on its inputs X; scales are searched for q/k/v, gate/up and down and
    folded in (``awq.py``);
 2. its linear layers are quantized **in execution order** (qkv, o, gate/up, down), each calibrated on
-   inputs computed with the layers before it already quantized (AWQ: clip search first, except before
-   a GPTQ with range search; GPTQ: the
+   inputs computed with the layers before it already quantized ("true sequential", an option of the
+   GPTQ reference code; ``true_sequential=False`` calibrates all four on one pass of the float block,
+   as the paper did) (AWQ: clip search first, except before a GPTQ with range search; GPTQ: the
    Hessian of those inputs; RTN needs no inputs);
 3. the quantized block's outputs become the next block's X.
 
-So every layer sees the activations the quantized model will really give it. The token embedding and
+So every layer sees the activations the quantized model will really give it. With ``v2`` (GPTQv2's
+asymmetric calibration, ``gptq.asymmetric_target``) a float copy of the activations runs beside them
+through the float blocks, and each layer is fitted to the float model's outputs. The token embedding and
 the (tied) output layer stay unquantized, as in GPTQ and AWQ. Calibration uses a play disjoint from the
 evaluation play (``minillm.data``).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 
 import torch
 from tqdm.auto import tqdm
@@ -25,15 +29,21 @@ from tqdm.auto import tqdm
 from ..data import CALIBRATION_PLAY, play_text
 from ..model import Linear
 from .awq import fold_scales, search_clip, search_scales
-from .gptq import Hessian, gptq_quantize
+from .gptq import Hessian, asymmetric_target, gptq_quantize
 from .qlinear import QuantLinear, warn_slow_layers
 from .rtn import QuantConfig, rtn_quantize
 
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+
+# GPTQ's settings: the measured best (the defaults of quantize_model and of the commands) and the paper's.
+# docs/quantization.md measures each on Hamlet ("GPTQ avenues"; figures/05_gptq_avenues.json).
+GPTQ_DEFAULTS = {"act_order": True, "mse": True, "percdamp": 0.001, "true_sequential": True, "v2": False}
+GPTQ_PAPER = {"act_order": False, "mse": False, "percdamp": 0.01, "true_sequential": False, "v2": False}
+CALIB_SAMPLES = 32  # calibration windows of 512 tokens (the measured best; the paper: 128 of 2048)
 LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")  # execution order within a block
 
 
-def calibration_tokens(tokenizer, nsamples: int = 16, seqlen: int = 512, seed: int = 0, play: str | None = None
+def calibration_tokens(tokenizer, nsamples: int = CALIB_SAMPLES, seqlen: int = 512, seed: int = 0, play: str | None = None
                        ) -> torch.Tensor:
     """(nsamples, seqlen) int64 windows starting at seeded random offsets in the calibration play
     (GPTQ samples random 2048-token windows of C4 the same way).
@@ -89,18 +99,27 @@ def _subsample(x: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
 
 @torch.inference_mode()
 def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor | None = None, *,
-                   act_order: bool = False, static_groups: bool = False, blocksize: int = 128,
-                   percdamp: float = 0.01, awq_grid: int = 20, awq_clip: bool | None = None, awq_tokens: int = 4096,
+                   act_order: bool | None = None, static_groups: bool = False, blocksize: int = 128,
+                   percdamp: float | None = None, true_sequential: bool | None = None, v2: bool | None = None,
+                   v2_alpha: float = 1.0, awq_grid: int = 20, awq_clip: bool | None = None, awq_tokens: int = 4096,
                    fast: bool = True, progress: bool = True) -> dict:
     """Quantize every linear layer of ``model``'s blocks in place (Linear -> ``QuantLinear``).
+
+    Every option left at None takes the measured best for the method (``GPTQ_DEFAULTS``; the paper's
+    settings are ``GPTQ_PAPER``).
 
     Args:
         model: a Llama-architecture ``Decoder`` (float32).
         method: "rtn", "gptq", "awq" (AWQ scales + clip, then RTN) or "awq+gptq" (AWQ scales, the clip
             only as ``awq_clip`` says, then GPTQ).
-        config: bits / group_size / sym.
+        config: bits / group_size / sym / mse (``config.mse`` None: on for GPTQ and AWQ+GPTQ, off for
+            RTN and AWQ).
         calib: (N, T) calibration token ids (``calibration_tokens``); required except for "rtn".
         act_order, static_groups, blocksize, percdamp: GPTQ's options (``gptq.gptq_quantize``).
+        true_sequential: calibrate each layer of a block on the outputs of the block's layers before it,
+            already quantized (else all four on one pass of the float block, as the paper).
+        v2, v2_alpha: GPTQ with asymmetric calibration (``gptq.asymmetric_target``): fit each layer to
+            the float model's outputs on the float model's inputs.
         awq_grid: alpha grid size; awq_tokens: tokens sampled for AWQ's searches.
         awq_clip: run AWQ's clip search (Lin et al. 2024, Sec. 3.3). Default: yes, except for
             "awq+gptq" with ``config.mse``: there clipping would replace the float weights GPTQ then
@@ -118,11 +137,20 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
 
     Raises:
         ValueError: unknown method, missing calibration, calibration windows longer than the model's
-            context, or an architecture other than Llama.
+            context, v2 without GPTQ, or an architecture other than Llama.
     """
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {METHODS}")
     awq, gptq = method.startswith("awq"), method.endswith("gptq")
+    best = GPTQ_DEFAULTS if gptq else {**GPTQ_PAPER, "true_sequential": GPTQ_DEFAULTS["true_sequential"]}
+    act_order = best["act_order"] if act_order is None else act_order
+    percdamp = best["percdamp"] if percdamp is None else percdamp
+    true_sequential = best["true_sequential"] if true_sequential is None else true_sequential
+    v2 = best["v2"] if v2 is None else v2
+    if config.mse is None:
+        config = replace(config, mse=best["mse"])
+    if v2 and not gptq:
+        raise ValueError(f"v2: asymmetric calibration is a GPTQ option; {method} does not use it")
     if awq_clip is None:
         awq_clip = not (gptq and config.mse)
     if (awq or gptq) and calib is None:
@@ -135,10 +163,12 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
     model._compiled_decode = None  # a compiled decode (minillm.compiled) froze the float weights
     quantizer = LayerQuantizer(model, config, awq=awq, gptq=gptq, awq_clip=awq and awq_clip, act_order=act_order,
                                static_groups=static_groups, blocksize=blocksize, percdamp=percdamp,
-                               awq_tokens=awq_tokens, fast=fast)
+                               true_sequential=true_sequential, v2=v2, v2_alpha=v2_alpha, awq_tokens=awq_tokens,
+                               fast=fast)
     report = {"method": method, "bits": config.bits, "group_size": config.group_size, "sym": config.sym,
               "mse": config.mse, "act_order": gptq and act_order, "static_groups": gptq and static_groups,
-              "awq_clip": awq and awq_clip, "layers": quantizer.layers}
+              "percdamp": percdamp if gptq else None, "true_sequential": true_sequential, "v2": v2,
+              "v2_alpha": v2_alpha if v2 else None, "awq_clip": awq and awq_clip, "layers": quantizer.layers}
     if calib is None:  # RTN without calibration: no inputs needed
         for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
             for name in LAYERS:
@@ -146,10 +176,11 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
     else:
         report.update(calib_samples=calib.shape[0], calib_seqlen=calib.shape[1])
         X, rope, mask = block_inputs(model, calib.to(model.device))
+        X_float = X.clone() if v2 else None
         for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
             if awq:
                 report["layers"] += awq_scale_block(model, block, i, X, rope, mask, config, awq_grid, awq_tokens)
-            X = quantize_block(quantizer, block, i, X, rope, mask)
+            X, X_float = quantize_block(quantizer, block, i, X, rope, mask, X_float)
     warn_slow_layers(model, config)
     return report
 
@@ -161,17 +192,44 @@ def block_inputs(model, calib: torch.Tensor):
     return model.embed(calib).float(), (model.rope_cos[pos], model.rope_sin[pos]), mask
 
 
-def quantize_block(quantizer: LayerQuantizer, block, i: int, X: torch.Tensor, rope, mask) -> torch.Tensor:
-    """Quantize one block's layers in execution order, each calibrated on inputs computed with the layers
-    before it already quantized (one pass through the block); returns the next block's input (N, T, C)."""
+def layer_inputs(block, i: int, X: torch.Tensor, rope, mask) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """One pass of ``block`` as it is now: ({layer name: its input (N, T, I)}, the block's output (N, T, C))."""
+    ins = {}
+    hooks = [linear_of(block, n)[0].register_forward_pre_hook(lambda m, args, n=n: ins.__setitem__(n, args[0].detach()))
+             for n in LAYERS]
+    try:
+        out = block(X, i, rope, None, mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    return ins, out
+
+
+def quantize_block(quantizer: LayerQuantizer, block, i: int, X: torch.Tensor, rope, mask,
+                   X_float: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Quantize one block's layers in execution order on the quantized model's block input X (N, T, C)
+    (true sequential: each on inputs computed with the layers before it already quantized; else all on
+    one pass of the float block). ``X_float``: the float model's block input (v2), or None.
+
+    Returns (the quantized block's output: the next block's X, the float block's output or None).
+    """
+    float_ins = None
+    if X_float is not None:  # the float model's inputs of every layer, before any layer is replaced
+        float_ins, X_float = layer_inputs(block, i, X_float, rope, mask)
+    f = (lambda name: float_ins[name]) if float_ins else (lambda name: None)
+    if not quantizer.true_sequential:
+        ins, _ = layer_inputs(block, i, X, rope, mask)
+        for name in LAYERS:
+            quantizer(block, i, name, ins[name], f(name))
+        return block(X, i, rope, None, mask), X_float
     a = block.attn_norm(X)  # (N, T, C): input of q/k/v
-    quantizer(block, i, "attn.wqkv", a)
+    quantizer(block, i, "attn.wqkv", a, f("attn.wqkv"))
     o_in = capture_input(block.attn.wo, lambda: block.attn(a, i, rope, None, mask))  # (N, T, H*D)
-    X = X + quantizer(block, i, "attn.wo", o_in)(o_in)
+    X = X + quantizer(block, i, "attn.wo", o_in, f("attn.wo"))(o_in)
     m = block.ffn_norm(X)
-    quantizer(block, i, "mlp.w_gate_up", m)
+    quantizer(block, i, "mlp.w_gate_up", m, f("mlp.w_gate_up"))
     d_in = capture_input(block.mlp.w_down, lambda: block.mlp(m))  # (N, T, F)
-    return X + quantizer(block, i, "mlp.w_down", d_in)(d_in)
+    return X + quantizer(block, i, "mlp.w_down", d_in, f("mlp.w_down"))(d_in), X_float
 
 
 class LayerQuantizer:
@@ -180,11 +238,13 @@ class LayerQuantizer:
     in ``layers``."""
 
     def __init__(self, model, config: QuantConfig, *, awq: bool, gptq: bool, awq_clip: bool, act_order: bool,
-                 static_groups: bool, blocksize: int, percdamp: float, awq_tokens: int, fast: bool):
+                 static_groups: bool, blocksize: int, percdamp: float, true_sequential: bool = True,
+                 v2: bool = False, v2_alpha: float = 1.0, awq_tokens: int, fast: bool):
         self.model_config, self.config = model.config, config
         self.awq, self.gptq, self.awq_clip = awq, gptq, awq_clip
         self.gptq_options = {"blocksize": blocksize, "percdamp": percdamp, "act_order": act_order,
                              "static_groups": static_groups}
+        self.true_sequential, self.v2, self.v2_alpha = true_sequential, v2, v2_alpha
         self.awq_tokens, self.fast = awq_tokens, fast
         self.layers: list[dict] = []
 
@@ -194,7 +254,7 @@ class LayerQuantizer:
         setattr(parent, attr, QuantLinear(rtn_quantize(lin.weight, self.config), lin.bias, self.fast))
         self.layers.append({"name": f"layers.{i}.{name}", "rel_error": float("nan")})
 
-    def __call__(self, block, i: int, name: str, x: torch.Tensor) -> QuantLinear:
+    def __call__(self, block, i: int, name: str, x: torch.Tensor, x_float: torch.Tensor | None = None) -> QuantLinear:
         lin, parent, attr = linear_of(block, name)
         W_float = lin.weight.float()  # (O, I), reassembled from the shards once
         W = W_float
@@ -206,7 +266,9 @@ class LayerQuantizer:
             W = search_clip(W, _subsample(x, min(self.awq_tokens, 512)), self.config, rows)
         if self.gptq:
             h = Hessian(W.shape[1], device=W.device)
-            h.add_batch(x)
+            h.add_batch(x, x_float if self.v2 else None)
+            if self.v2:
+                W = asymmetric_target(W, h.H, h.dXXT, self.gptq_options["percdamp"], self.v2_alpha)
             qw = gptq_quantize(W, h.H, self.config, **self.gptq_options)
         else:
             qw = rtn_quantize(W, self.config)

