@@ -1,23 +1,67 @@
 """llama.cpp's GGUF block formats, dequantized with minillm's own code.
 
-A quantized GGUF tensor is a sequence of *blocks*; each block covers ``QK = 32`` consecutive
-weights of one row and stores one or two float16 numbers next to the packed integer codes.
-The layouts below are ggml's (``ggml/src/ggml-common.h``, ``block_q8_0`` etc.; see also the GGUF
-specification, ggml repository ``docs/gguf.md``)::
+A quantized GGUF tensor is a sequence of *blocks*; each block covers consecutive weights of one
+row and stores one or more scales next to the packed integer codes. The layouts below are ggml's
+(``ggml/src/ggml-common.h``: ``block_q8_0``, ``block_q4_K`` etc.; see also the GGUF specification,
+ggml repository ``docs/gguf.md``).
+
+**The "legacy" formats: blocks of 32 weights, one float16 scale (and offset) each**::
 
     Q8_0  34 bytes: d (f16) | qs[32] (int8)               w[j] = d * qs[j]
     Q4_0  18 bytes: d (f16) | qs[16] (two 4-bit codes)    w[j] = d * (lo(qs[j]) - 8)
                                                            w[j + 16] = d * (hi(qs[j]) - 8)
     Q4_1  20 bytes: d (f16) | m (f16) | qs[16]             w[j] = d * lo(qs[j]) + m
                                                            w[j + 16] = d * hi(qs[j]) + m
+    Q5_0  22 bytes: d (f16) | qh[4] | qs[16]               w[j] = d * (lo(qs[j]) + 16 * bit j of qh - 16)
+                                                           w[j + 16] = d * (hi(qs[j]) + 16 * bit j+16 of qh - 16)
 
-Note the nibble order: the low nibbles of the 16 bytes hold weights 0..15 of the block and the
-high nibbles hold weights 16..31 (not interleaved pairs).
+The nibble order: the low nibbles of the 16 bytes hold weights 0..15 of the block and the
+high nibbles hold weights 16..31 (not interleaved pairs). Q5_0's fifth bits sit in one
+little-endian 32-bit word ``qh``, bit j for weight j. Bits per weight: Q8_0 8.5, Q4_0 4.5,
+Q4_1 5.0, Q5_0 5.5 (a float16 scale over 32 weights costs 0.5 bit per weight).
 
-Everything is computed in float32 in the same order as the reference (``d * q`` then ``+ m``), so
-the results are bit-identical to ``gguf.quants.dequantize`` (tested on every tensor of the
-embedded model and on hand-built blocks). Other block types (the K-quants, IQ formats) go through
-``gguf.quants``.
+**The k-quants ("K"): super-blocks of 256 weights whose sub-block scales are quantized too.**
+A float16 scale per 32 weights costs 0.5 bit per weight; k-quants (llama.cpp PR #1684, 2023)
+cut a row into super-blocks of ``QK_K = 256`` weights, give each *sub-block* a small integer scale
+(6 bits in Q4_K, 8 bits in Q6_K), and keep only one or two float16 numbers per super-block that
+scale those integer scales. So there are two levels of quantization: weights -> codes within a
+sub-block, sub-block scales -> codes within the super-block.
+
+::
+
+    Q4_K 144 bytes = 4.5 bits/weight: 8 sub-blocks of 32, affine (scale and min per sub-block)
+        d (f16) | dmin (f16) | scales[12] | qs[128]
+        sub-block j (weights 32j .. 32j+31):   w = d * sc[j] * q - dmin * m[j]   q in 0..15
+        sc[j], m[j]: 6-bit, packed 8 + 8 of them into the 12 bytes:
+            j < 4:  sc[j] = scales[j] & 63                      m[j] = scales[j + 4] & 63
+            j >= 4: sc[j] = (scales[j + 4] & 15) | (scales[j - 4] >> 6) << 4
+                    m[j]  = (scales[j + 4] >> 4) | (scales[j] >> 6) << 4
+            (bytes 0..7 carry the low 6 bits of sc[0..3], m[0..3] and, in their top 2 bits, the
+            high bits of sc[4..7], m[4..7]; bytes 8..11 carry the low nibbles of sc[4..7], m[4..7])
+        codes: qs[32g + l] holds sub-block 2g's weight l (low nibble) and sub-block 2g+1's weight
+            l (high nibble), g = 0..3
+
+    Q6_K 210 bytes = 6.5625 bits/weight: 16 sub-blocks of 16, symmetric, int8 scales
+        ql[128] (low 4 bits) | qh[64] (high 2 bits) | scales[16] (int8) | d (f16)
+        sub-block s (weights 16s .. 16s+15):   w = d * scales[s] * (q - 32)   q in 0..63
+        codes, per half h = 0, 1 of 128 weights (ql[64h:], qh[32h:]), l = 0..31:
+            weight l      : ql[l] & 15      | (qh[l] >> 0 & 3) << 4
+            weight l + 32 : ql[l + 32] & 15 | (qh[l] >> 2 & 3) << 4
+            weight l + 64 : ql[l] >> 4      | (qh[l] >> 4 & 3) << 4
+            weight l + 96 : ql[l + 32] >> 4 | (qh[l] >> 6 & 3) << 4
+
+What the names mean: the digit is the bits per code, "_0" a symmetric block (scale only), "_1" an
+affine one (scale and offset), "_K" the super-block layout above. The suffixes of llama.cpp's file
+types (Q4_K_S, Q4_K_M, Q4_K_L) are *recipes*: which tensors get more bits (``minillm.quant.kquants``);
+a "Q4_K_M file" mixes Q4_K with Q6_K (and, for rows that 256 does not divide, the 32-weight
+fallbacks Q5_0 and Q8_0).
+
+Everything is computed in float32 in the same order as the reference (``d * q`` then ``+ m``;
+``(d * sc) * q - dmin * m``), so the results are bit-identical to ``gguf.quants.dequantize`` (tested
+on every tensor of the embedded model and on hand-built and random blocks). Each k-quant has a
+per-block loop (``dequantize_q4_k_naive``, ``dequantize_q6_k_naive``) written as the C reads,
+beside the vectorized version, tested to agree. Other block types (Q2_K, Q3_K, Q5_K, IQ formats)
+go through ``gguf.quants``.
 """
 
 from __future__ import annotations
@@ -26,14 +70,20 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-QK = 32  # weights per block for Q8_0 / Q4_0 / Q4_1
+QK = 32  # weights per block for Q8_0 / Q4_0 / Q4_1 / Q5_0
+QK_K = 256  # weights per super-block for the k-quants
+K_SCALE_SIZE = 12  # bytes of Q4_K's packed 6-bit scales and mins
 
-# bytes per block, for the formats minillm dequantizes itself
-BLOCK_BYTES = {
-    GGMLQuantizationType.Q8_0: 2 + QK,
-    GGMLQuantizationType.Q4_0: 2 + QK // 2,
-    GGMLQuantizationType.Q4_1: 2 + 2 + QK // 2,
+# (weights, bytes) per block, for the formats minillm dequantizes itself
+BLOCK_SIZES = {
+    GGMLQuantizationType.Q8_0: (QK, 2 + QK),
+    GGMLQuantizationType.Q4_0: (QK, 2 + QK // 2),
+    GGMLQuantizationType.Q4_1: (QK, 2 + 2 + QK // 2),
+    GGMLQuantizationType.Q5_0: (QK, 2 + 4 + QK // 2),
+    GGMLQuantizationType.Q4_K: (QK_K, 2 + 2 + K_SCALE_SIZE + QK_K // 2),
+    GGMLQuantizationType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
 }
+BLOCK_BYTES = {t: b for t, (_, b) in BLOCK_SIZES.items()}
 
 
 def _f16(raw: np.ndarray) -> torch.Tensor:
@@ -67,10 +117,90 @@ def dequantize_q4_1(blocks: np.ndarray) -> torch.Tensor:
     return _nibbles(blocks[:, 4:]) * d + m
 
 
+def dequantize_q5_0(blocks: np.ndarray) -> torch.Tensor:
+    """Q5_0 blocks (N, 22) uint8 -> weights (N, 32) float32: ``d * (q - 16)``, q = 4 low bits | fifth bit."""
+    d = _f16(blocks[:, :2])
+    qh = torch.from_numpy(np.ascontiguousarray(blocks[:, 2:6]).view("<u4").astype(np.int64))  # (N, 1)
+    fifth = (qh >> torch.arange(32)) & 1  # (N, 32): bit j of qh belongs to weight j
+    return (_nibbles(blocks[:, 6:]) + 16.0 * fifth - 16.0) * d
+
+
+def q4_k_scales(scales: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K's 12 packed bytes (N, 12) uint8 -> (sc, m), each (N, 8) integers 0..63 (as float32)."""
+    s = torch.from_numpy(np.ascontiguousarray(scales)).to(torch.int32)
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]  # (N, 4) each
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=1)
+    m = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=1)
+    return sc.to(torch.float32), m.to(torch.float32)
+
+
+def dequantize_q4_k(blocks: np.ndarray) -> torch.Tensor:
+    """Q4_K super-blocks (N, 144) uint8 -> weights (N, 256) float32: ``d * sc[j] * q - dmin * m[j]``."""
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])  # (N, 1)
+    sc, m = q4_k_scales(blocks[:, 4:16])  # (N, 8)
+    qs = torch.from_numpy(np.ascontiguousarray(blocks[:, 16:])).reshape(n, 4, 1, 32)  # 4 groups of 32 bytes
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=2).reshape(n, 8, 32).to(torch.float32)  # (N, sub-block, weight)
+    return ((d * sc).unsqueeze(2) * q - (dmin * m).unsqueeze(2)).reshape(n, QK_K)
+
+
+def dequantize_q6_k(blocks: np.ndarray) -> torch.Tensor:
+    """Q6_K super-blocks (N, 210) uint8 -> weights (N, 256) float32: ``d * scales[s] * (q - 32)``."""
+    n = blocks.shape[0]
+    ql = torch.from_numpy(np.ascontiguousarray(blocks[:, :128])).reshape(n, 2, 2, 32)  # (N, half, ql[l] / ql[l+32], l)
+    qh = torch.from_numpy(np.ascontiguousarray(blocks[:, 128:192])).reshape(n, 2, 1, 32)  # (N, half, 1, l)
+    scales = torch.from_numpy(np.ascontiguousarray(blocks[:, 192:208]).view(np.int8)).to(torch.float32)  # (N, 16)
+    d = _f16(blocks[:, 208:210])  # (N, 1)
+    low = torch.cat([ql & 0x0F, ql >> 4], dim=2)  # (N, half, 4, 32): weights l, l+32, l+64, l+96
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).reshape(1, 1, 4, 1)) & 3
+    q = (low | (high << 4)).to(torch.float32) - 32.0  # (N, 2, 4, 32) = (N, 256) in weight order
+    return ((d * scales).unsqueeze(2) * q.reshape(n, 16, 16)).reshape(n, QK_K)
+
+
+def dequantize_q4_k_naive(blocks: np.ndarray) -> torch.Tensor:
+    """The per-block loop of ``dequantize_row_q4_K`` (ggml-quants.c), same signature as ``dequantize_q4_k``."""
+    out = np.zeros((len(blocks), QK_K), dtype=np.float32)
+    for i, b in enumerate(np.asarray(blocks, dtype=np.uint8)):
+        d, dmin = b[0:2].view(np.float16)[0].astype(np.float32), b[2:4].view(np.float16)[0].astype(np.float32)
+        scales, qs = b[4:16], b[16:]
+        for j in range(8):
+            if j < 4:
+                sc, m = scales[j] & 63, scales[j + 4] & 63
+            else:
+                sc = (scales[j + 4] & 0xF) | ((scales[j - 4] >> 6) << 4)
+                m = (scales[j + 4] >> 4) | ((scales[j] >> 6) << 4)
+            dl, ml = d * np.float32(sc), dmin * np.float32(m)
+            for l in range(32):
+                byte = qs[32 * (j // 2) + l]
+                q = byte & 0xF if j % 2 == 0 else byte >> 4
+                out[i, 32 * j + l] = dl * np.float32(q) - ml
+    return torch.from_numpy(out)
+
+
+def dequantize_q6_k_naive(blocks: np.ndarray) -> torch.Tensor:
+    """The per-block loop of ``dequantize_row_q6_K`` (ggml-quants.c), same signature as ``dequantize_q6_k``."""
+    out = np.zeros((len(blocks), QK_K), dtype=np.float32)
+    for i, b in enumerate(np.asarray(blocks, dtype=np.uint8)):
+        d = b[208:210].view(np.float16)[0].astype(np.float32)
+        sc = b[192:208].view(np.int8).astype(np.float32)
+        for half in range(2):
+            ql, qh, y = b[64 * half:64 * half + 64], b[128 + 32 * half:128 + 32 * half + 32], 128 * half
+            for l in range(32):
+                s = 8 * half + l // 16
+                codes = ((ql[l] & 0xF) | ((qh[l] >> 0) & 3) << 4, (ql[l + 32] & 0xF) | ((qh[l] >> 2) & 3) << 4,
+                         (ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4, (ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4)
+                for k, q in enumerate(codes):  # weights l, l+32, l+64, l+96 of this half
+                    out[i, y + l + 32 * k] = d * sc[s + 2 * k] * np.float32(int(q) - 32)
+    return torch.from_numpy(out)
+
+
 _DEQUANTIZERS = {
     GGMLQuantizationType.Q8_0: dequantize_q8_0,
     GGMLQuantizationType.Q4_0: dequantize_q4_0,
     GGMLQuantizationType.Q4_1: dequantize_q4_1,
+    GGMLQuantizationType.Q5_0: dequantize_q5_0,
+    GGMLQuantizationType.Q4_K: dequantize_q4_k,
+    GGMLQuantizationType.Q6_K: dequantize_q6_k,
 }
 
 
@@ -94,12 +224,12 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, 
     if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
         out = torch.from_numpy(np.asarray(data).astype(np.float32).reshape(-1))
     elif qtype in _DEQUANTIZERS:
-        block_bytes = BLOCK_BYTES[qtype]
+        block_weights, block_bytes = BLOCK_SIZES[qtype]
         raw = np.asarray(data, dtype=np.uint8).reshape(-1)
-        if raw.size * QK != n * block_bytes:
+        if raw.size * block_weights != n * block_bytes:
             raise ValueError(
                 f"{qtype.name} data has {raw.size} bytes but shape {tuple(shape)} needs "
-                f"{n // QK * block_bytes}"
+                f"{n // block_weights * block_bytes}"
             )
         out = _DEQUANTIZERS[qtype](raw.reshape(-1, block_bytes)).reshape(-1)
     else:

@@ -1,10 +1,11 @@
-"""llama.cpp's Q8_0, Q4_0 and Q4_1 quantizers, written with torch, and a GGUF writer.
+"""llama.cpp's Q8_0, Q4_0, Q4_1 and Q5_0 quantizers, written with torch, and a GGUF writer.
 
 Each format cuts a row into blocks of 32 weights (layouts in ``minillm.formats.gguf_blocks``):
 
     Q8_0  d = max|x| / 127                  q = round(x / d)          (round half away from zero)
     Q4_0  d = x[argmax |x|] / -8            q = min(15, trunc(x / d + 8.5))   (symmetric, signed max)
     Q4_1  d = (max - min) / 15, m = min     q = min(15, trunc((x - m) / d + 0.5))
+    Q5_0  d = x[argmax |x|] / -16           q = min(31, trunc(x / d + 16.5))  (Q4_0 with a fifth bit)
 
 ``1/d`` is computed once per block (0 when d = 0) and multiplied, in float32, exactly as
 ggml-quants.c's reference ``quantize_row_*_ref`` and the ``gguf`` package do, so the bytes are
@@ -12,8 +13,10 @@ identical to ``gguf.quants.quantize`` (tested on random and real weights). d and
 float16. Q4_0 uses the *signed* largest-magnitude weight so that it lands exactly on code 0 (-8 d);
 Q4_1 is affine like RTN with group size 32 (but without forcing 0 into the range).
 
-``write_gguf`` re-quantizes every 2-D tensor of a GGUF file to one of these types, copies the
-metadata, and writes a file that ``gguf.GGUFReader`` and ``minillm.load_model`` read back.
+The k-quants (Q4_K, Q6_K: 256-weight super-blocks) and llama.cpp's Q4_K_M recipe are in
+``minillm.quant.kquants``. ``write_gguf`` re-quantizes every 2-D tensor of a GGUF file to one of
+these types, or to the type the Q4_K_M recipe gives each tensor, copies the metadata, and writes a
+file that ``gguf.GGUFReader``, llama.cpp and ``minillm.load_model`` read back.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from tqdm.auto import tqdm
 
 from ..files import atomic_write, check_output_path
-from ..formats.gguf_blocks import dequantize
 from ..formats.gguf import read_gguf
+from ..formats.gguf_blocks import dequantize
+from .kquants import q4_k_m_types, quantize_q4_k, quantize_q6_k
 
 QK = 32
 
@@ -96,16 +100,36 @@ def quantize_q4_1(x: torch.Tensor) -> np.ndarray:
     return _out(torch.cat([_f16_bytes(d), _f16_bytes(mn), _nibbles(q)], 1), tuple(torch.as_tensor(x).shape))
 
 
+def quantize_q5_0(x: torch.Tensor) -> np.ndarray:
+    """Q5_0 bytes of x (..., n) -> uint8 (..., n / 32 * 22). Raises like ``quantize_q8_0``."""
+    b = _blocks(x)
+    imax = b.abs().argmax(dim=1, keepdim=True)
+    d = b.gather(1, imax) / -16
+    q = torch.trunc(b * _inverse(d) + 16.5).clamp(0, 31).to(torch.int64)  # (N, 32) codes 0..31
+    qh = ((q >> 4) << torch.arange(32)).sum(dim=1, keepdim=True)  # fifth bits: bit j for weight j
+    qh = qh.to(torch.int32).view(torch.uint8).reshape(-1, 4)  # little-endian uint32 (this machine's order)
+    return _out(torch.cat([_f16_bytes(d), qh, _nibbles(q & 0x0F)], 1), tuple(torch.as_tensor(x).shape))
+
+
 QUANTIZERS = {
     GGMLQuantizationType.Q8_0: quantize_q8_0,
     GGMLQuantizationType.Q4_0: quantize_q4_0,
     GGMLQuantizationType.Q4_1: quantize_q4_1,
+    GGMLQuantizationType.Q5_0: quantize_q5_0,
+    GGMLQuantizationType.Q4_K: quantize_q4_k,
+    GGMLQuantizationType.Q6_K: quantize_q6_k,
 }
+# llama.cpp's general.file_type (enum llama_ftype) of what write_gguf writes
+UNIFORM = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0)
+FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15}
+CHOICES = "Q8_0, Q4_0, Q4_1, Q5_0 or the recipe Q4_K_M"
 
 
 def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | str, progress: bool = False) -> Path:
     """Re-quantize a GGUF file: every tensor with 2+ dimensions and rows a multiple of 32 becomes
-    ``qtype`` (Q8_0, Q4_0 or Q4_1); others (norms) stay as they are; all metadata is copied.
+    ``qtype`` (Q8_0, Q4_0, Q4_1 or Q5_0), or, for ``"q4_k_m"``, the type llama.cpp's Q4_K_M recipe
+    gives it (``kquants.q4_k_m_types``: Q4_K, Q6_K and their fallbacks Q5_0, Q8_0); others (norms)
+    stay as they are; all metadata is copied, with ``general.file_type`` set to llama.cpp's value.
 
     The source tensors are dequantized first (``minillm.formats.gguf_blocks``), as llama.cpp's
     ``llama-quantize --allow-requantize`` does; the tensors keep llama.cpp's layout and names.
@@ -116,36 +140,46 @@ def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | s
     Returns dst. Raises ValueError for an unsupported qtype or ``dst`` resolving to ``src``;
     ModelFileError for a bad source.
     """
-    if isinstance(qtype, str):
-        try:
-            qtype = GGMLQuantizationType[qtype.upper()]
-        except KeyError:
-            raise ValueError(f"qtype: {qtype!r} is not a GGML type; use Q8_0, Q4_0 or Q4_1") from None
-    if qtype not in QUANTIZERS:
-        raise ValueError(f"qtype: {qtype.name} is not one minillm quantizes; use Q8_0, Q4_0 or Q4_1")
+    name = qtype.upper() if isinstance(qtype, str) else qtype.name
+    if name not in FILE_TYPES:
+        raise ValueError(f"qtype: {qtype!r} is not a type minillm writes; use {CHOICES}")
     check_output_path(dst, "out", sources=[src], suffix=".gguf")
     reader = read_gguf(src)
     with atomic_write(dst, sources=[src]) as tmp:
         _copy_quantized(reader, GGUFWriter(str(tmp), str(reader.fields["general.architecture"].contents())),
-                        qtype, progress)
+                        name, progress)
     return Path(dst)
 
 
-def _copy_quantized(reader, writer, qtype: GGMLQuantizationType, progress: bool) -> None:
-    """Every field and tensor of ``reader`` into ``writer``, tensors of 2+ dimensions as ``qtype``."""
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name in ("general.architecture", "general.alignment"):
+def tensor_types(reader, name: str) -> dict[str, GGMLQuantizationType | None]:
+    """{tensor name: the type ``write_gguf`` gives it} (None: copied as it is) for the type or recipe ``name``."""
+    tensors = [(t.name, tuple(int(s) for s in reversed(t.shape.tolist()))) for t in reader.tensors]
+    if name == "Q4_K_M":
+        return q4_k_m_types(tensors, int(reader.fields["llama.block_count"].contents()))
+    qtype = GGMLQuantizationType[name]
+    return {n: qtype if len(shape) >= 2 and shape[-1] % QK == 0 else None for n, shape in tensors}
+
+
+def _copy_quantized(reader, writer, name: str, progress: bool) -> None:
+    """Every field and tensor of ``reader`` into ``writer``, tensors of 2+ dimensions as ``tensor_types`` says."""
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
             continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        writer.add_key_value(name, field.contents(), vtype, sub)
-    for t in tqdm(reader.tensors, desc=f"quantize {qtype.name}", disable=not progress, leave=False):
+        value = FILE_TYPES[name] if key == "general.file_type" else field.contents()
+        writer.add_key_value(key, value, vtype, sub)
+    if "general.file_type" not in reader.fields:
+        writer.add_file_type(FILE_TYPES[name])
+    types = tensor_types(reader, name)
+    for t in tqdm(reader.tensors, desc=f"quantize {name}", disable=not progress, leave=False):
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order (rows, cols)
-        if len(shape) >= 2 and shape[-1] % QK == 0:
-            w = dequantize(t.data, t.tensor_type, shape)
-            writer.add_tensor(t.name, QUANTIZERS[qtype](w), raw_dtype=qtype)  # byte shape -> weight shape
-        else:
+        qtype = types[t.name]
+        if qtype is None:
             writer.add_tensor(t.name, np.asarray(t.data).reshape(shape), raw_dtype=t.tensor_type)
+            continue
+        w = dequantize(t.data, t.tensor_type, shape)
+        writer.add_tensor(t.name, QUANTIZERS[qtype](w), raw_dtype=qtype)  # byte shape -> weight shape
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
