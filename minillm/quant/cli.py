@@ -21,7 +21,7 @@ from .qlinear import KERNEL_GROUP_SIZES
 from .rtn import QuantConfig
 
 QUANT_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
-GGUF_TYPES = ("q8_0", "q4_0", "q4_1")
+GGUF_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k_m")  # q4_k_m: llama.cpp's recipe (quant.kquants)
 KERNEL_NOTE = (f"the int4 kernel runs 2-4 bits with group sizes {', '.join(map(str, KERNEL_GROUP_SIZES))} or -1; "
                "other layouts (8 bits, a group of 100) dequantize every forward, about 20x slower than float")
 
