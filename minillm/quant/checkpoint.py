@@ -27,24 +27,29 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
     """Write ``model`` (quantized by ``quantize_model``) to one ``.safetensors`` file.
 
     The file holds the packed ``QuantLinear`` buffers (``layers.{i}.attn.wqkv.qweight`` / ``qzeros``
-    / ``scales`` / ``g_idx``), the norms, and the token embedding: as GGUF Q8_0 blocks (uint8
+    / ``scales`` / ``g_idx``; scales in float16, as GPTQ and AWQ checkpoints), the norms, and the
+    token embedding: as GGUF Q8_0 blocks (uint8
     ``tok_embeddings.q8_0``) when that is lossless (the embedded model's embedding *is* Q8_0: 30 MB
     instead of 113 MB), else in float32;
-    the metadata holds the model config, the quantization config and ``tokenizer_source`` (the GGUF
-    the tokenizer comes from).
+    the metadata holds the model config, the quantization config (with every layer's [bits,
+    group_size] in ``layer_configs``: a variable-bitrate model mixes them) and ``tokenizer_source``
+    (the GGUF the tokenizer comes from).
 
     The file is written beside ``path`` and renamed into place when complete (``minillm.files``).
 
     Returns the path. Raises ValueError for a model with float linear layers left, or ``path`` resolving
     to ``tokenizer_source``.
     """
-    state = {}
+    state, layer_configs = {}, {}
     for i, block in enumerate(model.layers):
         for name in LAYERS:
             lin = linear_of(block, name)[0]
             if not isinstance(lin, QuantLinear):
                 raise ValueError(f"model: layers.{i}.{name} is not quantized; run quantize_model first")
+            layer_configs[f"layers.{i}.{name}"] = [lin.config.bits, lin.config.group_size]  # mixed bits (bitrate.py)
             for key, t in lin.state_dict().items():
+                if key == "scales":
+                    t = _float16_scales(t, f"layers.{i}.{name}")
                 state[f"layers.{i}.{name}.{key}"] = t.contiguous()
         state[f"layers.{i}.attn_norm.weight"] = block.attn_norm.weight.detach().float()
         state[f"layers.{i}.ffn_norm.weight"] = block.ffn_norm.weight.detach().float()
@@ -60,12 +65,23 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
     meta = {"format": "minillm-quantized-1", "model_config": json.dumps(asdict(model.config)),
             "quant_config": json.dumps({**{k: report[k] for k in ("method", "bits", "group_size", "sym", "mse",
                                                                   "act_order", "static_groups")},
-                                        "awq_clip": report.get("awq_clip")}),
+                                        "awq_clip": report.get("awq_clip"), "layer_configs": layer_configs}),
             "tokenizer_source": tokenizer_source or ""}
     path = Path(path)
     with atomic_write(path, sources=[tokenizer_source] if tokenizer_source else ()) as tmp:
         save_file(state, str(tmp), metadata=meta)
     return path
+
+
+def _float16_scales(scales: torch.Tensor, name: str) -> torch.Tensor:
+    """The scales as float16, as GPTQ and AWQ checkpoints store them. The quantizers already round them
+    (``rtn.round_scale``), so this loses nothing; scales that float16 cannot hold exactly are refused
+    rather than silently changed (the codes and zeros were chosen for the exact values)."""
+    half = scales.half()
+    if not torch.equal(half.float(), scales.float()):
+        raise ValueError(f"model: {name}.scales are not float16 values (quantize with minillm.quant, whose "
+                         "quantizers round them); a float16 checkpoint would change the weights")
+    return half
 
 
 def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = None):
@@ -86,7 +102,7 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
                              "write one with `python -m minillm quantize`")
     config = ModelConfig(**json.loads(meta["model_config"]))
     q = json.loads(meta["quant_config"])
-    qconfig = QuantConfig(q["bits"], q["group_size"], q["sym"], q.get("mse", False))
+    layer_configs = q.get("layer_configs")  # files before it have one config for every layer
     try:
         if "tok_embeddings.q8_0" in state:
             emb = dequantize_q8_0(state.pop("tok_embeddings.q8_0").numpy().reshape(-1, 34))
@@ -105,6 +121,8 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
         for i, block in enumerate(model.layers):
             for name in LAYERS:
                 lin, parent, attr = linear_of(block, name)
+                bits, group = layer_configs[f"layers.{i}.{name}"] if layer_configs else (q["bits"], q["group_size"])
+                qconfig = QuantConfig(bits, group, q["sym"], q.get("mse", False))
                 setattr(parent, attr, from_state(state, f"layers.{i}.{name}", qconfig, lin.out_features,
                                                  lin.in_features, fast))
     except KeyError as e:
