@@ -78,17 +78,47 @@ def test_bad_input_is_named(args, message):
 
 
 def test_quant_flags_reach_the_library(monkeypatch):
-    """--awq-clip / --no-awq-clip / --mse reach quantize_model; bench quant's --no-mse reaches quant_table."""
+    """The defaults are None (quantize_model picks the measured best) and each --no-... flag reaches
+    quantize_model; bench quant's --no-mse reaches quant_table."""
     from minillm import cli
     from minillm.quant import cli as cli_quant
     from minillm.quant import pipeline
 
     seen = {}
     monkeypatch.setattr(pipeline, "quantize_model", lambda *a, **kw: seen.update(config=a[2], **kw))
-    monkeypatch.setattr(pipeline, "calibration_tokens", lambda *a, **kw: None)
+    monkeypatch.setattr(pipeline, "calibration_tokens", lambda *a, **kw: seen.update(calib=a[1:]))
+
+    def parse(*flags):
+        seen.clear()
+        cli_quant._quantize(cli.build_parser().parse_args(["perplexity", "--quant", "awq+gptq", *flags]), None, None)
+        return seen
+
+    d = parse()
+    assert d["act_order"] is d["true_sequential"] is d["v2"] is d["percdamp"] is d["awq_clip"] is d["config"].mse is None
+    assert d["calib"] == (pipeline.CALIB_SAMPLES, 512)
     for flags, clip in (([], None), (["--awq-clip"], True), (["--no-awq-clip"], False)):
-        args = cli.build_parser().parse_args(["perplexity", "--quant", "awq+gptq", "--mse", *flags])
-        cli_quant._quantize(args, None, None)
-        assert seen["awq_clip"] is clip and seen["config"].mse is True
+        assert parse("--mse", *flags)["awq_clip"] is clip and seen["config"].mse is True
+    d = parse("--no-act-order", "--no-mse", "--no-true-sequential", "--no-v2", "--percdamp", "0.01")
+    assert (d["act_order"], d["config"].mse, d["true_sequential"], d["v2"], d["percdamp"]) == (False, False, False, False, 0.01)
     args = cli.build_parser().parse_args(["bench", "quant", "--no-mse"])
-    assert args.no_mse and args.calib_samples == 32
+    assert args.mse is False and args.calib_samples == pipeline.CALIB_SAMPLES and args.avenues is None
+    assert cli.build_parser().parse_args(["bench", "quant", "--avenues"]).avenues == "all"
+
+
+def test_gptq_only_flags_are_refused_for_other_methods():
+    from minillm import cli
+    from minillm.quant import cli as cli_quant
+
+    for flag in (["--no-act-order"], ["--percdamp", "0.01"], ["--v2"]):
+        args = cli.build_parser().parse_args(["perplexity", "--quant", "awq", *flag])
+        with pytest.raises(ValueError, match="does not use"):
+            cli_quant._quant_config(args)
+
+
+def test_help_states_the_defaults():
+    p = run("perplexity", "--help")
+    assert p.returncode == 0
+    text = " ".join(p.stdout.split())
+    for phrase in ("--no-act-order", "--no-mse", "--no-true-sequential", "--no-v2", "(default 0.001; the paper: 0.01)",
+                   "calibration windows (default 32)"):
+        assert phrase in text, phrase

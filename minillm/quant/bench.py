@@ -3,7 +3,7 @@
 ``quant_table`` quantizes a fresh copy of the model for every (method, bits, group_size) and
 measures, against the float model (the dequantized Q4_1 weights of the shipped GGUF):
 
-* size: bytes of the saved ``.safetensors`` (packed codes, scales, zeros, norms, Q8_0 embedding);
+* size: bytes of the saved ``.safetensors`` (packed codes, float16 scales, zeros, norms, Q8_0 embedding);
   the float32 size counts every distinct weight at 4 bytes;
 * perplexity on the held-out play (windows of ``seqlen``, no overlap) and KL(float || quantized)
   in nats per token on the same windows;
@@ -26,20 +26,26 @@ from tqdm.auto import tqdm
 
 from ..data import BENCH_PROMPT, CALIBRATION_PLAY, HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity, reference_logprobs
-from ..files import atomic_write, dumps_strict
+from ..files import atomic_write, dumps_strict, save_figure
 from ..generation import generate_cached
 from ..sampling import SamplingParams
 from ..timing import machine
 from .checkpoint import save_quantized
-from .pipeline import calibration_tokens, quantize_model
+from .pipeline import CALIB_SAMPLES, GPTQ_DEFAULTS, calibration_tokens, quantize_model
+from .qlinear import QuantLinear
 from .rtn import QuantConfig
 
 # the issue's table: float, then each method at 4 bits (group 32, 64, per channel) and 3 bits (32, 64)
 TABLE_CONFIGS = [(m, b, g) for m in ("rtn", "gptq", "awq", "awq+gptq") for b, g in ((4, 32), (4, 64), (4, -1), (3, 32), (3, 64))]
 
 
-def bits_per_weight(nbytes: int, n_weights: int) -> float:
-    return 8 * nbytes / n_weights
+def bits_per_weight(model) -> float:
+    """Bits per weight of a quantized model's block linear layers, as GPTQ / AWQ count them (16-bit
+    scales and ``bits``-bit zeros per group: ``QuantConfig.bits_per_weight``), weighted by each layer's
+    number of weights."""
+    layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    n = sum(m.out_features * m.in_features for m in layers)
+    return sum(m.config.bits_per_weight(m.in_features) * m.out_features * m.in_features for m in layers) / n
 
 
 def _decode_tokens_per_s(model, prompt_tokens, new_tokens: int = 32) -> float:
@@ -50,8 +56,8 @@ def _decode_tokens_per_s(model, prompt_tokens, new_tokens: int = 32) -> float:
 
 
 def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, max_tokens: int = 4096,
-                calib_samples: int = 32, calib_seqlen: int = 512, act_order: bool = True, percdamp: float = 0.001,
-                gptq_mse: bool = True, awq_clip: bool | None = None, awq_tokens: int = 2048, decode: bool = True,
+                calib_samples: int = CALIB_SAMPLES, calib_seqlen: int = 512, act_order: bool = GPTQ_DEFAULTS["act_order"],
+                percdamp: float = GPTQ_DEFAULTS["percdamp"], gptq_mse: bool = GPTQ_DEFAULTS["mse"], awq_clip: bool | None = None, awq_tokens: int = 2048, decode: bool = True,
                 progress: bool = True) -> dict:
     """Quantize and evaluate every (method, bits, group_size) in ``configs``.
 
@@ -71,7 +77,6 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
     calib = calibration_tokens(tokenizer, calib_samples, calib_seqlen)
     prompt = tokenizer.encode(BENCH_PROMPT)
     c = model.config
-    linear_weights = c.n_layers * c.layer_linear_params
     float_row = {"method": "float", "bits": 32, "group_size": None, "bytes": 4 * c.n_params,
                  "size_vs_float32": 1.0, **perplexity(model, tokens, seqlen, max_tokens, reference=ref)}
     if decode:
@@ -86,10 +91,9 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
         quant_s = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as d:
             nbytes = save_quantized(q, Path(d) / "q.safetensors", rep).stat().st_size
-        linear_bytes = sum(m.nbytes() for m in q.modules() if hasattr(m, "nbytes"))
         row = {"method": method, "bits": bits, "group_size": group, "act_order": rep["act_order"], "mse": rep["mse"],
                "awq_clip": rep["awq_clip"], "bytes": nbytes,
-               "bits_per_weight": bits_per_weight(linear_bytes, linear_weights),
+               "bits_per_weight": bits_per_weight(q),
                "size_vs_float32": nbytes / (4 * c.n_params), "quantize_s": quant_s,
                **perplexity(q, tokens, seqlen, max_tokens, reference=ref),
                "layer_errors": {r["name"]: r["rel_error"] for r in rep["layers"] if "rel_error" in r}}
@@ -139,39 +143,81 @@ def save_table(table: dict, path: str | Path) -> Path:
     return path
 
 
-def plot_ppl_vs_bits(table: dict, path: str | Path):
-    """Perplexity vs bits per weight (linear layers), one line per method; the float model as a line."""
-    import matplotlib.pyplot as plt
+METHOD_STYLE = {"rtn": ("tab:gray", "o"), "gptq": ("tab:blue", "s"), "awq": ("tab:orange", "^"),
+                "awq+gptq": ("tab:green", "D")}
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for method, marker in (("rtn", "o"), ("gptq", "s"), ("awq", "^"), ("awq+gptq", "D")):
-        rows = sorted((r for r in table["rows"] if r["method"] == method), key=lambda r: r["bits_per_weight"])
-        ax.plot([r["bits_per_weight"] for r in rows], [r["perplexity"] for r in rows], marker=marker, label=method)
-    ax.axhline(table["float"]["perplexity"], color="k", ls="--", lw=1, label="float (dequantized Q4_1)")
-    ax.set_xlabel("bits per weight (codes + scales + zeros, linear layers)")
-    ax.set_ylabel(f"perplexity ({table['setup']['eval_text']})")
+
+def _group_label(group_size: int) -> str:
+    return "ch" if group_size == -1 else f"g{group_size}"
+
+
+def plot_ppl_vs_bits(table: dict, path: str | Path | None = None):
+    """Perplexity vs bits per weight (16-bit scales): one line per method and bit width, through its group
+    sizes (each point labelled g32 / g64 / ch), the float model as a dashed line. Returns the figure
+    (saved to ``path`` when given, through ``files.save_figure``)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    ppls = [table["float"]["perplexity"]]
+    for method, (color, marker) in METHOD_STYLE.items():
+        for bits, ls in ((4, "-"), (3, "--")):
+            rows = sorted((r for r in table["rows"] if r["method"] == method and r["bits"] == bits),
+                          key=lambda r: r["bits_per_weight"])
+            if not rows:
+                continue
+            x, y = [r["bits_per_weight"] for r in rows], [r["perplexity"] for r in rows]
+            ppls += y
+            ax.plot(x, y, ls=ls, marker=marker, color=color, label=f"{method} {bits}-bit")
+            for r in rows:
+                ax.annotate(_group_label(r["group_size"]), (r["bits_per_weight"], r["perplexity"]),
+                            textcoords="offset points", xytext=(4, 3), fontsize=7, color=color)
+    ax.axhline(table["float"]["perplexity"], color="k", ls=":", lw=1, label="float (dequantized Q4_1)")
     ax.set_yscale("log")
-    ax.legend()
-    ax.set_title("SmolLM2-135M: perplexity vs bits per weight")
+    lo, hi = min(ppls), max(ppls)
+    ticks = [t for t in (25, 28, 30, 32, 35, 40, 45, 50, 60, 70, 80, 100, 120) if lo * 0.95 <= t <= hi * 1.05]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("bits per weight (code + float16 scale + zero per group, linear layers)")
+    ax.set_ylabel(f"perplexity ({table['setup']['eval_text']}, log scale)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    ax.set_title("SmolLM2-135M: perplexity vs bits per weight (g = group size, ch = per channel)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if path is not None:
+        save_figure(fig, path)
     return fig
 
 
-def plot_layer_errors(table: dict, path: str | Path, bits: int = 3, group_size: int = 64):
-    """Relative output error of every linear layer (in block order) for each method at one setting."""
+LAYER_TYPES = (("attn.wqkv", "q/k/v"), ("attn.wo", "o"), ("mlp.w_gate_up", "gate/up"), ("mlp.w_down", "down"))
+
+
+def plot_layer_errors(table: dict, path: str | Path | None = None, bits: int = 3, group_size: int = 64):
+    """Relative output error of each linear layer on its calibration inputs, one panel per layer type,
+    against the block index, a line per method at one (bits, group_size). Returns the figure."""
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 3.8))
-    for r in table["rows"]:
-        if r["bits"] == bits and r["group_size"] == group_size:
-            errs = list(r["layer_errors"].values())
-            ax.plot(range(len(errs)), errs, lw=1, label=r["method"])
-    ax.set_xlabel("linear layer (4 per block: qkv, o, gate/up, down)")
-    ax.set_ylabel("||W_hat X - W X|| / ||W X||")
-    ax.set_yscale("log")
-    ax.legend()
-    ax.set_title(f"error of each layer on its calibration inputs ({bits}-bit, group {group_size})")
+    fig, axes = plt.subplots(1, 4, figsize=(12, 3.4), sharey=True)
+    for ax, (key, title) in zip(axes, LAYER_TYPES):
+        for r in table["rows"]:
+            if r["bits"] != bits or r["group_size"] != group_size:
+                continue
+            errs = {int(name.split(".")[1]): e for name, e in r["layer_errors"].items() if name.endswith(key)}
+            if not any(e == e and e is not None for e in errs.values()):  # RTN without calibration: NaN
+                continue
+            color, marker = METHOD_STYLE.get(r["method"], ("k", "."))
+            blocks = sorted(errs)
+            ax.plot(blocks, [errs[b] for b in blocks], color=color, marker=marker, ms=3, lw=1, label=r["method"])
+        ax.set_title(title)
+        ax.set_xlabel("block")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("||W_hat X - W X|| / ||W X||")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"error of each layer on its calibration inputs ({bits}-bit, group {group_size})")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if path is not None:
+        save_figure(fig, path)
     return fig
