@@ -1,0 +1,219 @@
+"""Variable bitrate (minillm/quant/bitrate.py): the measurement pass, the optimizer against exhaustive
+search, the per-layer quantization and its checkpoint, on tiny random models."""
+
+import copy
+import itertools
+
+import pytest
+import torch
+
+from minillm.quant import QuantConfig, load_quantized, quantize_model, save_quantized
+from minillm.quant.bitrate import (format_choice, format_measurement, measure, merge_tables, model_bpw, optimize,
+                                   optimize_naive, option_bits, quantize_variable)
+from minillm.quant.pipeline import LAYERS, linear_of
+
+from helpers import random_decoder
+
+OPTIONS = [(2, 32), (3, 32), (4, 32)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_decoder(300)
+
+
+@pytest.fixture(scope="module")
+def calib():
+    return torch.randint(0, 300, (4, 64), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def table(tiny, calib):
+    return measure(tiny, calib, OPTIONS, error_windows=2, progress=False)
+
+
+def random_table(seed, n_layers=5, n_options=4):
+    """A problem with whole-bit costs, as the DP's units are then exact."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for j in range(n_layers):
+        bits = sorted(torch.randint(5, 60, (n_options,), generator=g).tolist())
+        errors = sorted(torch.rand(n_options, generator=g).tolist(), reverse=True)
+        layers.append({"name": f"layers.{j}.attn.wqkv", "out_features": 1, "in_features": 10, "bits": bits,
+                       "errors": errors})
+    return {"options": [[b, 32] for b in range(2, 2 + n_options)], "layers": layers, "setup": {}}
+
+
+def test_option_bits_count_codes_scales_and_zeros():
+    # 4-bit group 64 on 576 inputs: 9 groups of a 16-bit scale and a 4-bit zero per row
+    assert option_bits(10, 576, 4, 64) == 10 * (576 * 4 + 9 * 20)
+    assert option_bits(10, 576, 4, 64) / (10 * 576) == pytest.approx(QuantConfig(4, 64).bits_per_weight(576))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_optimize_agrees_with_exhaustive_search(seed):
+    t = random_table(seed)
+    weights = 5 * 10
+    cheapest = sum(min(r["bits"]) for r in t["layers"]) / weights
+    dearest = sum(max(r["bits"]) for r in t["layers"]) / weights
+    for bpw in torch.linspace(cheapest, dearest, 7, dtype=torch.float64).tolist():
+        fast, naive = optimize(t, bpw), optimize_naive(t, bpw)
+        assert fast["objective"] == pytest.approx(naive["objective"], rel=1e-12)
+        assert fast["total_bits"] <= bpw * weights + 1e-9
+
+
+def test_optimize_fits_the_budget_and_spends_more_where_it_can(table):
+    prev = float("inf")
+    for bpw in (2.8, 3.2, 3.6, 4.0, 4.6):
+        r = optimize(table, bpw, resolution=500)  # coarse units: the answer must still fit
+        assert r["bpw"] <= bpw + 1e-9
+        assert r["objective"] <= prev + 1e-15  # a larger budget never does worse
+        prev = r["objective"]
+    top = optimize(table, 10.0)
+    assert all(v == [4, 32] for v in top["choice"].values())  # everything affordable: the best option everywhere
+
+
+def test_a_budget_below_the_cheapest_options_is_refused(table):
+    with pytest.raises(ValueError, match="bpw: 2.0 is below"):
+        optimize(table, 2.0)
+
+
+def test_measure_errors_fall_with_bits_and_leave_the_model_unchanged(tiny, calib, table):
+    before = copy.deepcopy(tiny.state_dict())
+    assert [r["name"] for r in table["layers"]] == [f"layers.{i}.{n}" for i in range(2) for n in LAYERS]
+    for r in table["layers"]:
+        assert r["errors"][0] > r["errors"][1] > r["errors"][2] > 0  # 2 > 3 > 4 bits
+    again = measure(tiny, calib, OPTIONS, error_windows=2, progress=False)
+    assert again["layers"] == table["layers"]  # deterministic, and measuring changed nothing
+    after = tiny.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert "layers.0.attn.wqkv" in format_measurement(table)
+
+
+def test_measure_split_by_blocks_merges_to_the_whole(tiny, calib, table):
+    parts = [measure(tiny, calib, OPTIONS, error_windows=2, blocks=[b], progress=False) for b in (1, 0)]
+    merged = merge_tables(parts)
+    assert merged["layers"] == table["layers"]
+    with pytest.raises(ValueError, match="measured twice"):
+        merge_tables([parts[0], parts[0]])
+
+
+def test_measure_refuses_bad_arguments(tiny, calib):
+    with pytest.raises(ValueError, match="error_windows"):
+        measure(tiny, calib, OPTIONS, error_windows=9, progress=False)
+    with pytest.raises(ValueError, match="bits"):
+        measure(tiny, calib, [(9, 32)], progress=False)
+    with pytest.raises(ValueError, match="blocks"):
+        measure(tiny, calib, OPTIONS, blocks=[5], progress=False)
+
+
+def test_a_uniform_choice_is_the_pipelines_gptq(tiny, calib):
+    names = [f"layers.{i}.{n}" for i in range(2) for n in LAYERS]
+    a, b = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    quantize_variable(a, {n: [3, 32] for n in names}, calib, progress=False)
+    quantize_model(b, "gptq", QuantConfig(3, 32, mse=True), calib, act_order=True, percdamp=0.001, progress=False)
+    for i in range(2):
+        for n in LAYERS:
+            assert torch.equal(linear_of(a.layers[i], n)[0].dequantize(), linear_of(b.layers[i], n)[0].dequantize())
+
+
+def test_variable_model_has_the_chosen_bits_and_loads_back(tiny, calib, table, tmp_path):
+    choice = optimize(table, 3.4)
+    assert len({tuple(v) for v in choice["choice"].values()}) > 1  # a real mix
+    q = copy.deepcopy(tiny)
+    report = quantize_variable(q, choice["choice"], calib, progress=False)
+    for name, (bits, group) in choice["choice"].items():
+        i, rest = int(name.split(".")[1]), name.split(".", 2)[2]
+        lin = linear_of(q.layers[i], rest)[0]
+        assert (lin.config.bits, lin.config.group_size) == (bits, group)
+    assert model_bpw(q) == pytest.approx(choice["bpw"])
+    assert "achieved" in format_choice(choice)
+    path = save_quantized(q, tmp_path / "v.safetensors", report)
+    loaded, meta = load_quantized(path, fast=False)
+    assert meta["quant_config"]["layer_configs"] == report["layer_configs"]
+    tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(16)
+    q.eval()
+    for m in q.modules():
+        if hasattr(m, "want_fast"):
+            m.want_fast = False
+            m._kernel = None
+    torch.testing.assert_close(loaded(tokens, pos), q(tokens, pos))
+
+
+def test_quantize_variable_refuses_a_partial_choice(tiny, calib):
+    with pytest.raises(ValueError, match="choice: must name every linear layer"):
+        quantize_variable(copy.deepcopy(tiny), {"layers.0.attn.wqkv": [4, 32]}, calib, progress=False)
+
+
+def test_exhaustive_search_refuses_a_large_problem():
+    t = random_table(0, n_layers=12, n_options=4)
+    with pytest.raises(ValueError, match="too many"):
+        optimize_naive(t, 100.0)
+    assert list(itertools.islice(optimize(t, 100.0)["choice"].values(), 1))  # the DP still answers
+
+
+# ---- the commands, on a tiny GGUF model ------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    from helpers import TINY, tiny_llama_weights, write_tiny_gguf
+
+    cfg = {**TINY, "ctx": 1024}  # bench quant's windows are 512 tokens
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_gguf(path, tiny_llama_weights(cfg=cfg), cfg=cfg)
+    return path
+
+
+def run(*args, cwd=None):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MINILLM_FIGURES": str(cwd or ".")}
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=900,
+                          env=env, cwd=cwd)
+
+
+def strict(text):
+    import json
+
+    def refuse(c):
+        raise ValueError(f"{c} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.slow  # two command runs in subprocesses
+def test_quantize_bpw_writes_a_mixed_model_that_loads(tiny_gguf, tmp_path):
+    out, m = tmp_path / "v.safetensors", tmp_path / "m.json"
+    p = run("quantize", "--quant", "gptq", "--bpw", "3.4", "--calib-samples", "4", "--calib-seqlen", "64",
+            "--measurement", str(m), "--model", str(tiny_gguf), "--out", str(out), "--json")
+    assert p.returncode == 0, p.stderr
+    rep = strict(p.stdout)
+    assert rep["bpw"] <= 3.4 and len(set(map(tuple, rep["layer_configs"].values()))) > 1
+    assert m.exists() and set(rep["measured_errors"]) == set(rep["layer_configs"])
+    _, meta = load_quantized(out, fast=False)
+    assert meta["quant_config"]["layer_configs"] == rep["layer_configs"]
+    # the saved measurement is read back (no second measurement), and the text output names the choice
+    p2 = run("quantize", "--quant", "gptq", "--bpw", "3.4", "--calib-samples", "4", "--calib-seqlen", "64",
+             "--measurement", str(m), "--model", str(tiny_gguf), "--out", str(tmp_path / "w.safetensors"))
+    assert p2.returncode == 0, p2.stderr
+    assert "achieved" in p2.stdout and "layers.1.mlp.w_down" in p2.stdout
+    bad = run("quantize", "--quant", "rtn", "--bpw", "3.4", "--model", str(tiny_gguf), "--out", str(tmp_path / "r.safetensors"))
+    assert bad.returncode != 0 and "--quant gptq" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_quant_bpw_json_and_figures(tiny_gguf, tmp_path):
+    p = run("bench", "quant", "--bpw", "3,4", "--uniform", "rtn", "--calib-samples", "4", "--max-tokens", "1100",
+            "--model", str(tiny_gguf), "--json", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    res = strict(p.stdout)
+    assert [v["target_bpw"] for v in res["variable"]] == [3.0, 4.0]
+    assert all(v["bpw"] <= v["target_bpw"] for v in res["variable"])
+    assert {(r["bits"], r["group_size"]) for r in res["uniform"]} == {tuple(o) for o in res["measurement"]["options"]}
+    assert set(res["goals"]) >= {"met", "never_worse", "strictly_better", "budgets"}
+    for name in ("05b_bitrate.json", "05b_bitrate_ppl.png", "05b_bitrate_bits.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    bad = run("bench", "quant", "--bpw", "3,x", "--model", str(tiny_gguf), cwd=tmp_path)
+    assert bad.returncode != 0 and "bpw" in bad.stderr
