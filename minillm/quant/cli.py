@@ -13,7 +13,7 @@ from ..evaluation import perplexity, reference_logprobs, windows
 from ..files import check_output_path, runs_folder
 from ..loading import default_model_path
 from ..options import add_model_args, at_least, load, print_json
-from . import bitrate, pipeline
+from . import avenues, bitrate, pipeline
 from .bench import TABLE_CONFIGS, format_table, plot_layer_errors, plot_ppl_vs_bits, quant_table, save_table
 from .checkpoint import save_quantized
 from .gguf_quant import write_gguf
@@ -33,13 +33,28 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--bits", type=int, default=4, help=f"2..8 (default 4); {KERNEL_NOTE}")
     p.add_argument("--group-size", type=int, default=64, help="input columns per scale; -1 = per channel (default 64)")
     p.add_argument("--sym", action="store_true", help="symmetric quantization (zero point fixed)")
-    p.add_argument("--mse", action="store_true", help="search each group's range (shrink min/max) to minimise "
-                   "the rounding error, as the GPTQ reference quantizer's mse option")
-    p.add_argument("--act-order", action="store_true", help="GPTQ: quantize columns by decreasing activation")
+    d = pipeline.GPTQ_DEFAULTS
+    p.add_argument("--mse", action=argparse.BooleanOptionalAction, default=None,
+                   help="search each group's range (shrink min/max) to minimise the rounding error, as the GPTQ "
+                   "reference quantizer's mse option (default: on for gptq and awq+gptq, off for rtn, the baseline, "
+                   "and awq, whose clip search does it; --no-mse: min/max, the paper's)")
+    p.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: quantize columns by decreasing activation (default: on; --no-act-order: the stored "
+                   "order, the paper's)")
     p.add_argument("--static-groups", action="store_true", help="GPTQ act-order: groups fixed before quantizing")
+    p.add_argument("--percdamp", type=float, default=None,
+                   help=f"GPTQ dampening, a fraction of the mean diagonal of H (default {d['percdamp']}; the paper: "
+                   f"{pipeline.GPTQ_PAPER['percdamp']})")
+    p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=None,
+                   help="calibrate each layer of a block on the outputs of the block's layers before it, already "
+                   "quantized (default: on; --no-true-sequential: all on the float block's inputs, the paper's)")
+    p.add_argument("--v2", action=argparse.BooleanOptionalAction, default=None,
+                   help="GPTQ: asymmetric calibration (GPTQv2: fit each layer to the float model's outputs; "
+                   f"default: {'on' if d['v2'] else 'off'}; --no-v2: the paper's)")
     p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=None,
-                   help="AWQ's clip search (default: on, except awq+gptq with --mse)")
-    p.add_argument("--calib-samples", type=at_least(1), default=32, help="calibration windows (default 32)")
+                   help="AWQ's clip search (default: on, except awq+gptq with the range search)")
+    p.add_argument("--calib-samples", type=at_least(1), default=pipeline.CALIB_SAMPLES,
+                   help=f"calibration windows (default {pipeline.CALIB_SAMPLES})")
     p.add_argument("--calib-seqlen", type=at_least(2), default=512, help="tokens per calibration window")
 
 
@@ -47,13 +62,16 @@ def _quant_config(args) -> QuantConfig:
     """The QuantConfig of --bits/--group-size/--sym/--mse, and the method's options checked (ValueError
     naming a bad one): done before the model is loaded, so bad options fail at once."""
     if args.quant in QUANT_METHODS:
-        unused = [flag for flag, on, method in (("--act-order", args.act_order, "gptq"),
+        unused = [flag for flag, on, method in (("--act-order/--no-act-order", args.act_order is not None, "gptq"),
                                                 ("--static-groups", args.static_groups, "gptq"),
+                                                ("--percdamp", args.percdamp is not None, "gptq"),
+                                                ("--v2/--no-v2", args.v2 is not None, "gptq"),
                                                 ("--awq-clip/--no-awq-clip", args.awq_clip is not None, "awq"))
                   if on and method not in args.quant]
         if unused:
             raise ValueError(f"quant: {args.quant} does not use {', '.join(unused)}; drop it, or pick a method that "
-                             "does (gptq and awq+gptq for --act-order/--static-groups, awq and awq+gptq for --awq-clip)")
+                             "does (gptq and awq+gptq for --act-order/--static-groups/--percdamp/--v2, awq and "
+                             "awq+gptq for --awq-clip)")
     return QuantConfig(args.bits, args.group_size, args.sym, args.mse)
 
 
@@ -66,7 +84,9 @@ def _quantize(args, model, tokenizer, config=None) -> dict:
                              f"{model.config.max_seq_len} tokens; use --calib-seqlen {model.config.max_seq_len} or less")
         calib = pipeline.calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
     return pipeline.quantize_model(model, args.quant, config, calib, act_order=args.act_order,
-                                   static_groups=args.static_groups, awq_clip=args.awq_clip, progress=not args.json)
+                                   static_groups=args.static_groups, percdamp=args.percdamp,
+                                   true_sequential=args.true_sequential, v2=args.v2, awq_clip=args.awq_clip,
+                                   progress=not args.json)
 
 
 def _read_text(args) -> tuple[str, str]:
@@ -94,7 +114,8 @@ def cmd_perplexity(args) -> int:
         float_ppl = perplexity(model, tokens, args.seqlen, args.max_tokens)["perplexity"]
         q = _quantize(args, model, tokenizer, config)
         report.update(quant=args.quant, bits=args.bits, group_size=args.group_size, act_order=q["act_order"],
-                      static_groups=q["static_groups"], awq_clip=q["awq_clip"], float_perplexity=float_ppl,
+                      static_groups=q["static_groups"], mse=q["mse"], percdamp=q["percdamp"],
+                      true_sequential=q["true_sequential"], v2=q["v2"], awq_clip=q["awq_clip"], float_perplexity=float_ppl,
                       calib_samples=q.get("calib_samples"), calib_seqlen=q.get("calib_seqlen"))
     report.update(perplexity(model, tokens, args.seqlen, args.max_tokens, progress=not args.json, reference=reference))
     if args.json:
@@ -150,6 +171,8 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_bench_quant(args) -> int:
+    if args.avenues:
+        return cmd_gptq_avenues(args)
     if args.bpw:  # variable bitrate beside uniform settings (bitrate.py)
         return bitrate.cmd_bench_bitrate(args, load, check_output_path, print_json)
     if args.out == args.default_out:
@@ -157,8 +180,8 @@ def cmd_bench_quant(args) -> int:
     check_output_path(args.out, "--out", suffix=".json")
     model, tokenizer = load(args)
     configs = [c for c in TABLE_CONFIGS if c[2] == 64] if args.quick else TABLE_CONFIGS
-    table = quant_table(model, tokenizer, configs, max_tokens=args.max_tokens, calib_samples=args.calib_samples,
-                        gptq_mse=not args.no_mse, progress=not args.json)
+    table = quant_table(model, tokenizer, configs, max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
+                        gptq_mse=args.mse, progress=not args.json)
     out = save_table(table, args.out)
     figs = out.parent
     plot_ppl_vs_bits(table, figs / "05_ppl_vs_bits.png")
@@ -167,6 +190,26 @@ def cmd_bench_quant(args) -> int:
         print_json(table)
     else:
         print(format_table(table) + f"\nwrote {out} and its figures beside it", file=sys.stdout)
+    return 0
+
+
+def cmd_gptq_avenues(args) -> int:
+    """``bench quant --avenues``: GPTQ 4-bit group 64 with each avenue (``avenues.AVENUES``), in one run."""
+    out = args.out if args.out != args.default_out else str(Path(args.default_out).with_name("05_gptq_avenues.json"))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    check_output_path(out, "--out", suffix=".json")
+    names = None if args.avenues == "all" else [n.strip() for n in args.avenues.split(",")]
+    if names is not None and not set(names) <= set(avenues.AVENUES):
+        raise ValueError(f"avenues: unknown {sorted(set(names) - set(avenues.AVENUES))}; choose from all, "
+                         + ", ".join(avenues.AVENUES))
+    model, tokenizer = load(args)
+    max_tokens = 8192 if args.max_tokens is None else args.max_tokens
+    log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
+    result = avenues.gptq_avenues(model, tokenizer, names, max_tokens=max_tokens, out=out, progress=not args.json, log=log)
+    if args.json:
+        print_json(result)
+    else:
+        print(avenues.format_avenues(result) + f"\nwrote {out}")
     return 0
 
 
@@ -191,10 +234,17 @@ def register(sub, bench) -> None:
 
     runs = runs_folder()
     bq = bench.add_parser("quant", help="the quantization table: RTN/GPTQ/AWQ/AWQ+GPTQ at 4 and 3 bits")
-    bq.add_argument("--max-tokens", type=at_least(2), default=4096, help="held-out tokens scored")
-    bq.add_argument("--calib-samples", type=at_least(1), default=32, help="calibration windows of 512 tokens")
-    bq.add_argument("--no-mse", action="store_true", help="GPTQ with min/max group ranges instead of the range "
-                    "search (AWQ+GPTQ then keeps AWQ's clip)")
+    bq.add_argument("--max-tokens", type=at_least(2), default=None,
+                    help="held-out tokens scored (default 4096; 8192 with --avenues)")
+    bq.add_argument("--calib-samples", type=at_least(1), default=pipeline.CALIB_SAMPLES,
+                    help=f"calibration windows of 512 tokens (default {pipeline.CALIB_SAMPLES})")
+    bq.add_argument("--mse", action=argparse.BooleanOptionalAction, default=True, help="GPTQ with each group's range "
+                    "searched (default: on; --no-mse: min/max group ranges, and AWQ+GPTQ then keeps AWQ's clip)")
+    bq.add_argument("--avenues", nargs="?", const="all", default=None, metavar="NAMES",
+                    help="instead of the table: GPTQ 4-bit group 64 with each avenue (more/longer calibration, "
+                    "dampening, column order, range search, true sequential, v2), float and RTN in the same run, "
+                    "on the first 8192 held-out tokens; NAMES: comma-separated, default all of "
+                    + ", ".join(avenues.AVENUES) + ". Writes 05_gptq_avenues.json beside --out")
     bitrate.add_bench_args(bq)
     bq.add_argument("--quick", action="store_true", help="only 4-bit group 64 and 3-bit group 64")
     bq.add_argument("--out", default=f"{runs}/05_quant_table.json",
