@@ -69,4 +69,27 @@ def check(name: str, fn: Callable, verbose: bool = True) -> Report:
     return report
 
 
-__all__ = ["EXERCISES", "Case", "CaseResult", "Exercise", "Failure", "Report", "check"]
+def what_we_measured(measured: dict[str, str], *reports: Report):
+    """The closing cell of an exercise notebook: "What we measured", one line per entry of ``measured``
+    (a label and its value with units, filled by the cells that ran the student's function, so that the
+    lines are this run's) and one per check report.
+
+    Before the function is written the cells that use it stop at its ``NotImplementedError`` and
+    ``measured`` stays empty; the cell then says so instead of failing.
+
+    Returns:
+        an ``IPython.display.Markdown`` (a notebook displays it).
+    """
+    from IPython.display import Markdown  # notebooks only: the checker itself needs no IPython
+
+    lines = ["## What we measured", ""]
+    if measured:
+        lines += [f"* **{label}:** {value}" for label, value in measured.items()]
+    else:
+        lines.append("* Nothing yet: the cells above stop at your function's `NotImplementedError`. "
+                     "Write it and run every cell again.")
+    lines += [f"* **the check:** {report.summary()}" for report in reports]
+    return Markdown("\n".join(lines))
+
+
+__all__ = ["EXERCISES", "Case", "CaseResult", "Exercise", "Failure", "Report", "check", "what_we_measured"]
