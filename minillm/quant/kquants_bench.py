@@ -1,0 +1,151 @@
+"""Our Q4_K_M file beside llama.cpp's and the shipped Q4_1: block bytes, size and perplexity.
+
+``python -m minillm.quant.kquants_bench --out figures/05_kquants.json`` writes minillm's Q4_K_M of the
+embedded model (``gguf_quant.write_gguf``), has llama.cpp quantize the same file to Q4_K_M (through
+llama-cpp-python's ``llama_model_quantize``, an optional extra: without it the llama.cpp rows are left
+out), compares the two tensor by tensor (type and bytes), and scores all the files with minillm in one
+run: perplexity on the held-out play, KL from the shipped model, size and bits per weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from ..data import HELD_OUT_PLAY, play_text
+from ..evaluation import perplexity, reference_logprobs
+from ..files import atomic_write, dumps_strict, runs_folder
+from ..formats.gguf import read_gguf
+from ..loading import default_model_path, load_model
+from .gguf_quant import write_gguf
+
+
+def llamacpp_quantize(src: str | Path, dst: str | Path, ftype: str = "Q4_K_M", nthread: int = 1) -> Path:
+    """Quantize a GGUF file with llama.cpp itself (``llama-quantize --allow-requantize``, no imatrix).
+
+    Raises:
+        ImportError: llama-cpp-python is not installed (``pip install llama-cpp-python``).
+        RuntimeError: llama.cpp reports a failure.
+    """
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}")
+    params.allow_requantize = True
+    params.nthread = nthread
+    rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src} to {ftype} (return code {rc})")
+    return Path(dst)
+
+
+def compare_blocks(ours: str | Path, theirs: str | Path) -> dict:
+    """Tensor by tensor: same names and shapes, the type each file chose, and the bytes that differ.
+
+    Returns {"tensors", "same_names", "same_shapes", "type_mismatches": [names], "bytes": {type: n},
+    "bytes_differing": {type: n}, "tensors_differing": [names]} (bytes compared where the types agree).
+    """
+    a = {t.name: t for t in read_gguf(ours).tensors}
+    b = {t.name: t for t in read_gguf(theirs).tensors}
+    shared = [n for n in a if n in b]
+    out = {"tensors": len(a), "same_names": set(a) == set(b),
+           "same_shapes": all(a[n].shape.tolist() == b[n].shape.tolist() for n in shared),
+           "type_mismatches": [], "bytes": Counter(), "bytes_differing": Counter(), "tensors_differing": []}
+    for n in shared:
+        if a[n].tensor_type != b[n].tensor_type:
+            out["type_mismatches"].append(n)
+            continue
+        x = np.asarray(a[n].data).view(np.uint8).reshape(-1)
+        y = np.asarray(b[n].data).view(np.uint8).reshape(-1)
+        kind = a[n].tensor_type.name
+        out["bytes"][kind] += x.size
+        differ = int((x != y).sum()) if x.size == y.size else x.size
+        out["bytes_differing"][kind] += differ
+        if differ:
+            out["tensors_differing"].append(n)
+    out["bytes"], out["bytes_differing"] = dict(out["bytes"]), dict(out["bytes_differing"])
+    return out
+
+
+def type_counts(path: str | Path) -> dict[str, int]:
+    """{type name: number of tensors} of a GGUF file."""
+    return dict(Counter(t.tensor_type.name for t in read_gguf(path).tensors))
+
+
+def bits_per_weight(path: str | Path) -> float:
+    """Bits of tensor data per parameter of a GGUF file (norms included, metadata not)."""
+    tensors = read_gguf(path).tensors
+    return 8 * sum(int(t.n_bytes) for t in tensors) / sum(int(t.n_elements) for t in tensors)
+
+
+def score_files(files: dict[str, str | Path], max_tokens: int = 4096, seqlen: int = 512,
+                progress: bool = False) -> list[dict]:
+    """Perplexity of each file's model on the held-out play, and KL from the first file's model.
+
+    All files are scored with minillm's forward (float32, dequantized weights) on the same tokens
+    (the first file's tokenizer) and windows. Returns one row per file: label,
+    file (its name), bytes, bits_per_weight, types, and ``evaluation.perplexity``'s keys.
+    """
+    rows, tokens, reference = [], None, None
+    for label, path in files.items():
+        model, tokenizer = load_model(path, n_shards=1)
+        if tokens is None:
+            tokens = tokenizer.encode(play_text(HELD_OUT_PLAY))
+            reference = reference_logprobs(model, tokens, seqlen, max_tokens, progress=progress)
+        score = perplexity(model, tokens, seqlen, max_tokens, progress=progress, reference=reference)
+        rows.append({"label": label, "file": Path(path).name, "bytes": os.path.getsize(path),
+                     "bits_per_weight": bits_per_weight(path), "types": type_counts(path), **score})
+        del model
+    return rows
+
+
+def run(out: str | Path, work: str | Path | None = None, max_tokens: int = 4096, progress: bool = True) -> dict:
+    """Write both Q4_K_M files into ``work``, compare them, score all three; the report goes to ``out`` (JSON)."""
+    src = default_model_path()
+    work = Path(work or runs_folder())
+    work.mkdir(parents=True, exist_ok=True)
+    ours = write_gguf(src, work / "smollm2-q4_k_m.minillm.gguf", "q4_k_m", progress=progress)
+    files = {"shipped Q4_1": src, "minillm Q4_K_M": ours}
+    report = {"date": datetime.date.today().isoformat(), "command": "python -m minillm.quant.kquants_bench",
+              "load": os.getloadavg()[0], "text": HELD_OUT_PLAY, "max_tokens": max_tokens, "seqlen": 512}
+    try:
+        import llama_cpp
+
+        theirs = llamacpp_quantize(src, work / "smollm2-q4_k_m.llamacpp.gguf")
+        files["llama.cpp Q4_K_M"] = theirs
+        report["llama_cpp_version"] = llama_cpp.__version__
+        report["blocks"] = compare_blocks(ours, theirs)
+    except ImportError:
+        report["llama_cpp_version"] = None  # the optional peer is not installed: its rows are left out
+    report["rows"] = score_files(files, max_tokens, progress=progress)
+    report["load_after"] = os.getloadavg()[0]
+    with atomic_write(out) as tmp:
+        Path(tmp).write_text(dumps_strict(report, indent=1))
+    return report
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minillm.quant.kquants_bench", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(runs_folder() / "05_kquants.json"), help="the report (JSON)")
+    p.add_argument("--work", default=None, help="folder for the two Q4_K_M files (default: figures/runs)")
+    p.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens taken (whole windows of 512)")
+    args = p.parse_args(argv)
+    report = run(args.out, args.work, args.max_tokens)
+    for r in report["rows"]:
+        print(f"{r['label']:18s} {r['bytes'] / 1e6:7.1f} MB  {r['bits_per_weight']:.2f} bpw  "
+              f"perplexity {r['perplexity']:.3f}  KL {r['kl']:.4f}  top-1 {r['top1_agreement']:.3f}")
+    if "blocks" in report:
+        b = report["blocks"]
+        print(f"our blocks vs llama.cpp's: {len(b['type_mismatches'])} type mismatches, "
+              f"{sum(b['bytes_differing'].values())} of {sum(b['bytes'].values())} bytes differ")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
