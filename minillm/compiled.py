@@ -62,8 +62,12 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     Each batch size and cache layout adds a compiled version; dynamo keeps up to ``RECOMPILE_LIMIT``
     of them per model and then raises rather than silently running eager.
 
+    A quantized model compiles too (``QuantLinear`` says ``compilable``): inductor lowers torch's int4
+    weight-only kernel to its own AVX-512 template (``CppMicroGemmWoQInt4Avx512`` on this project's
+    CPU) and fuses the bfloat16 conversions around it; the int8 kernel stays an ATen call.
+
     Args:
-        model: a float ``Decoder`` (every linear layer a ``minillm.linear.Linear``).
+        model: a ``Decoder`` whose linear layers are ``minillm.linear.Linear`` or declare ``compilable``.
         options: inductor options (default ``COMPILE_OPTIONS``; ``CUDA_COMPILE_OPTIONS`` for a model
             on a GPU).
 
@@ -72,16 +76,15 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
 
     Raises:
         TypeError: ``model`` is not a ``Decoder``.
-        ValueError: it holds layers other than ``Linear`` (quantized layers: compile the float
-            model, or run the quantized one eager).
+        ValueError: it holds linear layers that neither are ``Linear`` nor declare ``compilable``.
     """
     if not isinstance(model, Decoder):
         raise TypeError(f"model: expected a minillm Decoder, got {type(model).__name__}")
     other = sorted({type(m).__name__ for m in model.modules()
-                    if not isinstance(m, Linear) and hasattr(m, "in_features")})
+                    if not isinstance(m, Linear) and hasattr(m, "in_features") and not getattr(m, "compilable", False)})
     if other:
-        raise ValueError(f"model: compile_decode supports float models with minillm Linear layers; found {other}. "
-                        "Compile the float model, or run this one without compiling")
+        raise ValueError(f"model: compile_decode supports minillm Linear layers and layers that declare "
+                         f"`compilable` (minillm.quant.QuantLinear); found {other}. Run this model without compiling")
     # dynamo keeps compiled versions per code object, and its "automatic dynamic" sizes per code name:
     # a renamed copy of the function for each model keeps another model's sizes (heads, widths) from
     # turning this one's into symbolic sizes; only the cached length becomes symbolic

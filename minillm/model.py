@@ -252,9 +252,12 @@ class Attention(nn.Module):
         if rope is not None:
             qk = apply_rope(qk, *rope)  # q and k rotated in one go
         q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
-        if cache is not None:
-            k, v = cache.update(layer_idx, k, v)  # (B, Hkv, S, D): every position so far
-        y = attention(q, k, v, mask)  # (B, H, T, D)
+        if getattr(cache, "attends", False):  # a cache that runs the attention over its own layout (minillm.paged)
+            y = cache.attend(layer_idx, q, k, v)  # (B, H, T, D)
+        else:
+            if cache is not None:
+                k, v = cache.update(layer_idx, k, v)  # (B, Hkv, S, D): every position so far
+            y = attention(q, k, v, mask)  # (B, H, T, D)
         return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 
 
@@ -354,22 +357,27 @@ class Decoder(nn.Module):
         return self.output.weight if self.config.tie_embeddings else self.tok_embeddings
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token embedding rows (B, T) -> (B, T, C); tied models read the output weight's rows."""
+        """Token embedding rows (B, T) -> (B, T, C); tied models read the output weight's rows (a
+        quantized output layer dequantizes just those rows: ``QuantLinear.rows``)."""
         if self.config.tie_embeddings:
             return self.output.rows(tokens)
         return F.embedding(tokens, self.tok_embeddings)
 
+    def _anchor(self) -> torch.Tensor:  # a float weight that says where the model lives and its dtype
+        shards = getattr(self.output, "weight_shards", None)  # absent when the output layer is quantized
+        return self.norm.weight if shards is None else shards
+
     @property
     def device(self) -> torch.device:
-        return self.output.weight_shards.device
+        return self._anchor().device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.output.weight_shards.dtype
+        return self._anchor().dtype
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache=None,
-                pad_lengths: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits for every position.
+                pad_lengths: torch.Tensor | None = None, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits for every position (or for the positions in ``logits_indices``).
 
         Args:
             tokens: (B, T) int64 token ids.
@@ -386,7 +394,9 @@ class Decoder(nn.Module):
                 attends to its padding. Only with (T,) ``input_pos``.
 
         Returns:
-            (B, T, V) float32 logits.
+            (B, T, V) float32 logits; with ``logits_indices`` (N,) int64, indices into the B * T
+            positions flattened row by row, (N, V): the output projection runs for those positions only
+            (vLLM's ``logits_indices``: a serving step samples at the last token of each sequence).
 
         Raises:
             ValueError: a position at or past the context length, (B, T) positions without a
@@ -429,15 +439,19 @@ class Decoder(nn.Module):
             key_pos = torch.arange(cache.prepare(input_pos), device=tokens.device)
         mask = attention_mask(input_pos, key_pos, pad_lengths)
         if self._compiled_decode is not None and T == 1 and not torch.is_grad_enabled():
-            return self._compiled_decode(x, rope, cache, mask)
-        return self.forward_layers(x, rope, cache, mask)
+            logits = self._compiled_decode(x, rope, cache, mask)
+            return logits if logits_indices is None else logits.flatten(0, 1)[logits_indices]
+        return self.forward_layers(x, rope, cache, mask, logits_indices)
 
-    def forward_layers(self, x: torch.Tensor, rope, cache, mask) -> torch.Tensor:
+    def forward_layers(self, x: torch.Tensor, rope, cache, mask, logits_indices=None) -> torch.Tensor:
         """The blocks, the final norm and the output projection: x (B, T, C) -> (B, T, V) float32
-        logits. ``forward`` checks its inputs and prepares rope (cos, sin), the cache and the mask,
-        then calls this; ``minillm.compiled.compile_decode`` compiles it for one-token steps."""
+        logits ((N, V) at ``logits_indices``, see ``forward``). ``forward`` checks its inputs and prepares
+        rope (cos, sin), the cache and the mask, then calls this; ``minillm.compiled.compile_decode``
+        compiles it for one-token steps."""
         for i, layer in enumerate(self.layers):
             x = layer(x, i, rope, cache, mask)
+        if logits_indices is not None:
+            x = x.flatten(0, 1)[logits_indices]  # (N, C): only the positions whose logits are wanted
         return self.output(self.norm(x)).float()
 
     def __getstate__(self):  # copy.deepcopy / pickle: a compiled decode belongs to this object only

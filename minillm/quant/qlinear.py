@@ -14,7 +14,16 @@ Two forwards with the same signature:
   their scale; act-order ``g_idx`` is handled by permuting the input columns once at load, as ExLlama
   does). Other layouts (8 bits, groups of 48) fall back to the reference path (``fast`` says which).
 
-The activations go to the kernel in bfloat16: its float32 path is far slower (notebook 05 times both).
+8-bit codes with one group per row (per channel, e.g. a quantized output layer) take torch's int8
+weight-only kernel instead (``torch.ops.aten._weight_int8pack_mm``: int8 weights (O, I), one scale per
+row, bfloat16 activations); a zero point other than the middle code adds ``s (128 - z) sum(x)`` per row.
+
+``rows(index)`` gathers the codes, scales and zeros of some output rows and dequantizes only those:
+the lookup of a tied embedding whose output layer is quantized (``minillm.quant.head``).
+
+The activations go to the kernels in bfloat16: their float32 paths are far slower (notebook 05 times both).
+Under ``torch.compile`` (``minillm.compiled.compile_decode``) inductor lowers the int4 kernel to its own
+AVX-512 weight-only template and fuses the conversions around it.
 """
 
 from __future__ import annotations
@@ -25,8 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .pack import pack_weight, pack_zeros, unpack_weight, unpack_zeros
-from .rtn import QuantConfig, QuantizedWeight
+from .pack import codes_per_word, pack_weight, pack_zeros, unpack_rows, unpack_weight, unpack_zeros
+from .rtn import QuantConfig, QuantizedWeight, dequantize_codes
 
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 
@@ -46,6 +55,10 @@ class QuantLinear(nn.Module):
         bias: (O,) float or None.
         fast: use the int4 kernel when the layout allows it (``prepare_fast``).
     """
+
+    #: ``minillm.compiled.compile_decode`` may trace it (its kernels have inductor lowerings; the
+    #: reference path's dequantization is folded into a float32 constant under freezing)
+    compilable = True
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, fast: bool = True):
         super().__init__()
@@ -82,6 +95,18 @@ class QuantLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         return self.dequantize()
 
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows ``W_hat[index]`` (..., I) float32, reading only those rows' codes, scales and
+        zeros (a tied embedding's lookup; equal to ``dequantize()[index]`` bit for bit)."""
+        bits, k = self.config.bits, codes_per_word(self.config.bits)
+        flat = index.reshape(-1).long()
+        codes = unpack_rows(self.qweight[:, flat], bits, self.in_features)  # (I, n)
+        words = self.qzeros[:, flat // k].to(torch.int64) & 0xFFFFFFFF  # (G, n), as unsigned
+        zeros = ((words >> (bits * (flat % k))) & ((1 << bits) - 1)).to(torch.int32)  # (G, n)
+        g = self.g_idx.long()
+        w = dequantize_codes(codes, self.scales[:, flat][g], zeros[g])  # (I, n)
+        return w.t().reshape(*index.shape, self.in_features)
+
     def nbytes(self) -> int:
         """Bytes of the stored tensors (packed weights, zeros, scales, g_idx, bias)."""
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.qzeros, self.scales, self.g_idx)
@@ -98,6 +123,8 @@ class QuantLinear(nn.Module):
         self._kernel = None
         qw = self.quantized_weight()
         I = self.in_features
+        if self.config.bits == 8:
+            return self._prepare_int8(qw)
         if self.config.bits > 4:
             return False
         # the kernel wants contiguous groups: sort input columns by group once (identity unless act_order)
@@ -126,9 +153,30 @@ class QuantLinear(nn.Module):
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), inner_k_tiles)  # pragma: no cover
         else:
+            if self.out_features % 16:  # the CPU kernel packs rows in blocks of 16
+                return False
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         self._kernel = (packed, kg, scales_and_zeros.to(dev), None if (perm == torch.arange(I, device=perm.device)).all() else perm.to(dev))
         return True
+
+    def _prepare_int8(self, qw: QuantizedWeight) -> bool:
+        """The int8 kernel's tensors: one group per row (per channel) on the CPU only."""
+        if qw.scales.shape[1] != 1 or self.qweight.device.type != "cpu":
+            return False
+        # s (q - z) = s (q - 128) + s (128 - z): int8 codes q - 128, and a per-row term times sum(x)
+        w8 = (qw.codes - 128).to(torch.int8).contiguous()  # (O, I)
+        s = qw.scales[:, 0].float()
+        offset = s * (128 - qw.zeros[:, 0].float())  # (O,), zero for symmetric codes
+        self._kernel = ("int8", w8, s.to(torch.bfloat16), None if bool((offset == 0).all()) else offset)
+        return True
+
+    def kernel_nbytes(self) -> int:
+        """Bytes a forward through the fast path reads: the kernel's packed codes, scales and zeros (the
+        stored ``nbytes`` when it falls back to dequantizing)."""
+        if self._kernel is None:
+            return self.nbytes()
+        return sum(t.numel() * t.element_size() for t in self._kernel if isinstance(t, torch.Tensor)) + (
+            0 if self.bias is None else self.bias.numel() * 4)
 
     def _apply(self, fn, recurse=True):  # .to(device): rebuild the kernel's tensors where the buffers went
         out = super()._apply(fn, recurse)
@@ -139,6 +187,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., I) -> (..., O)
         if not self.fast:
             return self.forward_reference(x)
+        if isinstance(self._kernel[0], str):  # ("int8", ...)
+            return self._forward_int8(x)
         packed, kg, sz, perm = self._kernel
         x2 = x.reshape(-1, self.in_features)
         if perm is not None:
@@ -149,6 +199,16 @@ class QuantLinear(nn.Module):
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, kg, sz)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
+        _, w8, s, offset = self._kernel
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int8pack_mm(x2, w8, s).to(x.dtype)
+        if offset is not None:
+            y = y + x.reshape(-1, self.in_features).sum(-1, keepdim=True) * offset.to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
