@@ -18,6 +18,7 @@ from ..files import atomic_write
 from ..formats.gguf_blocks import dequantize_q8_0
 from ..model import Decoder, ModelConfig, weight_shapes
 from .gguf_quant import quantize_q8_0
+from .head import head_config, head_kind
 from .pipeline import LAYERS, linear_of
 from .qlinear import QuantLinear, from_state
 from .rtn import QuantConfig
@@ -54,19 +55,24 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
         state[f"layers.{i}.attn_norm.weight"] = block.attn_norm.weight.detach().float()
         state[f"layers.{i}.ffn_norm.weight"] = block.ffn_norm.weight.detach().float()
     state["norm.weight"] = model.norm.weight.detach().float()
-    emb = model.embedding_weight().float().contiguous()
-    q8 = quantize_q8_0(emb) if emb.shape[1] % 32 == 0 else None
-    if q8 is not None and torch.equal(dequantize_q8_0(q8.reshape(-1, 34)).reshape(emb.shape), emb):
-        state["tok_embeddings.q8_0"] = torch.from_numpy(q8)  # lossless: the embedding was Q8_0 already
-    else:
-        state["tok_embeddings.weight"] = emb
-    if not model.config.tie_embeddings:
+    head = model.output if isinstance(model.output, QuantLinear) else None  # quantized by quant.head
+    if head is not None:
+        for key, t in head.state_dict().items():
+            state[f"output.{key}"] = t.contiguous()
+    if head is None or not model.config.tie_embeddings:  # a tied embedding is the quantized head's rows
+        emb = model.embedding_weight().float().contiguous()
+        q8 = quantize_q8_0(emb) if emb.shape[1] % 32 == 0 else None
+        if q8 is not None and torch.equal(dequantize_q8_0(q8.reshape(-1, 34)).reshape(emb.shape), emb):
+            state["tok_embeddings.q8_0"] = torch.from_numpy(q8)  # lossless: the embedding was Q8_0 already
+        else:
+            state["tok_embeddings.weight"] = emb
+    if head is None and not model.config.tie_embeddings:
         state["output.weight"] = model.output.weight.detach().float()
     meta = {"format": "minillm-quantized-1", "model_config": json.dumps(asdict(model.config)),
             "quant_config": json.dumps({**{k: report[k] for k in ("method", "bits", "group_size", "sym", "mse",
                                                                   "act_order", "static_groups")},
                                         "awq_clip": report.get("awq_clip"), "layer_configs": layer_configs}),
-            "tokenizer_source": tokenizer_source or ""}
+            "tokenizer_source": tokenizer_source or "", "quant_head": "none" if head is None else head_kind(head.config)}
     path = Path(path)
     with atomic_write(path, sources=[tokenizer_source] if tokenizer_source else ()) as tmp:
         save_file(state, str(tmp), metadata=meta)
@@ -103,15 +109,19 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
     config = ModelConfig(**json.loads(meta["model_config"]))
     q = json.loads(meta["quant_config"])
     layer_configs = q.get("layer_configs")  # files before it have one config for every layer
+    head = meta.get("quant_head", "none")  # files written before heads were quantized have none
     try:
+        if head != "none" and config.tie_embeddings:  # the embedding is the head's rows: a placeholder
+            state["tok_embeddings.weight"] = torch.zeros(config.vocab_size, config.dim)
         if "tok_embeddings.q8_0" in state:
             emb = dequantize_q8_0(state.pop("tok_embeddings.q8_0").numpy().reshape(-1, 34))
             emb = emb.reshape(config.vocab_size, config.dim)
         else:
             emb = state["tok_embeddings.weight"]
         float_state = {"tok_embeddings.weight": emb, "norm.weight": state["norm.weight"]}
-        if "output.weight" in state:
-            float_state["output.weight"] = state["output.weight"]
+        if not config.tie_embeddings:
+            float_state["output.weight"] = state["output.weight"] if head == "none" else torch.zeros(
+                config.vocab_size, config.dim)  # a placeholder, replaced by the quantized head below
         for name, shape in weight_shapes(config).items():
             if name.endswith("norm.weight"):
                 float_state[name] = state[name]
@@ -125,6 +135,8 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
                 qconfig = QuantConfig(bits, group, q["sym"], q.get("mse", False))
                 setattr(parent, attr, from_state(state, f"layers.{i}.{name}", qconfig, lin.out_features,
                                                  lin.in_features, fast))
+        if head != "none":
+            model.output = from_state(state, "output", head_config(head), config.vocab_size, config.dim, fast)
     except KeyError as e:
         raise ModelFileError(f"{path}: missing tensor {e}") from None
     return model.eval(), {**meta, "quant_config": q}
