@@ -105,3 +105,25 @@ def test_checkpoint_round_trips_a_quantized_head(tiny_path, tmp_path, kind):
     from safetensors import safe_open
     with safe_open(str(path), "pt") as f:
         assert not any(k.startswith("tok_embeddings") for k in f.keys())  # the head's rows are the embedding
+
+
+def test_quantize_and_perplexity_commands_take_quant_head(tiny_path, tmp_path, capsys):
+    import json
+
+    from minillm.cli import main
+
+    out = tmp_path / "q.safetensors"
+    assert main(["quantize", "--quant", "rtn", "--group-size", "32", "--quant-head", "int4", "--out", str(out),
+                 "--model", str(tiny_path), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["quant_head"] == "int4"
+    assert isinstance(load_model(out)[0].output, QuantLinear)
+    text = tmp_path / "t.txt"
+    text.write_text("a0 a1 a2 " * 200)
+    runs = {}
+    for head in ("none", "int8"):
+        assert main(["perplexity", "--quant", "rtn", "--group-size", "32", "--quant-head", head, "--seqlen", "32",
+                     "--max-tokens", "128", "--text", str(text), "--model", str(tiny_path), "--json"]) == 0
+        runs[head] = json.loads(capsys.readouterr().out)
+    assert runs["int8"]["quant_head"] == "int8" and runs["int8"]["kl"] != runs["none"]["kl"]
+    assert main(["perplexity", "--quant-head", "int8", "--model", str(tiny_path)]) == 2  # needs --quant
+    assert "add --quant" in capsys.readouterr().err

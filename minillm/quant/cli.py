@@ -17,6 +17,7 @@ from . import avenues, bitrate, pipeline
 from .bench import TABLE_CONFIGS, format_table, plot_layer_errors, plot_ppl_vs_bits, quant_table, save_table
 from .checkpoint import save_quantized
 from .gguf_quant import write_gguf
+from .head import HEAD_KINDS
 from .qlinear import KERNEL_GROUP_SIZES
 from .rtn import QuantConfig
 
@@ -56,6 +57,9 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--calib-samples", type=at_least(1), default=pipeline.CALIB_SAMPLES,
                    help=f"calibration windows (default {pipeline.CALIB_SAMPLES})")
     p.add_argument("--calib-seqlen", type=at_least(2), default=512, help="tokens per calibration window")
+    p.add_argument("--quant-head", choices=HEAD_KINDS, default="none",
+                   help="the output layer (and the tied embedding): none (float, default), int8 per channel, "
+                        "int4 groups of 32 (round to nearest; with --quant rtn/gptq/awq/awq+gptq)")
 
 
 def _quant_config(args) -> QuantConfig:
@@ -86,7 +90,7 @@ def _quantize(args, model, tokenizer, config=None) -> dict:
     return pipeline.quantize_model(model, args.quant, config, calib, act_order=args.act_order,
                                    static_groups=args.static_groups, percdamp=args.percdamp,
                                    true_sequential=args.true_sequential, v2=args.v2, awq_clip=args.awq_clip,
-                                   progress=not args.json)
+                                   progress=not args.json, quant_head=args.quant_head)
 
 
 def _read_text(args) -> tuple[str, str]:
@@ -100,6 +104,9 @@ def _read_text(args) -> tuple[str, str]:
 
 
 def cmd_perplexity(args) -> int:
+    if args.quant_head != "none" and not args.quant:
+        raise ValueError("quant-head: quantizes the output layer of a --quant model; add --quant (rtn needs no "
+                         "calibration)")
     config = _quant_config(args) if args.quant else None
     text, name = _read_text(args)
     model, tokenizer = load(args)
@@ -116,7 +123,7 @@ def cmd_perplexity(args) -> int:
         report.update(quant=args.quant, bits=args.bits, group_size=args.group_size, act_order=q["act_order"],
                       static_groups=q["static_groups"], mse=q["mse"], percdamp=q["percdamp"],
                       true_sequential=q["true_sequential"], v2=q["v2"], awq_clip=q["awq_clip"], float_perplexity=float_ppl,
-                      calib_samples=q.get("calib_samples"), calib_seqlen=q.get("calib_seqlen"))
+                      calib_samples=q.get("calib_samples"), calib_seqlen=q.get("calib_seqlen"), quant_head=args.quant_head)
     report.update(perplexity(model, tokens, args.seqlen, args.max_tokens, progress=not args.json, reference=reference))
     if args.json:
         print_json(report)
@@ -126,7 +133,8 @@ def cmd_perplexity(args) -> int:
           f"(no overlap; each window's first token is only context), from the first {report['tokens_in_windows']} "
           f"of {taken} tokens taken ({report['text_tokens']} in the text)")
     if args.quant:
-        print(f"float perplexity {report['float_perplexity']:.3f}; {args.quant} {args.bits}-bit group {args.group_size}: "
+        print(f"float perplexity {report['float_perplexity']:.3f}; {args.quant} {args.bits}-bit group {args.group_size}"
+              f"{'' if args.quant_head == 'none' else ', ' + args.quant_head + ' head'}: "
               f"perplexity {report['perplexity']:.3f}, KL {report['kl']:.4f} nats/token, "
               f"top-1 agreement {report['top1_agreement']:.3f}")
     else:
@@ -136,6 +144,8 @@ def cmd_perplexity(args) -> int:
 
 def cmd_quantize(args) -> int:
     if args.quant in GGUF_TYPES:
+        if args.quant_head != "none":
+            raise ValueError(f"quant-head: {args.quant} writes llama.cpp's block formats for every tensor; drop --quant-head")
         if not args.out.endswith(".gguf"):
             raise ValueError(f"out: {args.quant} writes a GGUF file; give a path ending in .gguf, got {args.out!r}")
         src = args.model or str(default_model_path())
@@ -162,7 +172,8 @@ def cmd_quantize(args) -> int:
         q = _quantize(args, model, tokenizer, config)
         out = save_quantized(model, args.out, q, tokenizer_source=src)
         report = {"out": str(out), "format": "safetensors", "bytes": os.path.getsize(out),
-                  "float32_bytes": 4 * model.config.n_params, **{k: q[k] for k in ("method", "bits", "group_size")}}
+                  "float32_bytes": 4 * model.config.n_params,
+                  **{k: q[k] for k in ("method", "bits", "group_size", "quant_head")}}
     if args.json:
         print_json(report)
     else:

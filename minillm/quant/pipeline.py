@@ -30,6 +30,7 @@ from ..data import CALIBRATION_PLAY, play_text
 from ..model import Linear
 from .awq import fold_scales, search_clip, search_scales
 from .gptq import Hessian, asymmetric_target, gptq_quantize
+from .head import head_config, quantize_output
 from .qlinear import QuantLinear, warn_slow_layers
 from .rtn import QuantConfig, rtn_quantize
 
@@ -102,7 +103,7 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
                    act_order: bool | None = None, static_groups: bool = False, blocksize: int = 128,
                    percdamp: float | None = None, true_sequential: bool | None = None, v2: bool | None = None,
                    v2_alpha: float = 1.0, awq_grid: int = 20, awq_clip: bool | None = None, awq_tokens: int = 4096,
-                   fast: bool = True, progress: bool = True) -> dict:
+                   fast: bool = True, progress: bool = True, quant_head: str = "none") -> dict:
     """Quantize every linear layer of ``model``'s blocks in place (Linear -> ``QuantLinear``).
 
     Every option left at None takes the measured best for the method (``GPTQ_DEFAULTS``; the paper's
@@ -129,6 +130,8 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         fast: let each ``QuantLinear`` use the int4 kernel when it can (a warning names the layers
             whose layout it cannot run).
         progress: progress bar over blocks.
+        quant_head: "none" (the output layer stays float, as in GPTQ and AWQ), "int8" or "int4": the
+            output layer (and a tied embedding) quantized by round to nearest (``head.quantize_output``).
 
     Returns:
         {"method", "bits", "group_size", "act_order", ... (the options that ran), "layers": [{"name",
@@ -141,6 +144,7 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
     """
     if method not in METHODS:
         raise ValueError(f"method: {method!r} is not one of {METHODS}")
+    head_config(quant_head)  # an unknown kind is refused before the work
     awq, gptq = method.startswith("awq"), method.endswith("gptq")
     best = GPTQ_DEFAULTS if gptq else {**GPTQ_PAPER, "true_sequential": GPTQ_DEFAULTS["true_sequential"]}
     act_order = best["act_order"] if act_order is None else act_order
@@ -181,6 +185,9 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
             if awq:
                 report["layers"] += awq_scale_block(model, block, i, X, rope, mask, config, awq_grid, awq_tokens)
             X, X_float = quantize_block(quantizer, block, i, X, rope, mask, X_float)
+    report["quant_head"] = quant_head
+    if quant_head != "none":
+        report["head"] = quantize_output(model, quant_head, fast)
     warn_slow_layers(model, config)
     return report
 
