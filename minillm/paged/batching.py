@@ -51,6 +51,13 @@ class Rows:
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
 
+    def logits_indices(self, seq_ids) -> torch.Tensor:
+        """(N,) int64 flat indices (row * T + column) of the last tokens of ``seq_ids``, for
+        ``Decoder.forward(..., logits_indices=)``."""
+        T = self.tokens.shape[1]
+        return torch.tensor([self.last[s][0] * T + self.last[s][1] for s in seq_ids], dtype=torch.long,
+                            device=self.tokens.device)
+
 
 def _cut(spans, width: int):
     """Each span (seq_id, start, token_ids) cut into rows of at most ``width`` tokens, in position order."""
@@ -86,11 +93,13 @@ def _to_rows(cut, width: int, device) -> Rows:
 def pack_rows(spans: list[tuple[int, int, list[int]]], max_seq_len: int, device="cpu",
               width: int | None = None) -> Rows:
     """Pack spans (seq_id, first position, new token ids) into rows of width ``width`` (default:
-    ``choose_row_width``). Raises ValueError for no spans or an empty span."""
+    ``choose_row_width``), ordered by where each row ends (the keys it attends over), so that the
+    "bucketed" cache's groups of rows are consecutive rows (a sequence's rows stay in position order).
+    Raises ValueError for no spans or an empty span."""
     if not spans or any(not ids for _, _, ids in spans):
         raise ValueError("spans: give at least one span, each with at least one token")
     width = width or choose_row_width([len(ids) for _, _, ids in spans], max_seq_len)
-    return _to_rows(_cut(spans, width), width, device)
+    return _to_rows(sorted(_cut(spans, width), key=lambda row: row[1] + len(row[2])), width, device)
 
 
 def pack_rows_naive(spans: list[tuple[int, int, list[int]]], max_seq_len: int = 0, device="cpu") -> Rows:

@@ -17,14 +17,19 @@ layer writes every row's keys and values before any row attends, so several rows
 sequence (consecutive spans, in position order: a prefill in chunks, or a verified draft), and a
 later row sees what an earlier row wrote in the same forward.
 
-Two ways to hand the attention its keys (``attention=``):
+Three ways to hand the attention its keys (``attention=``):
 * "gather", the reference: per row, the sequence's blocks concatenated and cut to its length, then
   padded to S and stacked; fresh tensors every layer.
 * "indexed", the default: the (B * S,) slot indices of every row's positions, computed once per
   forward in ``prepare``, and one ``index_select`` per layer into a buffer reused by every layer.
+* "bucketed", the engine's: the cache runs the attention itself (``attend``). Rows are grouped by
+  the keys they attend over (``buckets``), each group gathers its rows' keys padded to its own
+  longest row rather than to S, and each KV head's G = H / Hkv query heads go to SDPA as G query
+  rows of one head (K and V read once per KV head, not G times). A group whose rows are one query
+  each at their sequence's last position needs no mask: SDPA's unmasked path (every decode at batch 1).
 Positions past a row's length read the slot of its last token (masked out), so no slot the sequence
 does not hold is ever read. The block-wise online softmax of the PagedAttention kernel is
-``minillm.paged.attention.paged_attention``; on this 2-core CPU it is slower than either (see there).
+``minillm.paged.attention.paged_attention``; on this 2-core CPU it is slower than any of them (see there).
 
 Measured on the 2-core CPU (SmolLM2-135M, float32, batch 1, 13-token prompt, 64 new tokens, block_size
 16, ten alternating rounds in one process): the contiguous ``KVCache`` decodes 36.5 tokens/s,
@@ -36,12 +41,35 @@ block and fresh tensors per layer). The contiguous cache returns a view, so it c
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..kv_cache import kv_cache_bytes
-from ..model import ModelConfig
+from ..model import ModelConfig, attention_mask
 from .block_manager import BlockManager, NoFreeBlocksError
 
-ATTENTION_PATHS = ("indexed", "gather")
+ATTENTION_PATHS = ("indexed", "gather", "bucketed")
+#: what one more group costs the "bucketed" path, in key positions of one row (an index_select and an
+#: SDPA call more per layer against reading and attending over that many more keys)
+BUCKET_COST = 128
+
+
+def buckets(key_lens: list[int], bucket_cost: float = BUCKET_COST) -> list[list[int]]:
+    """Rows grouped so that each group's rows attend over about as many keys: the partition of the rows,
+    sorted by key length, minimizing sum over groups of (bucket_cost + rows * longest row's keys)
+    (dynamic programming over the sorted lengths). Returns the groups as lists of row indices, each
+    group in increasing key length, groups in increasing length."""
+    order = sorted(range(len(key_lens)), key=key_lens.__getitem__)
+    L = [key_lens[i] for i in order]
+    best, cut = [0.0], [0]  # best[j]: cost of the first j sorted rows; cut[j]: where its last group starts
+    for j in range(1, len(L) + 1):
+        c, i = min((best[i] + bucket_cost + (j - i) * L[j - 1], i) for i in range(j))
+        best.append(c)
+        cut.append(i)
+    groups, j = [], len(L)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
 
 
 class PagedKVCache:
@@ -55,7 +83,8 @@ class PagedKVCache:
             down to whole blocks.
         dtype, device: of the pool (normally the model's).
         enable_prefix_caching: passed to the ``BlockManager``.
-        attention: "indexed" (default) or "gather" (the reference; see the module docstring).
+        attention: "indexed" (default), "gather" (the reference) or "bucketed" (the cache attends
+            itself, ``attend``; see the module docstring).
 
     Raises:
         ValueError: neither or both of num_blocks / kv_bytes, a pool smaller than one block, an
@@ -81,6 +110,7 @@ class PagedKVCache:
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size, self.attention = block_size, attention
         self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
+        self.group = config.n_heads // config.n_kv_heads  # query heads per KV head (GQA)
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
         # one tensor per layer (as KVCache): a layer's write never touches another layer's memory
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
@@ -91,6 +121,12 @@ class PagedKVCache:
     @property
     def num_blocks(self) -> int:
         return self.manager.num_blocks
+
+    @property
+    def attends(self) -> bool:
+        """Whether ``Attention.forward`` hands this cache its queries (``attend``) instead of asking for
+        keys and values (``update``) and attending itself."""
+        return self.attention == "bucketed"
 
     @property
     def nbytes(self) -> int:
@@ -183,7 +219,8 @@ class PagedKVCache:
         return self._S
 
     def _plan(self, pos: list[list[int]]) -> None:
-        """This forward's write slots and, per row, the slot of every key position 0..S-1."""
+        """This forward's write slots and, per row, the slot of every key position 0..S-1 ("indexed"), or
+        the groups of rows with their read slots and masks ("bucketed")."""
         bs, device = self.block_size, self.k[0].device
         lens = [self.manager.num_tokens(s) for s in self.rows]
         if min(lens) == 0:
@@ -201,33 +238,101 @@ class PagedKVCache:
         self._tables = [self.manager.block_table(s) for s in self.rows]
         self._lens = lens
         if self.attention == "indexed":
-            width = max(len(t) for t in self._tables)
-            tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in self._tables], dtype=torch.long)  # (B, nb)
-            key_pos = torch.minimum(torch.arange(S)[None, :], torch.tensor(lens)[:, None] - 1)  # (B, S), within the row
-            slots = tables.gather(1, key_pos // bs) * bs + key_pos % bs  # (B, S)
-            self._read_slots = slots.reshape(-1).to(device)
+            self._read_slots = self._slots(range(len(self.rows)), lens, S)
+        elif self.attention == "bucketed":
+            self._plan_groups(pos)
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this layer's new k, v (B, Hkv, T, D) at the prepared slots; return every row's keys and
-        values at positions 0..S-1, (B, Hkv, S, D) (positions past a row's length repeat its last). On the
-        "indexed" path these are views of a buffer that the next layer's ``update`` overwrites."""
+    def _slots(self, rows, lens: list[int], S: int) -> torch.Tensor:
+        """(len(rows) * S,) pool slots of key positions 0..S-1 of each row, a row of length n reading its
+        position n - 1 from there on."""
+        tables = [self._tables[b] for b in rows]
+        width = max(len(t) for t in tables)
+        tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)  # (B, nb)
+        key_pos = torch.minimum(torch.arange(S)[None, :], torch.tensor(lens)[:, None] - 1)  # (B, S), within the row
+        slots = tables.gather(1, key_pos // self.block_size) * self.block_size + key_pos % self.block_size
+        return slots.reshape(-1).to(self.k[0].device)
+
+    def _plan_groups(self, pos: list[list[int]]) -> None:
+        """The "bucketed" path's groups: (rows as a slice or an index tensor, read slots, S_g, mask)."""
+        device, T, G = self.k[0].device, len(pos[0]), self.group
+        key_lens = [max(max(row) + 1, 1) for row in pos]  # causal: a row attends up to its last position
+        self._groups = []
+        for rows in buckets(key_lens):
+            Sg = key_lens[rows[-1]]
+            mask = None  # every row one query at the position of its last key: nothing to mask
+            if T > 1 or any(key_lens[b] != Sg for b in rows):
+                qpos = torch.tensor([pos[b] for b in rows], dtype=torch.long, device=device)  # (Bg, T)
+                mask = attention_mask(qpos, torch.arange(Sg, device=device))  # (Bg, 1, T, Sg)
+                if T > 1:
+                    mask = mask.repeat(1, 1, G, 1)  # (Bg, 1, G*T, Sg): query row g*T + t is position t
+            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+            index = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)
+            self._groups.append((index, self._slots(rows, [key_lens[b] for b in rows], Sg), Sg, mask))
+        self._groups_in_order = all(isinstance(g[0], slice) for g in self._groups)  # sorted groups tile 0..B-1
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write this layer's new k, v (B, Hkv, T, D) at the prepared slots (padding is not written)."""
         B, Hkv, T, D = k.shape
         for pool, new in ((self.k[layer], k), (self.v[layer], v)):
             new = new.transpose(1, 2).reshape(B * T, Hkv, D)  # (B*T, Hkv, D): one entry per token
             if self._write_index is not None:
-                new = new[self._write_index]  # padding is not written
+                new = new[self._write_index]
             pool.view(-1, Hkv, D).index_copy_(0, self._write_slots, new)
+
+    def _buffers(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Two (n, Hkv, D) views of the read buffers, grown (to twice the need) when too small."""
+        if self._buf_k is None or self._buf_k.shape[0] < n:
+            self._buf_k = like.new_empty((2 * n, self.n_kv_heads, self.head_dim))
+            self._buf_v = like.new_empty((2 * n, self.n_kv_heads, self.head_dim))
+        return self._buf_k[:n], self._buf_v[:n]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new k, v (B, Hkv, T, D) at the prepared slots; return every row's keys and
+        values at positions 0..S-1, (B, Hkv, S, D) (positions past a row's length repeat its last). On the
+        "indexed" path these are views of a buffer that the next layer's ``update`` overwrites.
+
+        Raises:
+            ValueError: on the "bucketed" path, which attends itself (``attend``).
+        """
+        if self.attention == "bucketed":
+            raise ValueError("attention: the 'bucketed' cache attends itself; call attend(layer, q, k, v)")
+        B, Hkv, T, D = k.shape
+        self._write(layer, k, v)
         if self.attention == "gather":
             return self._gather(self.k[layer]), self._gather(self.v[layer])
         n = B * self._S
-        if self._buf_k is None or self._buf_k.shape[0] < n:
-            self._buf_k = k.new_empty((2 * n, Hkv, D))
-            self._buf_v = k.new_empty((2 * n, Hkv, D))
+        buf_k, buf_v = self._buffers(n, k)
         out = []
-        for pool, buf in ((self.k[layer], self._buf_k), (self.v[layer], self._buf_v)):
-            torch.index_select(pool.view(-1, Hkv, D), 0, self._read_slots, out=buf[:n])
-            out.append(buf[:n].view(B, self._S, Hkv, D).transpose(1, 2))  # (B, Hkv, S, D)
+        for pool, buf in ((self.k[layer], buf_k), (self.v[layer], buf_v)):
+            torch.index_select(pool.view(-1, Hkv, D), 0, self._read_slots, out=buf)
+            out.append(buf.view(B, self._S, Hkv, D).transpose(1, 2))  # (B, Hkv, S, D)
         return out[0], out[1]
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this layer's new k, v (B, Hkv, T, D), then attend: q (B, H, T, D) -> (B, H, T, D), what
+        ``minillm.model.attention(q, *update(layer, k, v), mask)`` gives ("bucketed" path; the module
+        docstring says how)."""
+        B, H, T, D = q.shape
+        Hkv = k.shape[1]
+        self._write(layer, k, v)
+        k_pool, v_pool = self.k[layer].view(-1, Hkv, D), self.v[layer].view(-1, Hkv, D)
+        outs = []
+        for rows, slots, Sg, mask in self._groups:
+            qg = q[rows]
+            Bg = qg.shape[0]
+            buf_k, buf_v = self._buffers(Bg * Sg, k)
+            torch.index_select(k_pool, 0, slots, out=buf_k)
+            torch.index_select(v_pool, 0, slots, out=buf_v)
+            kg = buf_k.view(Bg, Sg, Hkv, D).transpose(1, 2)  # (Bg, Hkv, Sg, D)
+            vg = buf_v.view(Bg, Sg, Hkv, D).transpose(1, 2)
+            qg = qg.reshape(Bg, Hkv, (H // Hkv) * T, D)  # a KV head's query heads as rows: (Bg, Hkv, G*T, D)
+            outs.append(F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask).view(Bg, H, T, D))
+        if self._groups_in_order:
+            return outs[0] if len(outs) == 1 else torch.cat(outs)
+        y = q.new_empty((B, H, T, D))
+        for (rows, _, _, _), out in zip(self._groups, outs):
+            y[rows] = out
+        return y
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         """The reference read: each row's blocks, concatenated, cut, padded; (B, Hkv, S, D)."""

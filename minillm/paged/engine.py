@@ -28,7 +28,7 @@ import torch
 
 from ..generation import GenerationResult, Stopper, check_prompt, stop_ids
 from ..kv_cache import kv_cache_bytes as kv_bytes_of
-from ..sampling import SamplingParams, make_generator, sample
+from ..sampling import SamplingParams, check_logits, make_generator, sample
 from .batching import pack_rows
 from .beam import BeamSearchParams, finalize, search_done, select_beams
 from .block_manager import blocks_for
@@ -103,6 +103,8 @@ class LLMEngine:
         max_seq_len: context to use (default: the model's).
         row_width: force the forward's T (default: ``batching.choose_row_width``).
         record_logits: keep each sequence's next-token logits (tests compare them with a recompute).
+        attention: the cache's path (``PagedKVCache``): "bucketed" (default: rows grouped by length, the
+            cache attends), or "indexed" / "gather" (every row padded to the longest; the references).
 
     Raises:
         ValueError: from the pool and scheduler (sizes below 1).
@@ -111,14 +113,15 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 256, eos_ids=None, max_seq_len: int | None = None,
-                 row_width: int | None = None, record_logits: bool = False):
+                 row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed"):
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = min(max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         if num_blocks is None and kv_cache_bytes is None:
             element = torch.empty((), dtype=model.dtype).element_size()
             kv_cache_bytes = min(DEFAULT_KV_BYTES, kv_bytes_of(model.config, max_num_seqs, self.max_seq_len, element))
         self.cache = PagedKVCache(model.config, num_blocks, block_size, kv_bytes=kv_cache_bytes, dtype=model.dtype,
-                                  device=model.device, enable_prefix_caching=enable_prefix_caching)
+                                  device=model.device, enable_prefix_caching=enable_prefix_caching,
+                                  attention=attention)
         self.manager, self.block_size = self.cache.manager, block_size
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.eos_ids = stop_ids(tokenizer, eos_ids)
@@ -230,7 +233,11 @@ class LLMEngine:
                  for s, n in out.scheduled]
         rows = pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width)
         self.cache.set_rows(rows.seq_ids)
-        logits = self.model(rows.tokens, rows.input_pos, self.cache)  # (B, T, V)
+        computed = {s.seq_id: s.num_computed_tokens + n for s, n in out.scheduled}
+        ready = [s for s, _ in out.scheduled if computed[s.seq_id] == s.num_tokens]  # caught up: they sample
+        # logits only at the ready sequences' last tokens: (R, V), one output projection per sampled token
+        logits = self.model(rows.tokens, rows.input_pos, self.cache,
+                            logits_indices=rows.logits_indices([s.seq_id for s in ready]))
         for seq, n in out.scheduled:
             req = self.requests[seq.request_id]
             if req.num_cached_tokens is None:  # its first admission: what the prefix cache served
@@ -238,9 +245,8 @@ class LLMEngine:
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
                 self.stats.cached_tokens += req.num_cached_tokens
             seq.num_computed_tokens += n
-        ready = [s for s, _ in out.scheduled if s.num_computed_tokens == s.num_tokens]
         self._record_memory(len(self.stats.records), kinds, preempted, rows.shape, start)
-        touched = self._sample(ready, logits, rows) if ready else []
+        touched = self._sample(ready, logits) if ready else []
         self.stats.records[-1].end = time.perf_counter()
         self.stats.steps += 1
         outputs = [self._output(req) for req in touched]
@@ -250,22 +256,26 @@ class LLMEngine:
                 self._stoppers.pop(req.request_id, None)
         return outputs
 
-    def _sample(self, ready: list[Sequence], logits: torch.Tensor, rows) -> list[Request]:
-        """Next tokens for the sequences that caught up; returns the requests touched (in first-seen order)."""
-        where = torch.tensor([rows.last[s.seq_id] for s in ready], device=logits.device)  # (R, 2)
-        last = logits[where[:, 0], where[:, 1]]  # (R, V)
-        logprobs = torch.log_softmax(last, dim=-1)
+    def _sample(self, ready: list[Sequence], last: torch.Tensor) -> list[Request]:
+        """Next tokens for the sequences that caught up, from their logits ``last`` (R, V); returns the
+        requests touched (in first-seen order)."""
+        # one logsumexp gives every chosen token's logprob (logit - lse) and check_logits' verdict: it is
+        # finite exactly when a row has no NaN, no +inf and not only -inf (the error is check_logits')
+        lse = torch.logsumexp(last, dim=-1)  # (R,)
+        if not torch.isfinite(lse).all():
+            check_logits(last)
         touched: dict[str, Request] = {}
         greedy = [i for i, s in enumerate(ready)
                   if not self.requests[s.request_id].is_beam_search and self.requests[s.request_id].params.greedy]
-        greedy_tokens = dict(zip(greedy, sample(last[greedy], GREEDY).tolist())) if greedy else {}
+        greedy_tokens = dict(zip(greedy, last[greedy].argmax(-1).tolist())) if greedy else {}
+        lse = lse.tolist()
         for i, seq in enumerate(ready):
             req = self.requests[seq.request_id]
             touched[req.request_id] = req
             if self.record_logits:
                 self.logits.setdefault((req.request_id, seq.index), []).append(last[i].float().cpu())
             if req.is_beam_search:
-                self._beam_logprobs[seq.seq_id] = logprobs[i]
+                self._beam_logprobs[seq.seq_id] = torch.log_softmax(last[i], dim=-1)  # (V,), as the naive beam search
                 continue
             ks = range(req.params.n) if not req.forked else [seq.index]  # the first sample draws for every fork
             draws = [greedy_tokens[i] if i in greedy_tokens else
@@ -274,7 +284,7 @@ class LLMEngine:
             targets = [seq] + [self._fork(req, seq, k) for k in range(1, n)]
             req.forked = True
             for target, token in zip(targets, draws):
-                self._append(req, target, token, float(logprobs[i, token]))
+                self._append(req, target, token, float(last[i, token]) - lse[i])
         for req in touched.values():
             if req.is_beam_search:
                 self._beam_step(req)

@@ -1,0 +1,108 @@
+"""The engine's attention path ("bucketed": rows grouped by length, the cache attends) against the
+"indexed" and "gather" references, the bucketing's partition, and logits at chosen positions only;
+tiny random models (fast)."""
+
+import pytest
+import torch
+from helpers import random_decoder
+
+from minillm.model import ModelConfig, attention, attention_mask
+from minillm.paged import LLMEngine, PagedKVCache, pack_rows, pack_rows_naive
+from minillm.paged.cache import buckets
+
+CFG = ModelConfig(n_layers=1, dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=300,
+                  max_seq_len=128)  # G = 3 query heads per KV head
+
+
+def test_buckets_partition_the_rows_and_follow_the_cost():
+    lens = [40, 3, 41, 3, 100, 4, 39]
+    groups = buckets(lens, bucket_cost=10)
+    assert sorted(b for g in groups for b in g) == list(range(len(lens)))
+    assert [sorted(lens[b] for b in g) for g in groups] == [[3, 3, 4], [39, 40, 41], [100]]
+    assert buckets(lens, bucket_cost=10 ** 6) == [sorted(range(len(lens)), key=lens.__getitem__)]  # one group
+    assert buckets(lens, bucket_cost=0) == [[1, 3], [5], [6], [0], [2], [4]]  # equal lengths only share
+
+
+@pytest.mark.parametrize("path", ["indexed", "gather", "bucketed"])
+def test_mixed_prefill_and_decode_rows_with_nan_in_unowned_slots(path):
+    """Decode rows of several lengths, a prefill chunk cut into two rows of one sequence (the later row
+    sees the earlier one's keys) and a padding position, rows out of length order, GQA with G = 3, and
+    NaN in every slot no sequence holds: each path gives, per row, attention over that sequence's keys
+    alone (the contiguous computation)."""
+    torch.manual_seed(0)
+    H, Hkv, D, bs = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, 4
+    cache = PagedKVCache(CFG, 40, bs, attention=path)
+    held = [9, 2, 17, 0]  # tokens already cached per sequence; sequence 3 is new (its prompt: two rows)
+    keys = [torch.randn(Hkv, n + 8, D) for n in held]  # enough for its new tokens too
+    values = [torch.randn(Hkv, n + 8, D) for n in held]
+    for s, n in enumerate(held):
+        cache.add_sequence(s)
+        if n:
+            cache.manager.grow(s, n)
+            slots = cache.manager.slot_mapping(s, range(n))
+            for pool, x in ((cache.k[0], keys[s]), (cache.v[0], values[s])):
+                pool.view(-1, Hkv, D)[slots] = x[:, :n].transpose(0, 1)
+    rows = [2, 3, 0, 3, 1]  # sequence 3's rows in position order, the others between them
+    T = 4
+    pos = torch.tensor([[17, -1, -1, -1], [0, 1, 2, 3], [9, -1, -1, -1], [4, 5, 6, -1], [2, -1, -1, -1]])
+    cache.set_rows(rows)
+    cache.prepare(pos)
+    owned = {slot for s in range(4) for slot in cache.manager.slot_mapping(s, range(cache.manager.num_tokens(s)))}
+    for pool in (cache.k[0], cache.v[0]):
+        flat = pool.view(-1, Hkv, D)
+        flat[[i for i in range(len(flat)) if i not in owned]] = float("nan")
+    k_new = torch.stack([keys[s][:, p.clamp_min(0)] for s, p in zip(rows, pos)])  # (B, Hkv, T, D)
+    v_new = torch.stack([values[s][:, p.clamp_min(0)] for s, p in zip(rows, pos)])
+    q = torch.randn(len(rows), H, T, D)
+    if path == "bucketed":
+        out = cache.attend(0, q, k_new, v_new)
+    else:
+        k_all, v_all = cache.update(0, k_new, v_new)
+        out = attention(q, k_all, v_all, attention_mask(pos, torch.arange(k_all.shape[2])))
+    for b, (s, p) in enumerate(zip(rows, pos)):
+        real = p >= 0
+        n = int(p[real].max()) + 1
+        mask = torch.arange(n)[None, :] <= p[real][:, None]
+        want = attention(q[b:b + 1, :, real], keys[s][None, :, :n], values[s][None, :, :n], mask)
+        torch.testing.assert_close(out[b:b + 1, :, real], want, rtol=1e-5, atol=1e-5)
+    assert not out.isnan().any()
+
+
+def test_bucketed_cache_refuses_update():
+    cache = PagedKVCache(CFG, 4, 4, attention="bucketed")
+    cache.add_sequence(0)
+    cache.set_rows([0])
+    cache.prepare(torch.tensor([0]))
+    with pytest.raises(ValueError, match="attends itself"):
+        cache.update(0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
+
+
+def test_logits_indices_give_those_positions_logits():
+    model = random_decoder(300)
+    toks = torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        full = model(toks, torch.arange(5))
+        some = model(toks, torch.arange(5), logits_indices=torch.tensor([4, 9, 2]))
+    torch.testing.assert_close(some, torch.stack([full[0, 4], full[1, 4], full[0, 2]]), rtol=1e-5, atol=1e-5)
+
+
+def test_packer_orders_rows_by_their_end_and_keeps_the_naive_logits():
+    """pack_rows sorts rows by where they end (a sequence's rows stay in position order); the bucketed
+    engine's logits at each sequence's last token equal the naive one-row-per-sequence packing's."""
+    model = random_decoder(300)
+    g = torch.Generator().manual_seed(4)
+    ps = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 17, 1, 8, 12)]
+    rows = pack_rows([(i, 0, p) for i, p in enumerate(ps)], 17, width=4)
+    ends = [int(r.max()) + 1 for r in rows.input_pos]
+    assert ends == sorted(ends)
+    outs = []
+    for pack, path in ((pack_rows_naive, "indexed"), (lambda spans, S: pack_rows(spans, S, width=4), "bucketed")):
+        engine = LLMEngine(model, block_size=4, num_blocks=32, attention=path)
+        for i, p in enumerate(ps):
+            engine.manager.allocate(i, p)
+        rows = pack([(i, 0, p) for i, p in enumerate(ps)], 17)
+        engine.cache.set_rows(rows.seq_ids)
+        with torch.inference_mode():
+            outs.append(model(rows.tokens, rows.input_pos, engine.cache,
+                              logits_indices=rows.logits_indices(range(len(ps)))))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
