@@ -1,5 +1,7 @@
 """``bench decode``: batch-1 decode tokens/s of the naive path, the KV caches and transformers on the
-same weights; and the KV cache's step time against position (notebook 02).
+same weights; and the KV cache's step time against position (notebook 02). ``bench decode --peer
+llamacpp``: minillm's 4-bit paths beside llama.cpp on the same GGUF, interleaved in one process, with the
+bytes each reads per token and the share of the memory bandwidth (measured in the same run) it reaches.
 
 Measuring rules (``minillm.timing``): a warm-up run, device synchronization, several repeats, the
 median, and every number printed with the machine, dtype, batch size, prompt and output length.
@@ -8,20 +10,35 @@ Speed is reported here, never asserted in tests.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from .compiled import compile_decode
 from .data import BENCH_PROMPT
 from .generation import generate, generate_cached, generate_dynamic, generate_naive
 from .kv_cache import make_cache
 from .loading import default_model_path
 from .paged import generate_paged
+from .quant import QuantConfig, quantize_model
+from .quant.head import quantize_output
+from .quant.qlinear import QuantLinear
+from .roofline.ceilings import measure
 from .sampling import SamplingParams
 from .timing import dtype_name, machine, synchronize, time_median
 
+
+
+def decode_bytes_per_token(model) -> int:
+    """Bytes of weights one decode step reads, quantized layers included: every float parameter as
+    ``weight_bytes_per_token`` counts it, plus what each quantized layer's forward reads (its kernel's
+    codes, scales and zeros: ``QuantLinear.kernel_nbytes``). A tied embedding is counted once, as the
+    output layer."""
+    quant = sum(m.kernel_nbytes() for m in model.modules() if isinstance(m, QuantLinear))
+    return weight_bytes_per_token(model) + quant
 
 
 def weight_bytes_per_token(model) -> int:
@@ -213,3 +230,154 @@ def total_time(coeffs: list[float], prompt_tokens: int, new_tokens: int) -> floa
     import numpy as np
 
     return float(np.polyval(coeffs, np.arange(prompt_tokens, prompt_tokens + new_tokens, dtype=float)).sum())
+
+
+# ---- bench decode --peer llamacpp: minillm's 4-bit paths beside llama.cpp on the same GGUF -----------
+
+LLAMACPP_INSTALL = "pip install llama-cpp-python==0.3.36 (it compiles llama.cpp from source: several minutes)"
+
+
+def llamacpp_available() -> bool:
+    """Whether the optional peer ``llama_cpp`` (llama-cpp-python) imports."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def load_llamacpp_peer(model_path, n_threads: int, n_ctx: int):
+    """llama.cpp (through llama-cpp-python) on a GGUF file, CPU only, ``n_threads`` for decode and prefill.
+
+    Raises:
+        ValueError: ``llama_cpp`` is not installed (the message says how to install it).
+    """
+    try:
+        import llama_cpp
+    except ImportError:
+        raise ValueError(f"peer: llamacpp needs the optional package llama-cpp-python; {LLAMACPP_INSTALL}") from None
+    path = Path(model_path) if model_path else default_model_path()
+    return llama_cpp.Llama(model_path=str(path), n_threads=n_threads, n_threads_batch=n_threads, n_ctx=n_ctx,
+                           n_gpu_layers=0, verbose=False)
+
+
+def gguf_bytes_per_token(model_path=None) -> int:
+    """Bytes of weights a llama.cpp decode step reads from a GGUF: every tensor as stored (its block
+    format's bytes), the token embedding only when it is also the output layer (tied)."""
+    from .formats.gguf import read_gguf
+
+    reader = read_gguf(Path(model_path) if model_path else default_model_path())
+    names = {t.name for t in reader.tensors}
+    return sum(int(t.n_bytes) for t in reader.tensors if t.name != "token_embd.weight" or "output.weight" not in names)
+
+
+def _llamacpp(llm, prompt_tokens, params):
+    n = params.max_new_tokens
+
+    def run():
+        llm.reset()  # no prefix reuse: every run prefills the prompt, as ours do
+        times, tokens = [], []
+        t0 = time.perf_counter()
+        for token in llm.generate(prompt_tokens, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            times.append(time.perf_counter())
+            tokens.append(int(token))
+            if len(tokens) == n:
+                break
+        return {"decode_tokens_per_s": (len(times) - 1) / (times[-1] - times[0]), "prefill_s": times[0] - t0,
+                "tokens": tokens}
+    return run
+
+
+def four_bit_paths(model, quant_head: str = "int4", compile: bool = True, progress: bool = True) -> dict:
+    """minillm's 4-bit decode paths built from a float ``model`` (left as it is): the blocks' linear layers
+    in 4 bits (RTN group 64: no calibration, and calibration changes accuracy, not speed) with the float
+    output layer, then with the output layer quantized (``quant_head``), eager and compiled.
+
+    Returns {name: model}."""
+    body = copy.deepcopy(model)
+    quantize_model(body, "rtn", QuantConfig(4, 64), progress=False)
+    paths = {"ours int4 (RTN g64), float head": body}
+    if quant_head != "none":
+        head = copy.deepcopy(body)
+        quantize_output(head, quant_head)
+        paths[f"ours int4 (RTN g64), {quant_head} head"] = head
+    if compile:
+        best = copy.deepcopy(list(paths.values())[-1])
+        name = list(paths)[-1] + ", compiled"
+        paths[name] = compile_decode(best)
+    return paths
+
+
+def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: int = 128, repeats: int = 3,
+                          model_path=None, quant_head: str = "int4", compile: bool = True,
+                          progress: bool = True) -> dict:
+    """Batch-1 greedy decode tokens/s of minillm's float and 4-bit paths (``four_bit_paths``) and of llama.cpp
+    on the same GGUF file, same prompt tokens, same thread count (``torch.get_num_threads()``), in this
+    process, interleaved: each repeat runs every path once in turn, after one warm-up run each (which also
+    compiles the compiled path). The memory bandwidth is measured in the same run (``roofline``'s streaming
+    copy and read of 512 MB, before and after the decode runs).
+
+    Returns:
+        dict with machine, threads, prompt_tokens, new_tokens, repeats, bandwidth (bytes/s: "before",
+        "after", "ceiling" = their max), and per path: decode_tokens_per_s (median), runs (each repeat's
+        tokens/s), prefill_s, bytes_per_token (weights read per decode step), achieved_GB_per_s, share_of_bound
+        (achieved / ceiling), same_tokens_as_float (greedy tokens equal to minillm float32's);
+        ratios: best minillm 4-bit path over llama.cpp, as the median of the per-repeat ratios and each
+        repeat's ratio.
+
+    Raises:
+        ValueError: llama_cpp is not installed.
+    """
+    from tqdm.auto import tqdm
+
+    n_threads = torch.get_num_threads()
+    prompt_tokens = tokenizer.encode(prompt)
+    llm = load_llamacpp_peer(model_path, n_threads, n_ctx=len(prompt_tokens) + new_tokens + 8)
+    params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
+    ours = {"ours float32 (cached, eager)": model, **four_bit_paths(model, quant_head, compile, progress)}
+    paths = {name: _ours(generate_cached, m, prompt_tokens, params) for name, m in ours.items()}
+    peer = "llama.cpp (same GGUF)"
+    paths[peer] = _llamacpp(llm, prompt_tokens, params)
+    nbytes = {name: decode_bytes_per_token(m) for name, m in ours.items()}
+    nbytes[peer] = gguf_bytes_per_token(model_path)
+    before = measure(str(model.device), dtypes=()).bandwidth
+    for fn in tqdm(paths.values(), desc="warm-up", disable=not progress, leave=False):
+        fn()
+    runs = {name: [] for name in paths}
+    for _ in tqdm(range(repeats), desc="bench decode --peer llamacpp", disable=not progress, leave=False):
+        for name, fn in paths.items():
+            runs[name].append(fn())
+    after = measure(str(model.device), dtypes=()).bandwidth
+    ceiling = max(before, after)
+    float_tokens = runs["ours float32 (cached, eager)"][-1]["tokens"]
+    results = {}
+    for name, rs in runs.items():
+        tps = statistics.median(r["decode_tokens_per_s"] for r in rs)
+        same = next((i for i, (a, b) in enumerate(zip(rs[-1]["tokens"], float_tokens)) if a != b), len(float_tokens))
+        results[name] = {"decode_tokens_per_s": tps, "runs": [r["decode_tokens_per_s"] for r in rs],
+                         "prefill_s": statistics.median(r["prefill_s"] for r in rs), "bytes_per_token": nbytes[name],
+                         "achieved_GB_per_s": nbytes[name] * tps / 1e9, "share_of_bound": nbytes[name] * tps / ceiling,
+                         "tokens_equal_to_float": same}
+    best = max((n for n in results if n != peer and "int4" in n), key=lambda n: results[n]["decode_tokens_per_s"])
+    per_repeat = [a / b for a, b in zip(results[best]["runs"], results[peer]["runs"])]
+    return {"machine": machine(), "device": str(model.device), "threads": n_threads, "batch_size": 1,
+            "prompt": prompt, "prompt_tokens": len(prompt_tokens), "new_tokens": new_tokens, "repeats": repeats,
+            "bandwidth": {"before": before, "after": after, "ceiling": ceiling}, "results": results,
+            "best_ours": best, "best_over_llamacpp": statistics.median(per_repeat),
+            "best_over_llamacpp_per_repeat": per_repeat}
+
+
+def format_bench_llamacpp(report: dict) -> str:
+    bw = report["bandwidth"]
+    lines = [f"machine: {report['machine']}",
+             f"{report['threads']} threads, batch 1, prompt {report['prompt_tokens']} tokens, {report['new_tokens']} new "
+             f"tokens, greedy; median of {report['repeats']} interleaved runs after a warm-up each; bandwidth bound "
+             f"{bw['ceiling'] / 1e9:.1f} GB/s (streaming 512 MB: {bw['before'] / 1e9:.1f} before, "
+             f"{bw['after'] / 1e9:.1f} after)",
+             f"{'path':48s} {'tok/s':>7s} {'MB/token':>9s} {'GB/s':>6s} {'of bound':>8s}  tokens = float's"]
+    for name, r in report["results"].items():
+        lines.append(f"{name:48s} {r['decode_tokens_per_s']:7.1f} {r['bytes_per_token'] / 1e6:9.1f} "
+                     f"{r['achieved_GB_per_s']:6.1f} {r['share_of_bound']:8.0%}  first {r['tokens_equal_to_float']}")
+    per = ", ".join(f"{x:.2f}" for x in report["best_over_llamacpp_per_repeat"])
+    lines.append(f"{report['best_ours']} / llama.cpp: {report['best_over_llamacpp']:.2f}x (per repeat: {per})")
+    return "\n".join(lines)

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .bench import bench_decode, format_bench
+from .bench import (LLAMACPP_INSTALL, bench_decode, bench_decode_llamacpp, format_bench, format_bench_llamacpp,
+                    llamacpp_available)
 from .exercises import cli as exercises_cli
 from .files import check_output_path, runs_folder
 from .generation import generate
@@ -125,6 +126,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench_decode(args) -> int:
+    if args.peer == "llamacpp":
+        return _bench_decode_llamacpp(args)
     peer = not args.no_peer
     if peer and is_quantized_file(args.model):
         print(f"note: {args.model} is quantized by minillm; transformers cannot load it, so the peer is skipped "
@@ -134,6 +137,23 @@ def cmd_bench_decode(args) -> int:
     report = bench_decode(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
                           peer=peer, model_path=args.model, progress=not args.json)
     print_json(report) if args.json else print(format_bench(report))
+    return 0
+
+
+def _bench_decode_llamacpp(args) -> int:
+    if args.no_peer:
+        raise ValueError("peer: --peer llamacpp and --no-peer contradict each other; drop one")
+    if not llamacpp_available():
+        raise ValueError(f"peer: llamacpp needs the optional package llama-cpp-python: {LLAMACPP_INSTALL}")
+    if is_quantized_file(args.model) or not (args.model or ".gguf").endswith(".gguf"):
+        raise ValueError(f"model: --peer llamacpp runs llama.cpp and minillm on the same GGUF file; got {args.model!r}")
+    if args.dtype != "float32":
+        raise ValueError(f"dtype: --peer llamacpp quantizes the float32 model; drop --dtype {args.dtype}")
+    model, tokenizer = load(args)
+    report = bench_decode_llamacpp(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
+                                   model_path=args.model, quant_head=args.quant_head, compile=not args.no_compile,
+                                   progress=not args.json)
+    print_json(report) if args.json else print(format_bench_llamacpp(report))
     return 0
 
 
@@ -177,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--repeats", type=at_least(1), default=3)
     bd.add_argument("--no-peer", action="store_true", help="skip the transformers measurement (skipped anyway "
                     "for a .safetensors file written by quantize, which transformers cannot read)")
+    bd.add_argument("--peer", choices=["transformers", "llamacpp"], default="transformers",
+                    help="transformers (default): the float paths beside transformers; llamacpp: minillm's float32 "
+                         "and 4-bit paths beside llama.cpp on the same GGUF, interleaved, with bytes per token and "
+                         f"the share of the measured bandwidth (needs the optional {LLAMACPP_INSTALL})")
+    bd.add_argument("--quant-head", choices=["none", "int8", "int4"], default="int4",
+                    help="--peer llamacpp: the output layer of the 4-bit paths (default int4)")
+    bd.add_argument("--no-compile", action="store_true", help="--peer llamacpp: leave out the compiled 4-bit path")
     add_model_args(bd)
     bd.set_defaults(func=cmd_bench_decode, measures_speed=True)
 
