@@ -10,8 +10,9 @@ this CPU is
     cost(T) ~ B * T * c_token + B * S * c_key
 
 with B * T the tokens the linear layers process (padding is computed too, then thrown away) and
-B * S the keys the cache gathers for the rows (every row reads S = the longest sequence's positions:
-the ``indexed`` read of ``PagedKVCache``). Decode rows want T = 1 (any wider row is padding), a prefill
+B * S the keys the cache gathers for the rows (with the ``indexed`` read of ``PagedKVCache`` every row
+reads S = the longest sequence's positions; the engine's ``bucketed`` read groups rows by length, so
+that S bounds what a row reads). Decode rows want T = 1 (any wider row is padding), a prefill
 chunk wants few rows (each row costs S key reads). ``choose_row_width`` tries every power of two up to
 the longest span (and the longest span itself) and keeps the cheapest by this model, with
 ``KEY_COST`` = c_key / c_token. ``measure_row_costs`` measures both on a model: SmolLM2-135M, float32,
@@ -20,7 +21,8 @@ on serve-bench's 64 requests, 0.05 (wider rows, fewer of them) ran at 94.5 outpu
 at 85.8 (one run each, same minute), so ``KEY_COST`` stays 0.05: the forward-level fit leaves out
 per-row costs (masks, RoPE gathers, the per-row slot tables) that favour fewer rows.
 
-``pack_rows`` is the packer; ``pack_rows_naive`` (one row per sequence, padded to the longest span) is
+``pack_rows`` is the packer (rows ordered by where they end, so that the bucketed read's groups are
+consecutive rows); ``pack_rows_naive`` (one row per sequence, padded to the longest span) is
 the baseline with the same result (tests/test_engine.py checks that their logits agree).
 """
 
