@@ -3,9 +3,12 @@ grid, and the figures of notebooks 04 / 04a (written as PNGs). No model needed."
 
 import pytest
 
-from minillm.speculative import SpeculativeStats, expected_tokens_per_pass
-from minillm.speculative.analysis import acceptance_counts, alpha_for_speedup, replay_grid
-from minillm.speculative import plots
+from minillm.speculative import SpeculativeStats, expected_tokens_per_pass, plots
+from minillm.speculative.analysis import (
+    acceptance_counts,
+    alpha_for_speedup,
+    replay_grid,
+)
 
 
 def test_acceptance_counts_by_hand_and_against_the_stats():

@@ -80,7 +80,8 @@ def what_we_measured(measured: dict[str, str], *reports: Report):
     Returns:
         an ``IPython.display.Markdown`` (a notebook displays it).
     """
-    from IPython.display import Markdown  # notebooks only: the checker itself needs no IPython
+    # notebooks only: the checker itself needs no IPython
+    from IPython.display import Markdown
 
     lines = ["## What we measured", ""]
     if measured:
