@@ -32,8 +32,11 @@ square turns that into the ordinary objective with another target weight:
 
 with ``C = (X_f - X) X^T`` (``Hessian.dXXT``) and H as above: the least-squares weight that maps the
 quantized model's inputs onto the float model's outputs. ``asymmetric_target`` computes W* (with the
-same dampening), and GPTQ, unchanged, quantizes W* on H. (GPTQv2's code folds the same correction into
-the column loop as an extra update term, scaled by a factor alpha = 0.25; ``alpha`` here scales W* - W.)
+same dampening), and GPTQ, unchanged, quantizes W* on H: since the two objectives differ by a constant,
+GPTQ's greedy column loop on W* is GPTQ's greedy loop on the asymmetric objective. (GPTQv2's own code
+keeps W and adds a correction term built from the same ``dXXT`` inside the column loop, scaled by a
+factor alpha = 0.25; its steps are not those of the completed square, so its results differ. ``alpha``
+here scales W* - W.)
 """
 
 from __future__ import annotations
