@@ -537,3 +537,16 @@ def test_calibration_tokens_are_seeded_windows_of_the_calibration_play(tokenizer
     a = calibration_tokens(tokenizer, 4, 64, seed=0)
     assert a.shape == (4, 64) and torch.equal(a, calibration_tokens(tokenizer, 4, 64, seed=0))
     assert not torch.equal(a, calibration_tokens(tokenizer, 4, 64, seed=1))
+
+
+def test_avenues_name_real_options_and_recovery_is_the_issues_formula():
+    import inspect
+
+    from minillm.quant.avenues import AVENUES, gptq_avenues, recovery
+
+    assert recovery(31.0, 36.0, 29.0) == pytest.approx(5 / 7)  # (RTN - method) / (RTN - float)
+    params = set(inspect.signature(quantize_model).parameters)
+    for name, (_, over) in AVENUES.items():
+        assert set(over) - {"calib", "mse"} <= params, name
+    with pytest.raises(ValueError, match="unknown"):
+        gptq_avenues(None, None, ["smoothquant"])
