@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from ..data import HELD_OUT_PLAY, play_text
-from ..evaluation import perplexity, reference_logprobs
+from ..evaluation import perplexity, reference_logprobs, windows
 from ..files import atomic_write, dumps_strict, runs_folder
 from ..formats.gguf import read_gguf
 from ..loading import default_model_path, load_model
@@ -88,18 +90,28 @@ def score_files(files: dict[str, str | Path], max_tokens: int = 4096, seqlen: in
     """Perplexity of each file's model on the held-out play, and KL from the first file's model.
 
     All files are scored with minillm's forward (float32, dequantized weights) on the same tokens
-    (the first file's tokenizer) and windows. Returns one row per file: label,
-    file (its name), bytes, bits_per_weight, types, and ``evaluation.perplexity``'s keys.
+    (the first file's tokenizer) and windows, exactly as ``evaluation.perplexity`` scores them; the
+    reference log-probabilities are made one window at a time, so that at most two models and one
+    window's reference are in memory (the full reference of 8 windows alone is 0.8 GB). Returns one
+    row per file: label, file (its name), bytes, bits_per_weight, types, and
+    ``evaluation.perplexity``'s keys.
     """
-    rows, tokens, reference = [], None, None
-    for label, path in files.items():
-        model, tokenizer = load_model(path, n_shards=1)
-        if tokens is None:
-            tokens = tokenizer.encode(play_text(HELD_OUT_PLAY))
-            reference = reference_logprobs(model, tokens, seqlen, max_tokens, progress=progress)
-        score = perplexity(model, tokens, seqlen, max_tokens, progress=progress, reference=reference)
-        rows.append({"label": label, "file": Path(path).name, "bytes": os.path.getsize(path),
-                     "bits_per_weight": bits_per_weight(path), "types": type_counts(path), **score})
+    labels = list(files)
+    reference, tokenizer = load_model(files[labels[0]], n_shards=1)
+    tokens = tokenizer.encode(play_text(HELD_OUT_PLAY))
+    ws = [w.tolist() for w in windows(tokens, seqlen, max_tokens, reference.config.max_seq_len)]
+    rows = []
+    for label in labels:
+        model = reference if label == labels[0] else load_model(files[label], n_shards=1)[0]
+        sums = {"nll": 0.0, "kl": 0.0, "top1_agreement": 0.0}
+        for w in tqdm(ws, desc=f"perplexity, {label}", disable=not progress, leave=False):
+            score = perplexity(model, w, seqlen, reference=reference_logprobs(reference, w, seqlen))
+            for k in sums:  # every window scores seqlen - 1 tokens: the means over windows are the means
+                sums[k] += score[k] / len(ws)
+        rows.append({"label": label, "file": Path(files[label]).name, "bytes": os.path.getsize(files[label]),
+                     "bits_per_weight": bits_per_weight(files[label]), "types": type_counts(files[label]),
+                     "perplexity": math.exp(sums["nll"]), **sums, "tokens": len(ws) * (seqlen - 1),
+                     "windows": len(ws), "seqlen": seqlen, "text_tokens": len(tokens)})
         del model
     return rows
 
