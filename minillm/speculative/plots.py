@@ -162,27 +162,30 @@ def plot_speedup_vs_gamma(sweep: dict, path) -> Path:
 
 
 def plot_replay_tokens_per_pass(grids: dict[str, dict[int, dict[int, float]]], path) -> Path:
-    """Tokens per target pass against gamma from ``analysis.replay_grid``, one colour per workload and
-    one line style per shortest match min_n (no verify cost: an upper bound on the speedup)."""
+    """Tokens per target pass against gamma from ``analysis.replay_grid``: one panel per workload, one
+    line per shortest match min_n (no verify cost: an upper bound on the speedup), and a line at 2."""
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7.5, 4.4))
-    styles = {1: "-", 2: "--", 3: ":"}
-    for name, grid in grids.items():
-        colour = None
+    cols = min(3, len(grids))
+    nrows = math.ceil(len(grids) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.6 * cols, 2.8 * nrows), sharey=True, squeeze=False)
+    styles = {1: ("-", "o"), 2: ("--", "s"), 3: (":", "^")}
+    top = max(t for grid in grids.values() for by_gamma in grid.values() for t in by_gamma.values())
+    for ax, (name, grid) in zip(axes.flat, grids.items()):
         for n, by_gamma in grid.items():
-            line, = ax.plot(list(by_gamma), list(by_gamma.values()), styles.get(n, "-."), color=colour,
-                            marker="o" if n == 1 else None, ms=3,
-                            label=f"{short_name(name)}" if colour is None else None)
-            colour = line.get_color()
-    for n, ls in styles.items():
-        if any(n in grid for grid in grids.values()):
-            ax.plot([], [], ls, color="gray", label=f"min_n = {n}")
-    gammas = sorted({g for grid in grids.values() for by_gamma in grid.values() for g in by_gamma})
-    ax.set_xticks(gammas)
-    ax.axhline(2, color="gray", lw=1)
-    ax.set_xlabel("gamma (most drafts per pass)")
-    ax.set_ylabel("tokens per target pass")
-    ax.set_title("Prompt lookup replayed on the greedy answers (gray line: 2 tokens per pass)", fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
+            ls, marker = styles.get(n, ("-.", None))
+            ax.plot(list(by_gamma), list(by_gamma.values()), ls=ls, marker=marker, ms=3, label=f"min_n = {n}")
+        ax.axhline(2, color="gray", lw=1)
+        gammas = sorted({g for by_gamma in grid.values() for g in by_gamma})
+        ax.set_xticks([g for g in gammas if g in (1, 2, 4, 8, 12, 16) or g == gammas[-1]])
+        ax.set_ylim(0.8, top * 1.1)
+        ax.set_title(short_name(name), fontsize=9)
+    for ax in axes.flat[len(grids):]:
+        ax.axis("off")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("tokens per target pass")
+    for ax in axes[-1]:
+        ax.set_xlabel("gamma (most drafts per pass)")
+    axes.flat[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("Prompt lookup replayed on the greedy answers (gray: 2 tokens per pass)", fontsize=10)
     fig.tight_layout()
     return save_figure(fig, path)
