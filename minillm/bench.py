@@ -321,7 +321,8 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
         dict with machine, threads, prompt_tokens, new_tokens, repeats, bandwidth (bytes/s: "before",
         "after", "ceiling" = their max), and per path: decode_tokens_per_s (median), runs (each repeat's
         tokens/s), prefill_s, bytes_per_token (weights read per decode step), achieved_GB_per_s, share_of_bound
-        (achieved / ceiling), same_tokens_as_float (greedy tokens equal to minillm float32's);
+        (achieved / ceiling), tokens_equal_to_float (greedy tokens in common with minillm float32's, from
+        the first), and for the compiled path tokens_equal_to_eager (the same against its eager twin);
         ratios: best minillm 4-bit path over llama.cpp, as the median of the per-repeat ratios and each
         repeat's ratio.
 
@@ -358,6 +359,11 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
                          "prefill_s": statistics.median(r["prefill_s"] for r in rs), "bytes_per_token": nbytes[name],
                          "achieved_GB_per_s": nbytes[name] * tps / 1e9, "share_of_bound": nbytes[name] * tps / ceiling,
                          "tokens_equal_to_float": same}
+        eager = name.removesuffix(", compiled")
+        if eager != name:  # the compiled path beside its eager baseline: greedy tokens in common
+            ref = runs[eager][-1]["tokens"]
+            results[name]["tokens_equal_to_eager"] = next(
+                (i for i, (a, b) in enumerate(zip(rs[-1]["tokens"], ref)) if a != b), len(ref))
     best = max((n for n in results if n != peer and "int4" in n), key=lambda n: results[n]["decode_tokens_per_s"])
     per_repeat = [a / b for a, b in zip(results[best]["runs"], results[peer]["runs"])]
     return {"machine": machine(), "device": str(model.device), "threads": n_threads, "batch_size": 1,
@@ -377,7 +383,8 @@ def format_bench_llamacpp(report: dict) -> str:
              f"{'path':48s} {'tok/s':>7s} {'MB/token':>9s} {'GB/s':>6s} {'of bound':>8s}  tokens = float's"]
     for name, r in report["results"].items():
         lines.append(f"{name:48s} {r['decode_tokens_per_s']:7.1f} {r['bytes_per_token'] / 1e6:9.1f} "
-                     f"{r['achieved_GB_per_s']:6.1f} {r['share_of_bound']:8.0%}  first {r['tokens_equal_to_float']}")
+                     f"{r['achieved_GB_per_s']:6.1f} {r['share_of_bound']:8.0%}  first {r['tokens_equal_to_float']}"
+                     + (f" (= its eager twin's: first {r['tokens_equal_to_eager']})" if "tokens_equal_to_eager" in r else ""))
     per = ", ".join(f"{x:.2f}" for x in report["best_over_llamacpp_per_repeat"])
     lines.append(f"{report['best_ours']} / llama.cpp: {report['best_over_llamacpp']:.2f}x (per repeat: {per})")
     return "\n".join(lines)
