@@ -63,6 +63,7 @@ def compare_once(model, tokenizer, prompt_ids, params, gamma, draft=None, repeat
         "tokens": plain[-1].tokens, "new_tokens": len(plain[-1].tokens),
         "same_tokens": all(r.tokens == plain[-1].tokens for r, _ in spec),
         "alpha": st.alpha, "acceptance_rate": st.acceptance_rate, "acceptance_by_position": st.acceptance_by_position(),
+        "drafted": st.drafted, "accepted": st.accepted, "emitted": st.emitted,
         "passes": len(st.drafted), "mean_drafted": sum(st.drafted) / len(st.drafted),
         "passes_without_draft": sum(k == 0 for k in st.drafted) / len(st.drafted),
         "tokens_per_target_pass": st.tokens_per_target_pass,
@@ -81,26 +82,29 @@ def draft_cost_ratio(model, draft, repeats: int = 5) -> float:
 
 
 def bench_spec(model, tokenizer, *, num_speculative_tokens: int = 4, new_tokens: int = 64, repeats: int = 1,
-               draft=None, draft_name: str = "ngram", workloads=None, progress: bool = True) -> dict:
+               draft=None, draft_name: str = "ngram", workloads=None, verify_s=None, progress: bool = True) -> dict:
     """Plain cached decoding vs speculative decoding, greedy, batch 1, on ``SPEC_WORKLOADS``.
 
     Args:
         draft: None for n-gram prompt lookup (Saxena 2023), or a draft ``Decoder`` sharing the tokenizer.
         workloads: names of SPEC_WORKLOADS to run (default: all).
+        verify_s: {k: seconds of a target forward over k tokens} for k = 1..gamma+1, measured before
+            (``timing.measure_verify``), so that several reports predict from one measurement; default:
+            measured here.
 
     Returns:
         dict: machine, dtype, proposer, num_speculative_tokens, new_tokens, repeats, verify_s ({k:
         seconds of a target forward over k tokens}, k = 1..gamma+1), draft_cost_ratio (c), and rows:
         per workload the greedy answer (tokens), tokens/s of both paths, measured speedup, alpha,
-        acceptance per position, tokens per pass, share of passes without a draft, and the predicted
-        speedups: proposer-aware (``predicted_speedup``, from the measured tokens per pass and from
+        drafted / accepted / emitted per pass, acceptance per position, tokens per pass, share of
+        passes without a draft, and the predicted speedups: proposer-aware (``predicted_speedup``, from the measured tokens per pass and from
         alpha) and Leviathan et al.'s closed form (Theorem 3.8; with and without the measured verify
         cost).
     """
     gamma = num_speculative_tokens
     params = SamplingParams(max_new_tokens=new_tokens)  # stop at the end of the answer, as a user would
     generate_cached(model, tokenizer.encode("warm up"), SamplingParams(max_new_tokens=4))
-    verify = measure_verify(model, ks=range(1, gamma + 2))
+    verify = verify_s or measure_verify(model, ks=range(1, gamma + 2))
     c = 0.0 if draft is None else draft_cost_ratio(model, draft)
     rows = []
     for name in tqdm(workloads or list(SPEC_WORKLOADS), desc="bench spec", disable=not progress, leave=False):
@@ -113,9 +117,10 @@ def bench_spec(model, tokenizer, *, num_speculative_tokens: int = 4, new_tokens:
 
 
 def sweep_gamma(model, tokenizer, *, gammas=(1, 2, 3, 4, 6, 8), workloads=None, new_tokens: int = 64,
-                repeats: int = 1, draft=None, progress: bool = True) -> dict:
+                repeats: int = 1, draft=None, verify_s=None, progress: bool = True) -> dict:
     """Measured and predicted (proposer-aware) speedup for each gamma on each workload (default:
     the input-grounded ones), and the best gamma of each. The plain path runs once per workload.
+    ``verify_s`` as ``bench_spec``'s (k = 1..max(gammas)+1; default: measured here).
 
     Returns:
         dict: verify_s, draft_cost_ratio, rows (workload, gamma, measured_speedup, predicted_speedup,
@@ -124,7 +129,7 @@ def sweep_gamma(model, tokenizer, *, gammas=(1, 2, 3, 4, 6, 8), workloads=None, 
     """
     params = SamplingParams(max_new_tokens=new_tokens)
     generate_cached(model, tokenizer.encode("warm up"), SamplingParams(max_new_tokens=4))
-    verify = measure_verify(model, ks=range(1, max(gammas) + 2))
+    verify = verify_s or measure_verify(model, ks=range(1, max(gammas) + 2))
     c = 0.0 if draft is None else draft_cost_ratio(model, draft)
     rows, best = [], {}
     jobs = [(w, g) for w in (workloads or INPUT_GROUNDED) for g in gammas]
