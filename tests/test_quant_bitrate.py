@@ -199,8 +199,12 @@ def test_quantize_bpw_writes_a_mixed_model_that_loads(tiny_gguf, tmp_path):
              "--measurement", str(m), "--model", str(tiny_gguf), "--out", str(tmp_path / "w.safetensors"))
     assert p2.returncode == 0, p2.stderr
     assert "achieved" in p2.stdout and "layers.1.mlp.w_down" in p2.stdout
-    bad = run("quantize", "--quant", "rtn", "--bpw", "3.4", "--model", str(tiny_gguf), "--out", str(tmp_path / "r.safetensors"))
-    assert bad.returncode != 0 and "--quant gptq" in bad.stderr
+    bad = run("quantize", "--quant", "awq", "--bpw", "3.4", "--model", str(tiny_gguf), "--out", str(tmp_path / "r.safetensors"))
+    assert bad.returncode != 0 and "--quant gptq or --quant rtn" in bad.stderr
+    # the measurement holds GPTQ's errors: the RTN variant refuses it rather than mixing the two
+    other = run("quantize", "--quant", "rtn", "--bpw", "3.4", "--measurement", str(m), "--model", str(tiny_gguf),
+                "--out", str(tmp_path / "r.safetensors"))
+    assert other.returncode != 0 and "measured with gptq" in other.stderr
 
 
 @pytest.mark.slow

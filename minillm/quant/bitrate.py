@@ -389,17 +389,21 @@ def goals(result: dict) -> dict:
 
 
 def bitrate_bench(model, tokenizer, budgets, *, options=DEFAULT_OPTIONS, table: dict | None = None,
-                  uniform_methods=UNIFORM_METHODS, max_tokens: int = 4096, calib_samples: int = 32,
-                  measure_samples: int = 16, progress: bool = True) -> dict:
-    """``bench quant --bpw``: measure (unless ``table`` is given), then for every budget the optimized
-    allocation, and every method of ``uniform_methods`` at every option, all scored the same way.
+                  uniform_methods=UNIFORM_METHODS, method: str = "gptq", max_tokens: int = 4096,
+                  calib_samples: int = 32, measure_samples: int = 16, error_windows: int = 4,
+                  progress: bool = True) -> dict:
+    """``bench quant --bpw``: measure (unless ``table`` is given) on the first ``measure_samples``
+    calibration windows, then for every budget the optimized allocation quantized with ``method``
+    ("gptq" with its range search, or "rtn"), and every method of ``uniform_methods`` at every option
+    (their measured-best settings), all scored the same way.
 
     Returns {"measurement", "variable": [rows], "uniform": [rows], "float", "goals", "setup"}.
     """
     budgets = [float(b) for b in budgets]
     setup = eval_setup(model, tokenizer, max_tokens=max_tokens, calib_samples=calib_samples)
     if table is None:
-        table = measure(model, setup["calib"][:measure_samples], options, progress=progress)
+        table = measure(model, setup["calib"][:measure_samples], options, error_windows=error_windows,
+                        mse=method == "gptq", method=method, progress=progress)
     else:
         options = [tuple(o) for o in table["options"]]
     for b in budgets:
@@ -408,7 +412,7 @@ def bitrate_bench(model, tokenizer, budgets, *, options=DEFAULT_OPTIONS, table: 
     variable, uniform = [], []
     for kind, arg in tqdm(jobs, desc="bench bitrate", disable=not progress):
         if kind == "variable":
-            variable.append(variable_row(model, setup, table, arg))
+            variable.append(variable_row(model, setup, table, arg, mse=method == "gptq", method=method))
         else:
             uniform.append(uniform_row(model, setup, kind, *arg))
     return finish_result(table, variable, uniform, describe(setup))
@@ -539,7 +543,7 @@ def save_result(result: dict, path) -> Path:
 
 def add_quantize_args(p) -> None:
     p.add_argument("--bpw", type=float, default=None,
-                   help="variable bitrate (gptq only): measure every layer under each option of "
+                   help="variable bitrate (--quant gptq or rtn): measure every layer under each option of "
                    f"{', '.join(f'{b}-bit g{g}' for b, g in DEFAULT_OPTIONS)}, then choose one option per layer "
                    "for this average of bits per weight (codes + float16 scales + zeros); replaces --bits/--group-size")
     p.add_argument("--measurement", default=None,
@@ -554,6 +558,9 @@ def add_bench_args(p) -> None:
                    help="with --bpw: the uniform methods to run beside it (comma-separated, or 'none')")
     p.add_argument("--measurement", default=None,
                    help="with --bpw: a measurement JSON to read (written there when the file does not exist)")
+    p.add_argument("--bpw-quant", choices=("gptq", "rtn"), default="gptq",
+                   help="with --bpw: the quantizer of the measurement and of the variable rows (default gptq; rtn: "
+                   "the cheap variant, measured on 2 windows)")
 
 
 def parse_budgets(text: str) -> list[float]:
@@ -583,7 +590,7 @@ def check_table(table: dict, model) -> None:
         raise ValueError("measurement: every layer needs one error and one cost per option")
 
 
-def _load_or_measure(args, model, calib, progress: bool) -> dict:
+def _load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
     import json
     import os
 
@@ -595,8 +602,13 @@ def _load_or_measure(args, model, calib, progress: bool) -> dict:
             raise ValueError(f"measurement: cannot read {args.measurement!r} as JSON ({e})") from None
         table = table.get("measurement", table)  # a bench result holds its measurement
         check_table(table, model)
+        if table["setup"].get("method", "gptq") != method:
+            raise ValueError(f"measurement: {args.measurement!r} was measured with {table['setup'].get('method')}, "
+                             f"not {method}; measure again (another file) or pick that method")
         return table
-    table = measure(model, calib[:16], DEFAULT_OPTIONS, error_windows=min(4, calib.shape[0]), progress=progress)
+    n = 16 if method == "gptq" else 2  # RTN needs no Hessian: only the windows the errors are measured on
+    table = measure(model, calib[:n], DEFAULT_OPTIONS, error_windows=min(4 if method == "gptq" else 2, calib.shape[0]),
+                    mse=method == "gptq", method=method, progress=progress)
     if args.measurement:
         save_result(table, args.measurement)
     return table
@@ -605,15 +617,16 @@ def _load_or_measure(args, model, calib, progress: bool) -> dict:
 def cmd_quantize_bpw(args, load, check_output_path, save_quantized, src: str) -> dict:
     """``quantize --quant gptq --bpw B``: measure (or read --measurement), optimize, quantize, save.
     Returns the command's report; prints the measured errors, the choice and the achieved bpw."""
-    if args.quant != "gptq":
-        raise ValueError(f"bpw: variable bitrate runs GPTQ; use --quant gptq (got --quant {args.quant})")
+    if args.quant not in ("gptq", "rtn"):
+        raise ValueError(f"bpw: variable bitrate quantizes with GPTQ or RTN; use --quant gptq or --quant rtn "
+                         f"(got --quant {args.quant})")
     if not math.isfinite(args.bpw) or args.bpw <= 0:
         raise ValueError(f"bpw: expected a positive number of bits per weight, got {args.bpw}")
     model, tokenizer = load(args)
     calib = calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
-    table = _load_or_measure(args, model, calib, progress=not args.json)
+    table = _load_or_measure(args, model, calib, args.quant, progress=not args.json)
     result = optimize(table, args.bpw)
-    report = quantize_variable(model, result["choice"], calib, progress=not args.json)
+    report = quantize_variable(model, result["choice"], calib, method=args.quant, progress=not args.json)
     out = save_quantized(model, args.out, report, tokenizer_source=src)
     if not args.json:
         print(format_measurement(table))
@@ -621,7 +634,7 @@ def cmd_quantize_bpw(args, load, check_output_path, save_quantized, src: str) ->
     import os
 
     return {"out": str(out), "format": "safetensors", "bytes": os.path.getsize(out), "float32_bytes": 4 * model.config.n_params,
-            "method": "gptq", "bits": None, "group_size": None, "target_bpw": args.bpw, "bpw": model_bpw(model),
+            "method": args.quant, "bits": None, "group_size": None, "target_bpw": args.bpw, "bpw": model_bpw(model),
             "objective": result["objective"], "layer_configs": report["layer_configs"],
             "measured_errors": {r["name"]: dict(zip([f"{b}b_g{g}" for b, g in table["options"]], r["errors"]))
                                 for r in table["layers"]}}
@@ -643,9 +656,11 @@ def cmd_bench_bitrate(args, load, check_output_path, print_json) -> int:
     table = None
     if args.measurement:
         calib = calibration_tokens(tokenizer, args.calib_samples, 512)
-        table = _load_or_measure(args, model, calib, progress=not args.json)
-    result = bitrate_bench(model, tokenizer, budgets, table=table, uniform_methods=methods,
-                           max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples, progress=not args.json)
+        table = _load_or_measure(args, model, calib, args.bpw_quant, progress=not args.json)
+    rtn = args.bpw_quant == "rtn"
+    result = bitrate_bench(model, tokenizer, budgets, table=table, uniform_methods=methods, method=args.bpw_quant,
+                           max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
+                           measure_samples=2 if rtn else 16, error_windows=2 if rtn else 4, progress=not args.json)
     path = save_result(result, out)
     plot_ppl_vs_bpw(result, path.with_name("05b_bitrate_ppl.png"))
     plot_bits_per_layer(result, path.with_name("05b_bitrate_bits.png"))
