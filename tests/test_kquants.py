@@ -188,7 +188,7 @@ def test_the_search_never_does_worse_than_min_max_rounding():
 
 
 def test_rows_that_256_does_not_divide_are_refused():
-    with pytest.raises(ValueError, match="not a multiple of the super-block size 256"):
+    with pytest.raises(ValueError, match="not a multiple of the block size 256"):
         kquants.quantize_q4_k(torch.zeros(2, 576))
 
 
@@ -257,7 +257,6 @@ def test_q4_k_m_writer_round_trips_a_tiny_gguf(tiny_k):
     assert got["blk.0.ffn_down.weight"] == Q.Q4_K and got["blk.1.ffn_down.weight"] == Q.Q6_K
     assert got["blk.0.attn_q.weight"] == Q.Q4_K and got["blk.1.attn_v.weight"] == Q.Q6_K
     assert got["blk.0.attn_norm.weight"] == Q.F32
-    assert b.fields["general.file_type"].contents() == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     assert b.fields["tokenizer.ggml.tokens"].contents() == a.fields["tokenizer.ggml.tokens"].contents()
     for t in b.tensors:  # what was written is our quantizer's output on the source weights
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
@@ -314,6 +313,11 @@ def test_real_model_q4_k_m_file(model_path, smollm2_q4_k_m, reader):
     assert [(t.name, t.shape.tolist()) for t in ours.tensors] == [(t.name, t.shape.tolist()) for t in reader.tensors]
     assert {t.name: t.tensor_type for t in ours.tensors} == {
         n: (q if q is not None else Q.F32) for n, q in tensor_types(reader, "Q4_K_M").items()}
+    assert ours.fields["general.file_type"].contents() == 15  # LLAMA_FTYPE_MOSTLY_Q4_K_M (the source says 3, Q4_1)
+    for t in ours.tensors:  # every tensor, Q4_K / Q6_K / Q5_0 / Q8_0, read as the gguf package reads it
+        shape = tuple(int(s) for s in reversed(t.shape.tolist()))
+        ref = torch.from_numpy(quants.dequantize(t.data, t.tensor_type).astype(np.float32)).reshape(shape)
+        assert torch.equal(gguf_blocks.dequantize(t.data, t.tensor_type, shape), ref), t.name
     model, tokenizer = minillm.load_model(smollm2_q4_k_m)
     out = minillm.generate_cached(model, tokenizer.encode("The capital of France is"),
                                   minillm.SamplingParams(max_new_tokens=4), tokenizer=tokenizer)

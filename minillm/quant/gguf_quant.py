@@ -31,21 +31,13 @@ from tqdm.auto import tqdm
 from ..files import atomic_write, check_output_path
 from ..formats.gguf import read_gguf
 from ..formats.gguf_blocks import dequantize
-from .kquants import q4_k_m_types, quantize_q4_k, quantize_q6_k
+from .kquants import blocks_of, f16_bytes, q4_k_m_types, quantize_q4_k, quantize_q6_k
 
 QK = 32
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
-    x = torch.as_tensor(x).float()
-    if x.shape[-1] % QK:
-        raise ValueError(f"x: rows of {x.shape[-1]} weights are not a multiple of the block size {QK}")
-    return x.reshape(-1, QK)
-
-
-def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
-    """(N, 1) float32 -> (N, 2) uint8, little-endian float16."""
-    return t.half().view(torch.uint8).reshape(-1, 2)
+    return blocks_of(x, QK)
 
 
 def _inverse(d: torch.Tensor) -> torch.Tensor:
@@ -78,7 +70,7 @@ def quantize_q8_0(x: torch.Tensor) -> np.ndarray:
     b = _blocks(x)
     d = b.abs().amax(dim=1, keepdim=True) / 127
     q = round_half_away(b * _inverse(d)).to(torch.int8).view(torch.uint8)
-    return _out(torch.cat([_f16_bytes(d), q], 1), tuple(torch.as_tensor(x).shape))
+    return _out(torch.cat([f16_bytes(d), q], 1), tuple(torch.as_tensor(x).shape))
 
 
 def quantize_q4_0(x: torch.Tensor) -> np.ndarray:
@@ -87,7 +79,7 @@ def quantize_q4_0(x: torch.Tensor) -> np.ndarray:
     imax = b.abs().argmax(dim=1, keepdim=True)
     d = b.gather(1, imax) / -8
     q = torch.trunc(b * _inverse(d) + 8.5).clamp(0, 15)
-    return _out(torch.cat([_f16_bytes(d), _nibbles(q)], 1), tuple(torch.as_tensor(x).shape))
+    return _out(torch.cat([f16_bytes(d), _nibbles(q)], 1), tuple(torch.as_tensor(x).shape))
 
 
 def quantize_q4_1(x: torch.Tensor) -> np.ndarray:
@@ -97,7 +89,7 @@ def quantize_q4_1(x: torch.Tensor) -> np.ndarray:
     mn = b.amin(dim=1, keepdim=True)
     d = (mx - mn) / 15
     q = torch.trunc((b - mn) * _inverse(d) + 0.5).clamp(0, 15)
-    return _out(torch.cat([_f16_bytes(d), _f16_bytes(mn), _nibbles(q)], 1), tuple(torch.as_tensor(x).shape))
+    return _out(torch.cat([f16_bytes(d), f16_bytes(mn), _nibbles(q)], 1), tuple(torch.as_tensor(x).shape))
 
 
 def quantize_q5_0(x: torch.Tensor) -> np.ndarray:
@@ -108,7 +100,7 @@ def quantize_q5_0(x: torch.Tensor) -> np.ndarray:
     q = torch.trunc(b * _inverse(d) + 16.5).clamp(0, 31).to(torch.int64)  # (N, 32) codes 0..31
     qh = ((q >> 4) << torch.arange(32)).sum(dim=1, keepdim=True)  # fifth bits: bit j for weight j
     qh = qh.to(torch.int32).view(torch.uint8).reshape(-1, 4)  # little-endian uint32 (this machine's order)
-    return _out(torch.cat([_f16_bytes(d), qh, _nibbles(q & 0x0F)], 1), tuple(torch.as_tensor(x).shape))
+    return _out(torch.cat([f16_bytes(d), qh, _nibbles(q & 0x0F)], 1), tuple(torch.as_tensor(x).shape))
 
 
 QUANTIZERS = {
@@ -129,7 +121,8 @@ def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | s
     """Re-quantize a GGUF file: every tensor with 2+ dimensions and rows a multiple of 32 becomes
     ``qtype`` (Q8_0, Q4_0, Q4_1 or Q5_0), or, for ``"q4_k_m"``, the type llama.cpp's Q4_K_M recipe
     gives it (``kquants.q4_k_m_types``: Q4_K, Q6_K and their fallbacks Q5_0, Q8_0); others (norms)
-    stay as they are; all metadata is copied, with ``general.file_type`` set to llama.cpp's value.
+    stay as they are; all metadata is copied, ``general.file_type`` (where the source has it) set to llama.cpp's value
+    for what is written.
 
     The source tensors are dequantized first (``minillm.formats.gguf_blocks``), as llama.cpp's
     ``llama-quantize --allow-requantize`` does; the tensors keep llama.cpp's layout and names.
@@ -169,8 +162,6 @@ def _copy_quantized(reader, writer, name: str, progress: bool) -> None:
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
         value = FILE_TYPES[name] if key == "general.file_type" else field.contents()
         writer.add_key_value(key, value, vtype, sub)
-    if "general.file_type" not in reader.fields:
-        writer.add_file_type(FILE_TYPES[name])
     types = tensor_types(reader, name)
     for t in tqdm(reader.tensors, desc=f"quantize {name}", disable=not progress, leave=False):
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order (rows, cols)

@@ -73,15 +73,16 @@ def _sqrt(t: torch.Tensor) -> torch.Tensor:
     return t.double().sqrt().float()
 
 
-def _rows(x: torch.Tensor, block: int) -> torch.Tensor:
+def blocks_of(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x (..., n) -> float32 (n_blocks, block); ValueError when ``block`` does not divide the rows."""
     x = torch.as_tensor(x).float()
     if x.shape[-1] % block:
-        raise ValueError(f"x: rows of {x.shape[-1]} weights are not a multiple of the super-block size {block}")
+        raise ValueError(f"x: rows of {x.shape[-1]} weights are not a multiple of the block size {block}")
     return x.reshape(-1, block)
 
 
-def _f16_bytes(t: torch.Tensor) -> torch.Tensor:
-    """(N,) float32 -> (N, 2) uint8, little-endian float16 (round to nearest even, as ggml's conversion)."""
+def f16_bytes(t: torch.Tensor) -> torch.Tensor:
+    """(N,) or (N, 1) float32 -> (N, 2) uint8, little-endian float16 (round to nearest even, as ggml's conversion)."""
     return t.half().view(torch.uint8).reshape(-1, 2)
 
 
@@ -154,7 +155,7 @@ def quantize_q4_k(x: torch.Tensor) -> np.ndarray:
         ValueError: the last dimension is not a multiple of 256.
     """
     shape = tuple(torch.as_tensor(x).shape)
-    xb = _rows(x, QK_K)  # (N, 256)
+    xb = blocks_of(x, QK_K)  # (N, 256)
     n = xb.shape[0]
     xs = xb.reshape(n * 8, 32)  # (N * 8 sub-blocks, 32)
     av_x = _sqrt(_sum(xs * xs) / 32)
@@ -174,7 +175,7 @@ def quantize_q4_k(x: torch.Tensor) -> np.ndarray:
     L = torch.where(dl[:, :, None] == 0, L, q)  # a zero scale keeps the search's codes, as the reference
     L = L.reshape(n, 4, 2, 32).to(torch.uint8)
     qs = (L[:, :, 0] | (L[:, :, 1] << 4)).reshape(n, 128)  # sub-block 2g low nibbles, 2g+1 high
-    out = torch.cat([_f16_bytes(d), _f16_bytes(dmin), pack_q4_k_scales(ls, lm), qs], dim=1)
+    out = torch.cat([f16_bytes(d), f16_bytes(dmin), pack_q4_k_scales(ls, lm), qs], dim=1)
     return out.reshape(*shape[:-1], -1).numpy()
 
 
@@ -224,7 +225,7 @@ def quantize_q6_k(x: torch.Tensor) -> np.ndarray:
         ValueError: the last dimension is not a multiple of 256.
     """
     shape = tuple(torch.as_tensor(x).shape)
-    xb = _rows(x, QK_K)
+    xb = blocks_of(x, QK_K)
     n = xb.shape[0]
     scales, L = make_qx_quants(xb.reshape(n * 16, 16), 32)
     scales, L = scales.reshape(n, 16), L.reshape(n, 16, 16)
@@ -240,7 +241,7 @@ def quantize_q6_k(x: torch.Tensor) -> np.ndarray:
     ql = torch.cat([L[:, :, 0] & 0xF | (L[:, :, 2] & 0xF) << 4, L[:, :, 1] & 0xF | (L[:, :, 3] & 0xF) << 4], dim=2)
     qh = (L[:, :, 0] >> 4) | (L[:, :, 1] >> 4) << 2 | (L[:, :, 2] >> 4) << 4 | (L[:, :, 3] >> 4) << 6
     sc8 = sc.to(torch.int8).view(torch.uint8)
-    out = torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), sc8, _f16_bytes(d)], dim=1)
+    out = torch.cat([ql.reshape(n, 128), qh.reshape(n, 64), sc8, f16_bytes(d)], dim=1)
     out[zero] = 0
     return out.reshape(*shape[:-1], -1).numpy()
 
@@ -304,7 +305,7 @@ def quantize_q4_k_naive(x: torch.Tensor) -> np.ndarray:
     f = np.float32
     shape = tuple(torch.as_tensor(x).shape)
     out = []
-    for xb in _rows(x, QK_K).numpy():
+    for xb in blocks_of(x, QK_K).numpy():
         scales, mins, L = [], [], []
         for j in range(8):
             xs = [f(v) for v in xb[32 * j:32 * j + 32]]
@@ -369,7 +370,7 @@ def quantize_q6_k_naive(x: torch.Tensor) -> np.ndarray:
     f = np.float32
     shape = tuple(torch.as_tensor(x).shape)
     out = []
-    for xb in _rows(x, QK_K).numpy():
+    for xb in blocks_of(x, QK_K).numpy():
         scales, L = [], []
         for s in range(16):
             sc, Ls = _qx_naive([f(v) for v in xb[16 * s:16 * s + 16]], 32)
