@@ -1,4 +1,4 @@
-"""minillm's Q8_0 / Q4_0 / Q4_1 / F16 dequantization vs the gguf package, bit for bit."""
+"""minillm's Q8_0 / Q4_0 / Q4_1 / F16 dequantization vs the gguf package, bit for bit (the k-quants and Q5_0: test_kquants.py)."""
 
 import numpy as np
 import pytest
