@@ -8,7 +8,7 @@ scale those integer scales. Quantizing is therefore done twice:
    with the sub-block's own range is the start; then a few slightly larger or smaller scales are tried,
    and for each the best scale and min *for the codes it produced* are fitted by weighted least
    squares; the candidate with the lowest weighted squared error wins (``make_qkx2_quants`` for Q4_K:
-   21 candidates, weights ``sqrt(mean x^2) + |x|``; ``make_qx_quants`` for Q6_K: 19 candidates,
+   21 candidates, weights ``sqrt(mean x^2) + |x|``; ``make_qx_quants`` for Q6_K: 18,
    weights ``x^2``, symmetric). Weighting by magnitude spends the error budget where the weights
    matter most.
 2. **The 8 (16) sub-block scales are themselves quantized** against the super-block's largest one:
