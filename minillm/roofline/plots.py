@@ -100,7 +100,7 @@ def plot_linear_layouts(layouts: dict[int, dict[str, float]], weight_bytes: floa
     ax.set_yticks(y + height * (len(layouts) - 1) / 2, names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("GB/s of weights streamed by one decode step's linear layers")
-    ax.set_title(title or "The same weights, the same bytes: the kernel decides the bandwidth")
+    ax.set_title(title or "Same weights, same bytes: the kernel sets the bandwidth")
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     return save_figure(fig, path)
