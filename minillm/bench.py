@@ -117,13 +117,13 @@ def bench_decode(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: in
     Returns:
         dict with machine, dtype, batch_size, prompt_tokens, new_tokens, repeats, weight_bytes and
         per path: decode_tokens_per_s (median), prefill_s (median), achieved_GB_per_s (weight bytes
-        read per token x tokens/s / 1e9), and whether its tokens equal the cached path's.
+        read per token (``decode_bytes_per_token``) x tokens/s / 1e9), and whether its tokens equal the cached path's.
     """
     from tqdm.auto import tqdm
 
     prompt_tokens = tokenizer.encode(prompt)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    wbytes = weight_bytes_per_token(model)
+    wbytes = decode_bytes_per_token(model)  # quantized layers counted by what their kernels read
     paths = {"ours naive (no cache)": _ours(generate_naive, model, prompt_tokens, params),
              "ours dynamic KV (concatenation)": _ours(generate_dynamic, model, prompt_tokens, params),
              "ours cached (contiguous KV)": _ours(generate_cached, model, prompt_tokens, params),
