@@ -376,7 +376,8 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
 def format_bench_llamacpp(report: dict) -> str:
     bw = report["bandwidth"]
     lines = [f"machine: {report['machine']}",
-             f"{report['threads']} threads, batch 1, prompt {report['prompt_tokens']} tokens, {report['new_tokens']} new "
+             f"{report['threads']} threads, batch 1, prompt {report['prompt_tokens']} tokens, "
+             f"{report['new_tokens']} new "
              f"tokens, greedy; median of {report['repeats']} interleaved runs after a warm-up each; bandwidth bound "
              f"{bw['ceiling'] / 1e9:.1f} GB/s (streaming 512 MB: {bw['before'] / 1e9:.1f} before, "
              f"{bw['after'] / 1e9:.1f} after)",
@@ -384,7 +385,8 @@ def format_bench_llamacpp(report: dict) -> str:
     for name, r in report["results"].items():
         lines.append(f"{name:48s} {r['decode_tokens_per_s']:7.1f} {r['bytes_per_token'] / 1e6:9.1f} "
                      f"{r['achieved_GB_per_s']:6.1f} {r['share_of_bound']:8.0%}  first {r['tokens_equal_to_float']}"
-                     + (f" (= its eager twin's: first {r['tokens_equal_to_eager']})" if "tokens_equal_to_eager" in r else ""))
+                     + (f" (= its eager twin's: first {r['tokens_equal_to_eager']})"
+                        if "tokens_equal_to_eager" in r else ""))
     per = ", ".join(f"{x:.2f}" for x in report["best_over_llamacpp_per_repeat"])
     lines.append(f"{report['best_ours']} / llama.cpp: {report['best_over_llamacpp']:.2f}x (per repeat: {per})")
     return "\n".join(lines)

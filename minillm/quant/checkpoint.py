@@ -72,7 +72,8 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
             "quant_config": json.dumps({**{k: report[k] for k in ("method", "bits", "group_size", "sym", "mse",
                                                                   "act_order", "static_groups")},
                                         "awq_clip": report.get("awq_clip"), "layer_configs": layer_configs}),
-            "tokenizer_source": tokenizer_source or "", "quant_head": "none" if head is None else head_kind(head.config)}
+            "tokenizer_source": tokenizer_source or "",
+            "quant_head": "none" if head is None else head_kind(head.config)}
     path = Path(path)
     with atomic_write(path, sources=[tokenizer_source] if tokenizer_source else ()) as tmp:
         save_file(state, str(tmp), metadata=meta)
