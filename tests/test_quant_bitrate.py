@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from minillm.quant import QuantConfig, load_quantized, quantize_model, save_quantized
-from minillm.quant.bitrate import (format_choice, format_measurement, measure, merge_tables, model_bpw, optimize,
-                                   optimize_naive, option_bits, quantize_variable)
+from minillm.quant.bitrate import (format_choice, format_measurement, layer_errors, measure, merge_tables, model_bpw,
+                                   optimize, optimize_naive, option_bits, quantize_variable)
 from minillm.quant.pipeline import LAYERS, linear_of
 
 from helpers import random_decoder
@@ -39,8 +39,9 @@ def random_table(seed, n_layers=5, n_options=4):
     for j in range(n_layers):
         bits = sorted(torch.randint(5, 60, (n_options,), generator=g).tolist())
         errors = sorted(torch.rand(n_options, generator=g).tolist(), reverse=True)
+        norm = float(torch.rand((), generator=g)) + 0.5
         layers.append({"name": f"layers.{j}.attn.wqkv", "out_features": 1, "in_features": 10, "bits": bits,
-                       "errors": errors})
+                       "errors": errors, "out_norm": 2 * norm, "update_norm": norm})
     return {"options": [[b, 32] for b in range(2, 2 + n_options)], "layers": layers, "setup": {}}
 
 
@@ -57,9 +58,10 @@ def test_optimize_agrees_with_exhaustive_search(seed):
     cheapest = sum(min(r["bits"]) for r in t["layers"]) / weights
     dearest = sum(max(r["bits"]) for r in t["layers"]) / weights
     for bpw in torch.linspace(cheapest, dearest, 7, dtype=torch.float64).tolist():
-        fast, naive = optimize(t, bpw), optimize_naive(t, bpw)
-        assert fast["objective"] == pytest.approx(naive["objective"], rel=1e-12)
-        assert fast["total_bits"] <= bpw * weights + 1e-9
+        for relative_to in ("update", "output"):
+            fast, naive = optimize(t, bpw, relative_to=relative_to), optimize_naive(t, bpw, relative_to=relative_to)
+            assert fast["objective"] == pytest.approx(naive["objective"], rel=1e-12)
+            assert fast["total_bits"] <= bpw * weights + 1e-9
 
 
 def test_optimize_fits_the_budget_and_spends_more_where_it_can(table):
@@ -71,6 +73,15 @@ def test_optimize_fits_the_budget_and_spends_more_where_it_can(table):
         prev = r["objective"]
     top = optimize(table, 10.0)
     assert all(v == [4, 32] for v in top["choice"].values())  # everything affordable: the best option everywhere
+
+
+def test_errors_relative_to_the_block_update(table):
+    r = table["layers"][0]
+    assert r["update_norm"] < r["out_norm"]  # the residual carries the input: ||Y - X|| < ||Y|| here
+    assert layer_errors(r, "update") == pytest.approx([e * r["out_norm"] / r["update_norm"] for e in r["errors"]])
+    assert layer_errors(r, "output") == r["errors"]
+    with pytest.raises(ValueError, match="relative_to"):
+        layer_errors(r, "input")
 
 
 def test_a_budget_below_the_cheapest_options_is_refused(table):

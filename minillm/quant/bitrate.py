@@ -120,6 +120,7 @@ def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_window
             for h in hooks:
                 h.remove()
         Xe, Ye = X[:error_windows], Y[:error_windows]
+        norms = {"out_norm": Ye.norm().item(), "update_norm": (Ye - Xe).norm().item()}  # ||Y||, ||Y - X||
         for name in LAYERS:
             lin, parent, attr = linear_of(block, name)
             W = lin.weight.float()
@@ -127,7 +128,7 @@ def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_window
             if method == "gptq":
                 h.add_batch(ins[name])
             row = {"name": f"layers.{i}.{name}", "out_features": W.shape[0], "in_features": W.shape[1],
-                   "bits": [], "errors": []}
+                   **norms, "bits": [], "errors": []}
             try:
                 for bits, group in options:
                     config = QuantConfig(bits, group, mse=mse)
@@ -178,17 +179,34 @@ def _problem(table: dict, bpw: float):
     return layers, weights, budget
 
 
-def _result(table: dict, picks: list[int], weights: int, power: float, bpw: float) -> dict:
+RELATIVE_TO = ("update", "output")
+
+
+def layer_errors(row: dict, relative_to: str = "update") -> list[float]:
+    """A measured row's errors relative to the block's update ``||Y - X||`` ("update") or to its output
+    ``||Y||`` ("output", what ``measure`` records). The residual stream of this model carries a few
+    very large activations from block 11 on, so ``||Y||`` there is large and every layer after it looks
+    harmless relative to it; relative to the block's own update it does not (docs/quantization.md)."""
+    if relative_to not in RELATIVE_TO:
+        raise ValueError(f"relative_to: one of {RELATIVE_TO}, got {relative_to!r}")
+    if relative_to == "output":
+        return row["errors"]
+    return [e * row["out_norm"] / row["update_norm"] for e in row["errors"]]
+
+
+def _result(table: dict, picks: list[int], weights: int, power: float, bpw: float, relative_to: str) -> dict:
     layers, opts = table["layers"], table["options"]
     total = sum(r["bits"][k] for r, k in zip(layers, picks))
-    return {"target_bpw": bpw, "bpw": total / weights, "total_bits": total, "power": power,
-            "objective": sum(r["errors"][k] ** power for r, k in zip(layers, picks)),
+    errs = [layer_errors(r, relative_to) for r in layers]
+    return {"target_bpw": bpw, "bpw": total / weights, "total_bits": total, "power": power, "relative_to": relative_to,
+            "objective": sum(e[k] ** power for e, k in zip(errs, picks)),
             "choice": {r["name"]: list(opts[k]) for r, k in zip(layers, picks)},
-            "errors": {r["name"]: r["errors"][k] for r, k in zip(layers, picks)}}
+            "errors": {r["name"]: e[k] for r, e, k in zip(layers, errs, picks)}}
 
 
-def optimize(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4000) -> dict:
-    """One option per layer minimising ``sum err^power`` with total bits <= ``bpw`` x weights.
+def optimize(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4000, relative_to: str = "update") -> dict:
+    """One option per layer minimising ``sum err^power`` with total bits <= ``bpw`` x weights, err being
+    each layer's measured block error relative to ``relative_to`` (``layer_errors``).
 
     Dynamic programming over the budget in units of ``max(1, budget / resolution)`` bits, each cost
     rounded to whole units; the answer is read back from the largest unit budget whose true total
@@ -203,16 +221,17 @@ def optimize(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4
         ValueError: the budget is below the cheapest options.
     """
     layers, weights, budget = _problem(table, bpw)
+    errs = [layer_errors(r, relative_to) for r in layers]
     unit = max(1.0, budget / resolution)
     B = int(math.floor(budget / unit + 1e-9))
     INF = float("inf")
     best = torch.zeros(B + 1, dtype=torch.float64)  # best[b]: least objective of the layers so far in <= b units
     picks = []
-    for r in layers:
+    for r, row_errs in zip(layers, errs):
         costs = [round(c / unit) for c in r["bits"]]
         new = torch.full((B + 1,), INF, dtype=torch.float64)
         arg = torch.full((B + 1,), -1, dtype=torch.int64)
-        for k, (c, e) in enumerate(zip(costs, r["errors"])):
+        for k, (c, e) in enumerate(zip(costs, row_errs)):
             if c > B:
                 continue
             cand = torch.full((B + 1,), INF, dtype=torch.float64)
@@ -232,25 +251,27 @@ def optimize(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4
             b -= round(r["bits"][k] / unit)
         chosen = chosen[::-1]
         if sum(r["bits"][k] for r, k in zip(layers, chosen)) <= budget:
-            return _result(table, chosen, weights, power, bpw)
+            return _result(table, chosen, weights, power, bpw, relative_to)
     raise ValueError(f"bpw: no choice of options fits {bpw} bits per weight; raise --bpw")
 
 
-def optimize_naive(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4000) -> dict:
+def optimize_naive(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4000,
+                   relative_to: str = "update") -> dict:
     """The baseline of ``optimize`` (same signature): every combination of options, the least
     objective whose true total bits fit (``resolution`` is ignored). Refuses more than 10^6 combinations."""
     layers, weights, budget = _problem(table, bpw)
     n = math.prod(len(r["bits"]) for r in layers)
     if n > 10**6:
         raise ValueError(f"table: {n} combinations are too many to try; use optimize")
+    errs = [layer_errors(r, relative_to) for r in layers]
     best, picks = float("inf"), None
     for combo in itertools.product(*(range(len(r["bits"])) for r in layers)):
         if sum(r["bits"][k] for r, k in zip(layers, combo)) > budget:
             continue
-        obj = sum(r["errors"][k] ** power for r, k in zip(layers, combo))
+        obj = sum(e[k] ** power for e, k in zip(errs, combo))
         if obj < best:
             best, picks = obj, combo
-    return _result(table, list(picks), weights, power, bpw)
+    return _result(table, list(picks), weights, power, bpw, relative_to)
 
 
 class _PerLayerQuantizer(LayerQuantizer):
@@ -354,15 +375,15 @@ def uniform_row(model, setup: dict, method: str, bits: int, group_size: int, mse
 
 
 def variable_row(model, setup: dict, table: dict, bpw: float, power: float = 2.0, mse: bool = True,
-                 method: str = "gptq") -> dict:
+                 method: str = "gptq", relative_to: str = "update") -> dict:
     """Optimize the allocation for ``bpw``, quantize a copy with it (``method``, GPTQ's range search as
     ``mse``) and score it."""
-    choice = optimize(table, bpw, power=power)
+    choice = optimize(table, bpw, power=power, relative_to=relative_to)
     q = copy.deepcopy(model)
     t0 = time.perf_counter()
     quantize_variable(q, choice["choice"], setup["calib"], mse=mse, method=method, progress=False)
     return {"method": "variable", "quantizer": method, "target_bpw": bpw, "mse": mse and method == "gptq", "bpw": model_bpw(q), "quantize_s": time.perf_counter() - t0,
-            "objective": choice["objective"], "power": power, "choice": choice["choice"], **_score(q, setup)}
+            "objective": choice["objective"], "power": power, "relative_to": relative_to, "choice": choice["choice"], **_score(q, setup)}
 
 
 def best_uniform(rows: list[dict], bpw: float) -> dict | None:
@@ -588,6 +609,9 @@ def check_table(table: dict, model) -> None:
                          "measured); measure this model, or give its own measurement")
     if not opts or any(len(r["errors"]) != len(opts) or len(r["bits"]) != len(opts) for r in table["layers"]):
         raise ValueError("measurement: every layer needs one error and one cost per option")
+    if any("update_norm" not in r for r in table["layers"]):
+        raise ValueError("measurement: it has no block norms (out_norm, update_norm), which measure records; "
+                         "measure again")
 
 
 def _load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
