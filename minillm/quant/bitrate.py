@@ -532,7 +532,7 @@ def plot_bits_per_layer(result: dict, path):
     names = list(rows[0]["choice"])
     opts = [tuple(o) for o in result["measurement"]["options"]]
     grid = [[option_bpw(*r["choice"][n]) for n in names] for r in rows]
-    fig, ax = plt.subplots(figsize=(10, max(3.2, 0.5 * len(rows) + 1.6)))
+    fig, ax = plt.subplots(figsize=(10, 0.5 * len(rows) + 1.6))
     im = ax.imshow(grid, aspect="auto", cmap="viridis", interpolation="nearest",
                    vmin=min(option_bpw(*o) for o in opts), vmax=max(option_bpw(*o) for o in opts))
     ax.set_yticks(range(len(rows)), [f"{r['target_bpw']:g} ({r['bpw']:.2f})" for r in rows])
