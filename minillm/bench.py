@@ -288,7 +288,7 @@ def _llamacpp(llm, prompt_tokens, params):
     return run
 
 
-def four_bit_paths(model, quant_head: str = "int4", compile: bool = True, progress: bool = True) -> dict:
+def four_bit_paths(model, quant_head: str = "int8", compile: bool = True, progress: bool = True) -> dict:
     """minillm's 4-bit decode paths built from a float ``model`` (left as it is): the blocks' linear layers
     in 4 bits (RTN group 64: no calibration, and calibration changes accuracy, not speed) with the float
     output layer, then with the output layer quantized (``quant_head``), eager and compiled.
@@ -309,7 +309,7 @@ def four_bit_paths(model, quant_head: str = "int4", compile: bool = True, progre
 
 
 def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: int = 128, repeats: int = 3,
-                          model_path=None, quant_head: str = "int4", compile: bool = True,
+                          model_path=None, quant_head: str = "int8", compile: bool = True,
                           progress: bool = True) -> dict:
     """Batch-1 greedy decode tokens/s of minillm's float and 4-bit paths (``four_bit_paths``) and of llama.cpp
     on the same GGUF file, same prompt tokens, same thread count (``torch.get_num_threads()``), in this

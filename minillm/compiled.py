@@ -64,7 +64,7 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
 
     A quantized model compiles too (``QuantLinear`` says ``compilable``): inductor lowers torch's int4
     weight-only kernel to its own AVX-512 template (``CppMicroGemmWoQInt4Avx512`` on this project's
-    CPU) and fuses the bfloat16 conversions around it; the int8 kernel stays an ATen call.
+    CPU) and fuses the bfloat16 conversions around it.
 
     Args:
         model: a ``Decoder`` whose linear layers are ``minillm.linear.Linear`` or declare ``compilable``.

@@ -60,7 +60,7 @@ def test_peer_llamacpp_is_refused_with_the_install_line_when_absent(tiny_path, m
 @pytest.mark.skipif(not llamacpp_available(), reason="the optional peer llama-cpp-python is not installed")
 def test_bench_decode_beside_llamacpp_on_the_embedded_model(model_path, capsys):
     torch.set_num_threads(torch.get_num_threads())
-    assert main(["bench", "decode", "--peer", "llamacpp", "--new-tokens", "6", "--repeats", "2", "--no-compile",
+    assert main(["bench", "decode", "--peer", "llamacpp", "--new-tokens", "6", "--repeats", "2", "--no-compile", "--quant-head", "int4",
                  "--json"]) == 0
     report = strict_json(capsys.readouterr().out)
     rows = report["results"]
