@@ -7,7 +7,11 @@
     qlinear.py    ``QuantLinear``: packed weights + scales + zeros, a reference and a fast forward
     pipeline.py   quantize a whole ``Decoder`` block by block, in execution order, on calibration text
     checkpoint.py save / load a quantized model (safetensors)
-    gguf_quant.py llama.cpp's Q8_0 / Q4_0 / Q4_1 quantizers and a GGUF writer
+    gguf_quant.py llama.cpp's Q8_0 / Q4_0 / Q4_1 / Q5_0 quantizers and a GGUF writer
+    kquants.py    llama.cpp's k-quants (Q4_K, Q6_K) and the Q4_K_M recipe; kquants_bench.py: ours vs llama.cpp's
+    head.py       the output layer (and the tied embedding) in int8 or int4
+    bitrate.py    variable bitrate as ExLlamaV2 does it: measure each layer's options, pick under a bpw budget
+    avenues.py    ``bench quant --avenues``: each GPTQ avenue's perplexity in one run
     bench.py      ``bench quant``: the table of methods x bits x group sizes
     cli.py        ``python -m minillm perplexity | quantize | bench quant``
 

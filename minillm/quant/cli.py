@@ -30,7 +30,7 @@ KERNEL_NOTE = (f"the int4 kernel runs 2-4 bits with group sizes {', '.join(map(s
 def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
     choices = QUANT_METHODS + (GGUF_TYPES if required else ())
     p.add_argument("--quant", choices=choices, required=required, default=None,
-                   help="weight quantization method" + ("; q8_0/q4_0/q4_1 write a GGUF file" if required else ""))
+                   help="weight quantization method" + ("; q8_0/q4_0/q4_1/q5_0 and q4_k_m (llama.cpp's recipe) write a GGUF file" if required else ""))
     p.add_argument("--bits", type=int, default=4, help=f"2..8 (default 4); {KERNEL_NOTE}")
     p.add_argument("--group-size", type=int, default=64, help="input columns per scale; -1 = per channel (default 64)")
     p.add_argument("--sym", action="store_true", help="symmetric quantization (zero point fixed)")
@@ -239,7 +239,7 @@ def register(sub, bench) -> None:
     add_quant_args(q, required=True)
     bitrate.add_quantize_args(q)
     q.add_argument("--out", required=True, help="output file: .safetensors (rtn/gptq/awq/awq+gptq) or .gguf "
-                   "(q8_0/q4_0/q4_1), in an existing folder; written beside itself and renamed when complete")
+                   "(q8_0/q4_0/q4_1/q5_0/q4_k_m), in an existing folder; written beside itself and renamed when complete")
     add_model_args(q)
     q.set_defaults(func=cmd_quantize)
 
