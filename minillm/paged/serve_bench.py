@@ -170,17 +170,25 @@ def load_peer(model_path=None, dtype=torch.float32):
     return hf.eval()
 
 
-def run_transformers(hf, reqs: list[BenchRequest], max_num_seqs: int = 64) -> dict:
+def run_transformers(hf, reqs: list[BenchRequest], max_num_seqs: int = 64, kv_tokens: int | None = None) -> dict:
     """transformers' continuous batching (``ContinuousBatchingManager``, paged|sdpa attention on the CPU),
-    each request with its own max_new_tokens, EOS never ending one (eos_token_id -1), greedy."""
-    from transformers import GenerationConfig
+    each request with its own max_new_tokens, EOS never ending one (eos_token_id -1), greedy.
+
+    ``kv_tokens`` gives its pool the engine's KV capacity (in its own 256-token pages): left to itself it
+    sizes the cache from the free memory, which on a machine shared with other jobs ends in the OOM killer,
+    and the comparison is fairer with the same memory on both sides."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(r.max_tokens for r in reqs), eos_token_id=-1,
                               pad_token_id=0)
     t0 = time.perf_counter()
     results = {}
+    pool = {}
+    if kv_tokens is not None:
+        page = ContinuousBatchingConfig().page_size
+        pool["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=-(-kv_tokens // page))
     with hf.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
-                                                warmup=False) as manager:
+                                                warmup=False, **pool) as manager:
         for i, r in enumerate(reqs):
             manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.max_tokens,
                                 record_timestamps=True, eos_token_id=-1)
@@ -265,7 +273,8 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
             elif name == "static":
                 modes[name] = run_static(model, reqs, max_num_seqs)
             else:
-                modes[name] = run_transformers(load_peer(dtype=model.dtype), reqs, max_num_seqs)
+                modes[name] = run_transformers(load_peer(dtype=model.dtype), reqs, max_num_seqs,
+                                               kv_tokens=modes["engine"]["num_blocks"] * block_size)
             bar.update(len(reqs))
     engine = modes["engine"].pop("engine")
     ref = modes["sequential"]["tokens"]
