@@ -33,7 +33,7 @@ AVENUES: dict[str, tuple[str, dict]] = {
     "default": ("the defaults (GPTQ_DEFAULTS, 32 x 512 calibration)", {}),
     "paper": ("the paper's settings: no act-order, min/max ranges, 1% dampening, all layers of a block "
               "on the float block's inputs", dict(GPTQ_PAPER)),
-    "no_v2": ("without asymmetric calibration (GPTQv2, on by default)", {"v2": False}),
+    "v2": ("asymmetric calibration (GPTQv2), alpha 1", {"v2": True}),
     "v2_alpha0.25": ("asymmetric calibration, alpha 0.25 (GPTQv2's code)", {"v2": True, "v2_alpha": 0.25}),
     "not_sequential": ("all layers of a block on the float block's inputs", {"true_sequential": False}),
     "calib_128x512": ("4x more calibration windows", {"calib": (128, 512)}),

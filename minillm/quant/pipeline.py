@@ -38,7 +38,7 @@ METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 
 # GPTQ's settings: the measured best (the defaults of quantize_model and of the commands) and the paper's.
 # docs/quantization.md measures each on Hamlet ("GPTQ avenues"; figures/05_gptq_avenues.json).
-GPTQ_DEFAULTS = {"act_order": True, "mse": True, "percdamp": 0.001, "true_sequential": True, "v2": True}
+GPTQ_DEFAULTS = {"act_order": True, "mse": True, "percdamp": 0.001, "true_sequential": True, "v2": False}
 GPTQ_PAPER = {"act_order": False, "mse": False, "percdamp": 0.01, "true_sequential": False, "v2": False}
 CALIB_SAMPLES = 32  # calibration windows of 512 tokens (the measured best; the paper: 128 of 2048)
 LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")  # execution order within a block
