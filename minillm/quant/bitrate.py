@@ -40,7 +40,7 @@ from ..evaluation import perplexity, reference_logprobs
 from ..files import atomic_write, dumps_strict, save_figure
 from ..timing import machine
 from .gptq import Hessian, gptq_quantize
-from .pipeline import LAYERS, LayerQuantizer, block_inputs, calibration_tokens, linear_of, quantize_block, quantize_model
+from .pipeline import GPTQ_DEFAULTS, LAYERS, LayerQuantizer, block_inputs, calibration_tokens, linear_of, quantize_block, quantize_model
 from .qlinear import QuantLinear
 from .rtn import QuantConfig, rtn_quantize
 
@@ -287,8 +287,9 @@ class _PerLayerQuantizer(LayerQuantizer):
 
 
 @torch.inference_mode()
-def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor | None, *, act_order: bool = True,
-                      percdamp: float = 0.001, mse: bool = True, method: str = "gptq", fast: bool = True,
+def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor | None, *,
+                      act_order: bool = GPTQ_DEFAULTS["act_order"], percdamp: float = GPTQ_DEFAULTS["percdamp"],
+                      mse: bool = GPTQ_DEFAULTS["mse"], method: str = "gptq", fast: bool = True,
                       progress: bool = True) -> dict:
     """Quantize ``model`` in place with GPTQ (or, ``method="rtn"``, round to nearest, which needs no
     ``calib``), each layer with its own (bits, group_size) from ``choice`` (``optimize(...)["choice"]``),
