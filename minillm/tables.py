@@ -69,18 +69,22 @@ def read_record(name: str, folder: Path = FIGURES) -> dict:
 
     Raises:
         FileNotFoundError: the JSON is not there (the error names the command or notebook that writes it).
+        ValueError: it is not valid JSON, or not a record (the error names what rewrites it).
     """
     path = folder / name
     if not path.exists():
         raise FileNotFoundError(f"{path}: not found; {WRITERS.get(name, 'its benchmark')} writes it")
-    rec = json.loads(path.read_text(encoding="utf-8"))
-    if not {"command", "date", "report"} <= set(rec):
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); rewrite it with {WRITERS.get(name)}") from None
+    if not isinstance(rec, dict) or not {"command", "date", "report"} <= set(rec):
         raise ValueError(f"{path}: not a record (needs command, date, report); rewrite it with {WRITERS.get(name)}")
     return rec
 
 
 def _source(rec: dict) -> str:
-    load = f", load average {rec['load']}" if rec.get("load") else ""
+    load = f", load average {rec['load']} (1/5/15 min) when it finished" if rec.get("load") else ""
     return f"`{rec['command']}`, {rec['date']}{load}"
 
 
@@ -90,28 +94,68 @@ def _table(header: list[str], align: list[str], rows: list[list[str]]) -> list[s
     return lines
 
 
+MET = {True: "met", False: "**not met**", None: "not measured"}
+TRACE_NAMES = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
+
+
+def _trace(name: str) -> str:
+    return TRACE_NAMES.get(name, name)
+
+
+def _first_equal(n: int, total: int, of: str) -> str:
+    return f"all {total} greedy tokens equal {of}" if n == total else f"first {n}/{total} greedy tokens equal {of}"
+
+
 # ---------------------------------------------------------------------------------------------- builders
 
 def headline(folder: Path = FIGURES) -> str:
-    """The README's table: each technique against its baseline, from the tour and from ``bench decode``."""
+    """The README's table: each technique against its baseline, each pair from one run: the tour, ``bench
+    decode`` (transformers), ``bench decode --peer llamacpp`` (llama.cpp) and ``serve-bench`` (the engine)."""
     tour, bench = read_record("tour.json", folder), read_record("bench_decode.json", folder)
+    peer, serve = read_record("bench_decode_llamacpp.json", folder), read_record("serve_bench.json", folder)
     rows = []
+
+    def row(technique, baseline, base, tps, speedup, check, run):
+        rows.append([technique, baseline, f"{base:.1f}", f"{tps:.1f}", f"{speedup:.2f}x", check, run])
+
     for r in tour["report"]["rows"]:
-        rows.append([r["technique"], r["baseline"], f"{r['baseline_tokens_per_s']:.1f}", f"{r['tokens_per_s']:.1f}",
-                     f"{r['speedup']:.1f}x", r["check"], "tour"])
+        row(r["technique"], r["baseline"], r["baseline_tokens_per_s"], r["tokens_per_s"], r["speedup"], r["check"],
+            "tour")
     res = bench["report"]["results"]
     if "transformers (same GGUF)" in res:
-        ours, peer = res["ours cached (contiguous KV)"], res["transformers (same GGUF)"]
-        rows.append(["KV cache (contiguous)", "transformers on the same GGUF weights",
-                     f"{peer['decode_tokens_per_s']:.1f}", f"{ours['decode_tokens_per_s']:.1f}",
-                     f"{res['cached_over_transformers']:.1f}x",
-                     "greedy tokens identical" if peer["same_tokens_as_cached"] else "tokens differ", "bench decode"])
+        ours, hf = res["ours cached (contiguous KV)"], res["transformers (same GGUF)"]
+        row("KV cache (contiguous)", "transformers on the same GGUF weights", hf["decode_tokens_per_s"],
+            ours["decode_tokens_per_s"], res["cached_over_transformers"],
+            "greedy tokens identical" if hf["same_tokens_as_cached"] else "tokens differ", "bench decode")
+    p = peer["report"]
+    best, cpp = p["results"][p["best_ours"]], p["results"]["llama.cpp (same GGUF)"]
+    row(p["best_ours"].removeprefix("ours "), "llama.cpp's Q4_1 on the same GGUF", cpp["decode_tokens_per_s"],
+        best["decode_tokens_per_s"], p["best_over_llamacpp"],
+        _first_equal(best["tokens_equal_to_float"], p["new_tokens"], "float32's")
+        + f" (llama.cpp: first {cpp['tokens_equal_to_float']})", "bench decode --peer llamacpp")
+    s = serve["report"]
+    modes, n = s["modes"], s["num_requests"]
+    engine = modes["engine"]
+    for name, baseline in (("sequential", "one request at a time"), ("static", f"static batches of {s['max_num_seqs']}"),
+                           ("transformers", "transformers' continuous batching")):
+        if name in modes:
+            row(f"paged engine, continuous batching, {n} requests", baseline, modes[name]["output_tokens_per_s"],
+                engine["output_tokens_per_s"], engine["output_tokens_per_s"] / modes[name]["output_tokens_per_s"],
+                f"{engine['same_tokens_as_sequential']}/{n} requests' greedy tokens equal one at a time's"
+                + ("" if name == "sequential" else f" ({name}: {modes[name]['same_tokens_as_sequential']}/{n})"),
+                "serve-bench")
     t, b = tour["report"], bench["report"]
     lines = _table(["technique", "its baseline", "baseline tokens/s", "tokens/s", "speedup", "check", "run"],
                    ["l", "l", "r", "r", "r", "l", "l"], rows)
-    lines += ["", f"{t['machine']}, {t['dtype']}, batch 1, greedy. tour: {t['prompt_tokens']}-token prompt, "
-              f"{t['new_tokens']} new tokens ({_source(tour)}); bench decode: {b['prompt_tokens']}-token prompt, "
-              f"{b['new_tokens']} new tokens, median of {b['repeats']} ({_source(bench)})."]
+    lines += ["", f"{t['machine']}, {t['dtype']}, greedy. Each row's two numbers come from one run (the runs below);"
+              " the machine's bandwidth moves from minute to minute, so compare within a row.", "",
+              f"* tour: batch 1, {t['prompt_tokens']}-token prompt, {t['new_tokens']} new tokens; {_source(tour)}",
+              f"* bench decode: batch 1, {b['prompt_tokens']}-token prompt, {b['new_tokens']} new tokens, median of "
+              f"{b['repeats']}; {_source(bench)}",
+              f"* bench decode --peer llamacpp: {p['threads']} threads each, {p['new_tokens']} new tokens, the median "
+              f"of {p['repeats']} interleaved repeats; speedup = median of the per-repeat ratios; {_source(peer)}",
+              f"* serve-bench: {n} requests at once, {_trace(s['trace'])}-like lengths x {s['scale']}, output tokens/s "
+              f"over the wall time; {_source(serve)}"]
     return "\n".join(lines)
 
 
@@ -142,50 +186,281 @@ def kv_cache(folder: Path = FIGURES) -> str:
 
 
 def roofline(folder: Path = FIGURES) -> str:
-    """docs/roofline.md's table: predicted vs measured per forward, from notebook 01's record, with the
-    ceiling that bounded it."""
+    """docs/roofline.md's tables, from notebook 01's record: predicted vs measured per forward with the
+    ceilings that bounded them, the linear layouts against their read ceiling, float16 / bfloat16, and
+    compiled decode against its bound."""
     rec = read_record("01_roofline.json", folder)
     r = rec["report"]
-    rows = []
-    for row in r["rows"]:
-        shape = f"B={row['batch_size']}" if row["kind"] == "decode" else f"T={row['tokens']}"
-        rows.append([f"{row['kind']} {shape}", f"{row['intensity']:.1f}", row["bound"],
-                     f"{row['predicted_tokens_per_s']:.1f}", f"{row['measured_tokens_per_s']:.1f}",
-                     f"{row['measured_over_predicted']:.2f}"])
+
+    def forward(row, label):
+        return [label, f"{row['intensity']:.1f}", row["bound"], f"{row['predicted_tokens_per_s']:.1f}",
+                f"{row['measured_tokens_per_s']:.1f}", f"{row['measured_over_predicted']:.2f}"]
+
+    head = ["FLOP/byte", "bound", "predicted tokens/s", "measured tokens/s", "measured / predicted time"]
+    rows = [forward(row, f"{row['kind']} " + (f"B={row['batch_size']}" if row["kind"] == "decode" else f"T={row['tokens']}"))
+            for row in r["rows"]]
     c = r["ceilings"]
-    lines = _table(["forward (float32)", "FLOP/byte", "bound", "predicted tokens/s", "measured tokens/s",
-                    "measured / predicted time"], ["l", "r", "l", "r", "r", "r"], rows)
+    lines = _table(["forward (float32)", *head], ["l", "r", "l", "r", "r", "r"], rows)
     lines += ["", f"Ceilings measured right before these rows: streaming read {c['read_GB_per_s']:.1f} GB/s, "
-              f"copy {c['copy_GB_per_s']:.1f} GB/s, float32 matmul {c['matmul_float32_GFLOP_per_s']:.0f} GFLOP/s."]
+              f"copy {c['copy_GB_per_s']:.1f} GB/s (the roofline's bandwidth is the larger, "
+              f"{max(c['read_GB_per_s'], c['copy_GB_per_s']):.1f} GB/s), float32 matmul "
+              f"{c['matmul_float32_GFLOP_per_s']:.0f} GFLOP/s."]
+    layouts = r.get("linear_layouts_GB_per_s")
+    if layouts:
+        sizes = list(layouts)
+        names = list(layouts[sizes[0]])
+        lines += ["", *_table(["the model's linear weights, read as", *(f"{s} row{'s' * (s != '1')}, GB/s" for s in sizes)],
+                              ["l", *"r" * len(sizes)],
+                              [[name, *(f"{layouts[s][name]:.1f}" for s in sizes)] for name in names]),
+                  "", f"Ceiling (the larger of a streaming copy and read) measured right before these rows: "
+                  f"{r['linear_layouts_read_GB_per_s']:.1f} GB/s. "
+                  + "Fastest: " + "; ".join(f"at {s} row{'s' * (s != '1')} `{max(layouts[s], key=layouts[s].get)}`"
+                              for s in sizes) + "."
+                  + "".join(f" Above the ceiling at {s} row{'s' * (s != '1')}: {', '.join(f'`{k}`' for k in above)}."
+                            for s in sizes
+                            if (above := [k for k, v in layouts[s].items() if v > r["linear_layouts_read_GB_per_s"]]))]
+    half = r.get("half")
+    if half:
+        lines += ["", *_table(["decode B=1", *head], ["l", "r", "l", "r", "r", "r"],
+                              [forward(row, dtype) for dtype, row in half.items()]),
+                  "", "With their own ceilings, measured right before these rows."]
     comp = r.get("compiled")
     if comp:
+        bound = comp["bound_tokens_per_s"]
         lines += ["", *_table(["batch-1 decode, float32", "tokens/s", "share of the bound"], ["l", "r", "r"], [
-            ["bound (model bytes / streaming read)", f"{comp['bound_tokens_per_s']:.1f}", "100%"],
+            ["bound (model bytes / the ceiling)", f"{bound:.1f}", "100%"],
             ["plain read of the model's own weight tensors", f"{comp['weight_read_tokens_per_s']:.1f}",
-             f"{comp['weight_read_tokens_per_s'] / comp['bound_tokens_per_s']:.0%}"],
+             f"{comp['weight_read_tokens_per_s'] / bound:.0%}"],
             ["compiled (`compile_decode`)", f"{comp['compiled_tokens_per_s']:.1f}",
-             f"{comp['compiled_tokens_per_s'] / comp['bound_tokens_per_s']:.0%}"],
-            ["eager", f"{comp['eager_tokens_per_s']:.1f}", f"{comp['eager_tokens_per_s'] / comp['bound_tokens_per_s']:.0%}"]]),
-            "", f"The notebook's median compiled-decode round, with its own ceiling measured right before it: "
-            f"{comp['read_GB_per_s']:.1f} GB/s."]
-        share = comp["compiled_tokens_per_s"] / comp["bound_tokens_per_s"]
+             f"{comp['compiled_tokens_per_s'] / bound:.0%}"],
+            ["eager", f"{comp['eager_tokens_per_s']:.1f}", f"{comp['eager_tokens_per_s'] / bound:.0%}"]]),
+            "", f"The notebook's median compiled-decode round, with its own ceiling (the larger of copy and read) "
+            f"measured right before it: {comp['read_GB_per_s']:.1f} GB/s."]
+        share = comp["compiled_tokens_per_s"] / bound
         eager = next(row for row in r["rows"] if row["kind"] == "decode" and row["batch_size"] == 1)
-        met = {True: "met", False: "**not met**"}
         lines += ["", f"Goals: batch-1 decode within 25% of the prediction: eager {eager['measured_over_predicted']:.2f}x "
-                  f"the predicted time ({met[eager['measured_over_predicted'] <= 1.25]}), compiled {1 / share:.2f}x "
-                  f"({met[1 / share <= 1.25]}); at least 75% of the bound: compiled {share:.0%} ({met[share >= 0.75]})."]
+                  f"the predicted time ({MET[eager['measured_over_predicted'] <= 1.25]}), compiled {1 / share:.2f}x "
+                  f"({MET[1 / share <= 1.25]}); at least 75% of the bound: compiled {share:.0%} ({MET[share >= 0.75]})."]
     lines += ["", f"{r['machine']}, batch 1 unless stated; {_source(rec)}."]
     return "\n".join(lines)
 
 
-# which builder fills which table, and which files hold it
-TABLES = {"headline": headline, "kv_cache": kv_cache, "roofline": roofline}
-# wired where the JSON is committed; headline (README.md) waits for figures/tour.json and figures/bench_decode.json,
-# roofline (docs/roofline.md) for notebook 01's figures/01_roofline.json
-FILES = {"docs/kv_cache.md": ["kv_cache"]}
-WRITERS = {"tour.json": "`python -m minillm.tables record figures/tour.json -- tour`",
-           "bench_decode.json": "`python -m minillm.tables record figures/bench_decode.json -- bench decode`",
-           "02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.json": "notebooks/01_roofline.ipynb"}
+def decode(folder: Path = FIGURES) -> str:
+    """docs/decode.md's table: batch-1 decode tokens/s of each path, from ``bench decode``'s record."""
+    rec = read_record("bench_decode.json", folder)
+    b = rec["report"]
+    rows = [[name, f"{r['decode_tokens_per_s']:.1f}", f"{r['prefill_s']:.3f}", f"{r['achieved_GB_per_s']:.1f}",
+             "yes" if r["same_tokens_as_cached"] else "**no**"]
+            for name, r in b["results"].items() if isinstance(r, dict)]
+    lines = _table(["path", "decode tokens/s", "prefill s", "achieved GB/s", "same greedy tokens as contiguous"],
+                   ["l", "r", "r", "r", "l"], rows)
+    ratio = b["results"].get("cached_over_transformers")
+    lines += ["", f"{b['prompt_tokens']}-token prompt, {b['new_tokens']} new tokens, median of {b['repeats']} runs after a "
+              f"warm-up; achieved GB/s = the weights one step reads ({b['weight_bytes'] / 1e6:.1f} MB) x tokens/s."
+              + (f" Contiguous cache / transformers: **{ratio:.2f}x** (goal 1.5x: {MET[ratio >= 1.5]})." if ratio else ""),
+              "", f"{b['machine']}, {b['dtype']}, batch {b['batch_size']}, greedy; {_source(rec)}."]
+    return "\n".join(lines)
+
+
+def decode_llamacpp(folder: Path = FIGURES) -> str:
+    """docs/decode.md's table of minillm's 4-bit paths beside llama.cpp, from ``bench decode --peer llamacpp``."""
+    rec = read_record("bench_decode_llamacpp.json", folder)
+    p = rec["report"]
+    res, n = p["results"], p["new_tokens"]
+    rows = [[name, f"{r['decode_tokens_per_s']:.1f}", ", ".join(f"{x:.1f}" for x in r["runs"]),
+             f"{r['bytes_per_token'] / 1e6:.1f}", f"{r['achieved_GB_per_s']:.1f}", f"{r['share_of_bound']:.0%}",
+             f"{r['tokens_equal_to_float']}/{n}"] for name, r in res.items()]
+    lines = _table(["path", "tokens/s (median)", "each repeat", "MB read per token", "GB/s", "of the bound",
+                    "first greedy tokens = float32's"], ["l", "r", "l", "r", "r", "r", "r"], rows)
+    bw = p["bandwidth"]
+    per = ", ".join(f"{x:.2f}" for x in p["best_over_llamacpp_per_repeat"])
+    ahead = sum(x >= 1 for x in p["best_over_llamacpp_per_repeat"])
+    lines += ["", f"Best 4-bit path ({p['best_ours']}) / llama.cpp: **{p['best_over_llamacpp']:.2f}x**, the median of "
+              f"the per-repeat ratios ({per}: ahead in {ahead} of {len(p['best_over_llamacpp_per_repeat'])}). "
+              f"Goal: at least as fast as llama.cpp in the same run: {MET[p['best_over_llamacpp'] >= 1]}. "
+              f"The bound: {bw['ceiling'] / 1e9:.1f} GB/s (streaming 512 MB: {bw['before'] / 1e9:.1f} before the decode "
+              f"runs, {bw['after'] / 1e9:.1f} after)."]
+    tps = {name: r["decode_tokens_per_s"] for name, r in res.items()}
+    fp, body = "ours float32 (cached, eager)", "ours int4 (RTN g64), float head"
+    head = next((k for k in res if k.startswith("ours int4") and k not in (body,) and not k.endswith(", compiled")), None)
+    comp = next((k for k in res if k.endswith(", compiled")), None)
+    steps = []
+    if fp in tps and body in tps:
+        steps.append(f"the 4-bit blocks {tps[body] / tps[fp]:.2f}x the float32 step")
+    if head and body in tps:
+        steps.append(f"quantizing the output layer ({head.split(', ')[-1]}) {tps[head] / tps[body]:.2f}x eager")
+    if comp:
+        eager = comp.removesuffix(", compiled")
+        steps.append(f"compiling {tps[comp] / tps[eager]:.2f}x its eager twin (whose greedy tokens it keeps for the first "
+                     f"{res[comp]['tokens_equal_to_eager']})")
+    if steps:
+        lines += ["", "What each step bought in this run: " + "; ".join(steps) + "."]
+    lines += ["", f"{p['machine']}, {p['threads']} threads for both, batch 1, {p['prompt_tokens']}-token prompt, {n} new "
+              f"tokens, greedy, {p['repeats']} interleaved repeats after a warm-up each; {_source(rec)}."]
+    return "\n".join(lines)
+
+
+SERVE_MODES = {"engine": "the engine (continuous batching)", "static": "static batches (`generate_batch`, {b} at a time)",
+               "sequential": "one at a time (`generate_cached`)",
+               "transformers": "transformers' continuous batching (paged\\|sdpa)"}
+
+
+def serve_bench(folder: Path = FIGURES) -> str:
+    """docs/paged.md's continuous-batching table, memory, sharing and goals, from ``serve-bench``'s record."""
+    rec = read_record("serve_bench.json", folder)
+    s = rec["report"]
+    n = s["num_requests"]
+    rows = [[SERVE_MODES.get(name, name).format(b=s["max_num_seqs"]), f"{m['output_tokens_per_s']:.1f}",
+             f"{m['total_tokens_per_s']:.1f}", f"{m['ttft_p50_s']:.2f} / {m['ttft_p99_s']:.2f}",
+             f"{m['tpot_p50_s']:.3f} / {m['tpot_p99_s']:.3f}", f"{m['wall_s']:.1f}", f"{m['same_tokens_as_sequential']}/{n}"]
+            for name, m in s["modes"].items()]
+    lines = _table(["mode", "output tokens/s", "total tokens/s", "TTFT p50 / p99 (s)", "TPOT p50 / p99 (s)", "wall s",
+                    "same greedy tokens as one at a time"], ["l", "r", "r", "l", "l", "r", "l"], rows)
+    e = s["modes"]["engine"]
+    lines += ["", f"{n} requests with {_trace(s['trace'])}-like lengths x {s['scale']} (mean prompt "
+              f"{s['mean_prompt']:.0f}, output {s['mean_output']:.0f} tokens), all arriving at once, greedy, EOS ignored; "
+              f"block size {s['block_size']}, `max_num_seqs` {s['max_num_seqs']}, {s['max_num_batched_tokens']} tokens per step.", "",
+              f"The engine's KV memory: peak {e['peak_blocks']} and mean {e['mean_blocks']:.1f} of {e['num_blocks']} "
+              "blocks, "
+              f"{e['preemptions']} preemptions, prefix hit rate {e['prefix_hit_rate']:.1%}, {e['steps']} steps; "
+              f"{e['kv_utilization']:.1%} of the slots of used blocks hold tokens (the lab predicts "
+              f"{e['lab_kv_utilization']:.1%} for these lengths)."]
+    if "memory" in s:
+        x = s["memory"]
+        lines[-1] += (f" At the trace's full lengths ({x['num_requests']} requests, mean {x['mean_prompt']:.0f} / "
+                      f"{x['mean_output']:.0f} tokens, a tiny random model): {x['kv_utilization']:.1%} (lab "
+                      f"{x['lab_kv_utilization']:.1%}; the paper: {s['paper']['kv_utilization']:.1%}).")
+    if "sharing" in s:
+        x = s["sharing"]
+        lines += ["", f"Sharing saves {x['parallel_sampling']:.1%} of KV blocks for n = {x['width']} parallel samples "
+                  f"(paper: {s['paper']['parallel_sampling_saved']}) and {x['beam_search']:.1%} for beam width "
+                  f"{x['width']} (paper: {s['paper']['beam_search_saved']}), on the first {x['num_requests']} requests."]
+    words = {"engine_vs_sequential": "engine / one at a time", "engine_vs_static": "engine / static batches",
+             "engine_vs_transformers": "engine / transformers", "kv_utilization": "kv_utilization at full lengths",
+             "kv_vs_lab_points": "kv_utilization's distance from the lab's prediction"}
+    units = {"kv_utilization": ("{:.1%}", "{:.0%}"), "kv_vs_lab_points": ("{:.2f} points", "at most {} points")}
+    goals = []
+    for k, g in s["goals"].items():
+        value, goal = units.get(k, ("{:.2f}x", "{}x"))
+        goals.append(f"{words.get(k, k)}: not measured" if g["measured"] is None else
+                     f"{words.get(k, k)} {value.format(g['measured'])} (goal {goal.format(g['goal'])}: {MET[g['held']]})")
+    lines += ["", "Goals: " + "; ".join(goals) + ".", "", f"{s['machine']}, {s['dtype']}; {_source(rec)}."]
+    return "\n".join(lines)
+
+
+def paged_decode(folder: Path = FIGURES) -> str:
+    """docs/paged.md's batch-1 line: the paged KV cache against the contiguous one, from ``bench decode``."""
+    rec = read_record("bench_decode.json", folder)
+    b = rec["report"]
+    res = b["results"]
+    cont, paged = res["ours cached (contiguous KV)"], res["ours paged KV (block_size 16)"]
+    slower = 1 - paged["decode_tokens_per_s"] / cont["decode_tokens_per_s"]
+    lines = _table(["batch-1 decode", "tokens/s", "same greedy tokens"], ["l", "r", "l"], [
+        ["contiguous KV cache (`generate_cached`)", f"{cont['decode_tokens_per_s']:.1f}", "-"],
+        ["paged KV cache, block size 16 (`minillm.paged.generate_paged`)", f"{paged['decode_tokens_per_s']:.1f}",
+         "yes" if paged["same_tokens_as_cached"] else "**no**"]])
+    lines += ["", f"Paged is {abs(slower):.1%} {'slower' if slower >= 0 else 'faster'} (goal: at most 10% slower: "
+              f"{MET[slower <= 0.10]}). {b['prompt_tokens']}-token prompt, {b['new_tokens']} new tokens, median of "
+              f"{b['repeats']}; {b['machine']}; {_source(rec)}."]
+    return "\n".join(lines)
+
+
+def fragmentation(folder: Path = FIGURES) -> str:
+    """docs/paged.md's fragmentation table, from the lab's record (``fragmentation --json``)."""
+    rec = read_record("fragmentation.json", folder)
+    f = rec["report"]
+    traces = f["traces"]
+    names = {"max": 'reserve max_seq_len ("Orca Max")', "pow2": 'reserve the next power of two ("Pow2")',
+             "oracle": 'reserve the final length ("Oracle")', "paged_16": "paging, block size 16"}
+
+    def cells(scheme, bold=False):
+        return [f"**{t['schemes'][scheme]:.1%}**" if bold else f"{t['schemes'][scheme]:.1%}" for t in traces.values()]
+
+    rows = [[label, *cells(s, s == "paged_16"), f"{f['paper'][s]:.1%}" if s in f["paper"] else "",
+             f"{f['paper_without_external'][s]:.1%}" if s in f["paper_without_external"] else ""]
+            for s, label in names.items()]
+    others = [bs for bs in f["block_sizes"] if bs != 16 and f"paged_{bs}" in next(iter(traces.values()))["schemes"]]
+    rows.append(["paging, block size " + " / ".join(map(str, others)),
+                 *(" / ".join(f"{100 * t['schemes'][f'paged_{bs}']:.1f}" for bs in others) + "%" for t in traces.values()),
+                 "", ""])
+    lines = _table(["scheme", *(f"{_trace(name)}-like" for name in traces), "paper, Fig. 2",
+                    "paper without external fragmentation"],
+                   ["l", *"r" * len(traces), "r", "r"], rows)
+    lines += [""] + [f"{_trace(name)}-like: {t['num_requests']:,} requests, mean prompt {t['mean_prompt']:.1f}, "
+                     f"mean output {t['mean_output']:.1f} tokens ({t['distribution']})." for name, t in traces.items()]
+    if "sharegpt" in traces:
+        waste = 1 - traces["sharegpt"]["schemes"]["paged_16"]
+        gap = [abs(traces["sharegpt"]["schemes"][s] - x) for s, x in f["paper_without_external"].items()]
+        lines += ["", f"Paging wastes {waste:.1%} at block size 16 on the ShareGPT-like trace (goal: under 4%: "
+                  f"{MET[waste < 0.04]})."]
+        if gap:
+            lines[-1] += (f" The reservation rows on that trace lie within {100 * max(gap):.1f} points of the paper's "
+                          "without external fragmentation.")
+    lines += ["", f"The measure: {f['measure']}; {_source(rec)}."]
+    return "\n".join(lines)
+
+
+def speculative(folder: Path = FIGURES) -> str:
+    """docs/speculative.md's tables, from notebook 04's record: the seven workloads at gamma 4, predicted
+    and measured, and the gamma sweep's best gamma."""
+    rec = read_record("04_speculative.json", folder)
+    r = rec["report"]
+    rows = [[w["workload"], str(w["new_tokens"]), f"{w['plain_tokens_per_s']:.1f}", f"{w['spec_tokens_per_s']:.1f}",
+             f"{w['alpha']:.2f}", f"{w['passes_without_draft']:.0%}", f"{w['tokens_per_target_pass']:.2f}",
+             f"{w['leviathan_speedup']:.2f}x", f"{w['leviathan_speedup_with_verify_cost']:.2f}x",
+             f"{w['predicted_speedup_alpha']:.2f}x", f"{w['predicted_speedup']:.2f}x",
+             f"**{w['measured_speedup']:.2f}x**" if w["measured_speedup"] >= 2 else f"{w['measured_speedup']:.2f}x",
+             "yes" if w["same_tokens"] else "**no**"] for w in r["rows"]]
+    lines = _table(["workload", "tokens", "plain tok/s", "spec tok/s", "alpha", "passes without a draft", "tokens / pass",
+                    "Leviathan", "+ verify cost", "+ each pass's k", "predicted", "measured", "same greedy tokens"],
+                   ["l", *"r" * 11, "l"], rows)
+    v = r["verify_steps"]
+    errors = [w["measured_speedup"] / w["predicted_speedup"] - 1 for w in r["rows"]]
+    lines += ["", f"gamma {r['num_speculative_tokens']}, {r['proposer']} drafts (c = 0), up to {r['new_tokens']} new tokens "
+              f"(stop at EOS), each path timed once per workload. One verify measurement serves every prediction: "
+              + ", ".join(f"verify({k}) = {v[k]:.2f}" for k in ("5", "17", "33") if k in v)
+              + f" decode steps. Measured / predicted: {100 * min(errors):+.0f}% to {100 * max(errors):+.0f}%."]
+    sweep = r.get("sweep")
+    if sweep:
+        srows = []
+        for name, best in sweep["best"].items():
+            mine = {str(x["gamma"]): x for x in sweep["rows"] if x["workload"] == name}
+            last = str(sweep["gammas"][-1])
+            bp, bm = mine[str(best["predicted"])], mine[str(best["measured"])]
+            tokens = next((str(w["new_tokens"]) for w in r["rows"] if w["workload"] == name), "")
+            srows.append([name, tokens, f"{best['predicted']} ({bp['predicted_speedup']:.2f}x)",
+                          f"{best['measured']} ({bm['measured_speedup']:.2f}x)",
+                          f"{bp['tokens_per_target_pass']:.2f}", f"{mine[last]['predicted_speedup']:.2f}x / "
+                          f"{mine[last]['measured_speedup']:.2f}x, {mine[last]['tokens_per_target_pass']:.2f}"])
+        lines += ["", *_table(["workload", "answer tokens", "best gamma, predicted", "best gamma, measured",
+                               "tokens / pass at the predicted best",
+                               f"at gamma {sweep['gammas'][-1]}: predicted / measured, tokens / pass"],
+                              ["l", "r", "r", "r", "r", "r"], srows),
+                  "", f"The sweep: gamma {', '.join(map(str, sweep['gammas']))}, median of {sweep['repeats']} runs, the "
+                  f"same verify measurement."]
+    lines += ["", f"{r['machine']}, {r['dtype']}, batch 1, greedy; {_source(rec)}."]
+    return "\n".join(lines)
+
+
+# which builder fills which table, and which files hold it (each checked by tests/test_tables.py)
+TABLES = {"headline": headline, "kv_cache": kv_cache, "roofline": roofline, "decode": decode,
+          "decode_llamacpp": decode_llamacpp, "serve_bench": serve_bench, "paged_decode": paged_decode,
+          "fragmentation": fragmentation, "speculative": speculative}
+FILES = {"README.md": ["headline"], "docs/kv_cache.md": ["kv_cache"], "docs/roofline.md": ["roofline"],
+         "docs/decode.md": ["decode", "decode_llamacpp"], "docs/paged.md": ["fragmentation", "paged_decode", "serve_bench"],
+         "docs/speculative.md": ["speculative"]}
+WRITERS = {name: f"`python -m minillm.tables record figures/{name} -- {cmd}`" for name, cmd in (
+    ("tour.json", "tour"), ("bench_decode.json", "bench decode"),
+    ("bench_decode_llamacpp.json", "bench decode --peer llamacpp"), ("serve_bench.json", "serve-bench --peer"),
+    ("fragmentation.json", "fragmentation"))}
+# the records each table reads (what to re-record when one is stale)
+READS = {"headline": ["tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json"],
+         "kv_cache": ["02_kv_cache.json"], "roofline": ["01_roofline.json"], "decode": ["bench_decode.json"],
+         "decode_llamacpp": ["bench_decode_llamacpp.json"], "serve_bench": ["serve_bench.json"],
+         "paged_decode": ["bench_decode.json"], "fragmentation": ["fragmentation.json"],
+         "speculative": ["04_speculative.json"]}
+WRITERS.update({"02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.json": "notebooks/01_roofline.ipynb",
+                "04_speculative.json": "notebooks/04_speculative_decoding.ipynb"})
 
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
@@ -195,12 +470,18 @@ def rebuild_text(text: str, folder: Path = FIGURES, where: str = "") -> str:
 
     Raises:
         KeyError: a marker names a table that ``TABLES`` does not know.
+        ValueError: a record lacks a key its table needs (written by another version of its command).
     """
     def fill(m: re.Match) -> str:
         name = m["name"]
         if name not in TABLES:
             raise KeyError(f"{where}: <!-- table:{name} --> names no table; known: {', '.join(TABLES)}")
-        return m.group(1) + TABLES[name](folder) + "\n" + m.group(4)
+        try:
+            table = TABLES[name](folder)
+        except KeyError as e:
+            raise ValueError(f"{where}: table {name}: a record it reads lacks the key {e}; re-record it with the "
+                             f"command that writes it ({'; '.join(WRITERS[r] for r in READS[name])})") from None
+        return m.group(1) + table + "\n" + m.group(4)
     return MARKER.sub(fill, text)
 
 
