@@ -221,9 +221,12 @@ def roofline(folder: Path = FIGURES) -> str:
                             if (above := [k for k, v in layouts[s].items() if v > r["linear_layouts_read_GB_per_s"]]))]
     half = r.get("half")
     if half:
+        base = half.get("float32", {}).get("measured_tokens_per_s")
+        vs = [f"{dtype} decode {row['measured_tokens_per_s'] / base:.2f}x float32's tokens/s ({row['bound']}-bound at "
+              f"these ceilings)" for dtype, row in half.items() if dtype != "float32" and base]
         lines += ["", *_table(["decode B=1", *head], ["l", "r", "l", "r", "r", "r"],
                               [forward(row, dtype) for dtype, row in half.items()]),
-                  "", "With their own ceilings, measured right before these rows."]
+                  "", "With their own ceilings, measured right before these rows." + (" " + "; ".join(vs) + "." if vs else "")]
     comp = r.get("compiled")
     if comp:
         bound = comp["bound_tokens_per_s"]

@@ -44,7 +44,7 @@ def _roofline_report():
             "linear_layouts_read_GB_per_s": 26.0,
             "compiled": {"read_GB_per_s": 27.0, "bound_tokens_per_s": 50.0, "weight_read_tokens_per_s": 38.0,
                          "compiled_tokens_per_s": 45.0, "eager_tokens_per_s": 34.0},
-            "half": {"float16": _row("decode", 1, 1, 4.0, 5.0, "float16")}}
+            "half": {"float32": _row("decode", 1, 1, 50.0, 40.0), "float16": _row("decode", 1, 1, 4.0, 5.0, "float16")}}
 
 
 def _tour_report():
@@ -220,6 +220,7 @@ def test_roofline_table_states_goals_and_ceilings(tmp_path):
     assert "the roofline's bandwidth is the larger, 25.0 GB/s" in text
     assert "| F.linear | 28.0 | 11.0 |" in text and "Fastest: at 1 row `F.linear`; at 8 rows `shards`. Above the ceiling at 1 row: `F.linear`." in text
     assert "| float16 | 0.5 | memory | 4.0 | 5.0 | 0.80 |" in text
+    assert "float16 decode 0.12x float32's tokens/s (memory-bound at these ceilings)." in text  # 5 / 40
     assert "| compiled (`compile_decode`) | 45.0 | 90% |" in text
     # eager 1.25x the predicted time is within 25%; compiled 90% of the bound: 1.11x
     assert "eager 1.25x the predicted time (met), compiled 1.11x (met); at least 75% of the bound: compiled 90% (met)" in text
