@@ -309,7 +309,7 @@ def four_bit_paths(model, quant_head: str = "int8", compile: bool = True, progre
 
 
 def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: int = 128, repeats: int = 3,
-                          model_path=None, quant_head: str = "int8", compile: bool = True,
+                          model_path=None, quant_head: str = "int8", compile: bool = True, llamacpp: bool = True,
                           progress: bool = True) -> dict:
     """Batch-1 greedy decode tokens/s of minillm's float and 4-bit paths (``four_bit_paths``) and of llama.cpp
     on the same GGUF file, same prompt tokens, same thread count (``torch.get_num_threads()``), in this
@@ -324,23 +324,25 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
         (achieved / ceiling), tokens_equal_to_float (greedy tokens in common with minillm float32's, from
         the first), and for the compiled path tokens_equal_to_eager (the same against its eager twin);
         ratios: best minillm 4-bit path over llama.cpp, as the median of the per-repeat ratios and each
-        repeat's ratio.
+        repeat's ratio. With ``llamacpp=False`` only minillm's paths run (where the optional peer is not
+        installed: notebook 05 in CI) and the ratios are None.
 
     Raises:
-        ValueError: llama_cpp is not installed.
+        ValueError: llama_cpp is not installed (and ``llamacpp`` is True).
     """
     from tqdm.auto import tqdm
 
     n_threads = torch.get_num_threads()
     prompt_tokens = tokenizer.encode(prompt)
-    llm = load_llamacpp_peer(model_path, n_threads, n_ctx=len(prompt_tokens) + new_tokens + 8)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     ours = {"ours float32 (cached, eager)": model, **four_bit_paths(model, quant_head, compile, progress)}
     paths = {name: _ours(generate_cached, m, prompt_tokens, params) for name, m in ours.items()}
-    peer = "llama.cpp (same GGUF)"
-    paths[peer] = _llamacpp(llm, prompt_tokens, params)
     nbytes = {name: decode_bytes_per_token(m) for name, m in ours.items()}
-    nbytes[peer] = gguf_bytes_per_token(model_path)
+    peer = "llama.cpp (same GGUF)"
+    if llamacpp:
+        llm = load_llamacpp_peer(model_path, n_threads, n_ctx=len(prompt_tokens) + new_tokens + 8)
+        paths[peer] = _llamacpp(llm, prompt_tokens, params)
+        nbytes[peer] = gguf_bytes_per_token(model_path)
     before = measure(str(model.device), dtypes=()).bandwidth
     for fn in tqdm(paths.values(), desc="warm-up", disable=not progress, leave=False):
         fn()
@@ -365,11 +367,11 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
             results[name]["tokens_equal_to_eager"] = next(
                 (i for i, (a, b) in enumerate(zip(rs[-1]["tokens"], ref)) if a != b), len(ref))
     best = max((n for n in results if n != peer and "int4" in n), key=lambda n: results[n]["decode_tokens_per_s"])
-    per_repeat = [a / b for a, b in zip(results[best]["runs"], results[peer]["runs"])]
+    per_repeat = [a / b for a, b in zip(results[best]["runs"], results[peer]["runs"])] if llamacpp else None
     return {"machine": machine(), "device": str(model.device), "threads": n_threads, "batch_size": 1,
             "prompt": prompt, "prompt_tokens": len(prompt_tokens), "new_tokens": new_tokens, "repeats": repeats,
             "bandwidth": {"before": before, "after": after, "ceiling": ceiling}, "results": results,
-            "best_ours": best, "best_over_llamacpp": statistics.median(per_repeat),
+            "best_ours": best, "best_over_llamacpp": statistics.median(per_repeat) if llamacpp else None,
             "best_over_llamacpp_per_repeat": per_repeat}
 
 
@@ -387,6 +389,34 @@ def format_bench_llamacpp(report: dict) -> str:
                      f"{r['achieved_GB_per_s']:6.1f} {r['share_of_bound']:8.0%}  first {r['tokens_equal_to_float']}"
                      + (f" (= its eager twin's: first {r['tokens_equal_to_eager']})"
                         if "tokens_equal_to_eager" in r else ""))
-    per = ", ".join(f"{x:.2f}" for x in report["best_over_llamacpp_per_repeat"])
-    lines.append(f"{report['best_ours']} / llama.cpp: {report['best_over_llamacpp']:.2f}x (per repeat: {per})")
+    if report["best_over_llamacpp"] is not None:
+        per = ", ".join(f"{x:.2f}" for x in report["best_over_llamacpp_per_repeat"])
+        lines.append(f"{report['best_ours']} / llama.cpp: {report['best_over_llamacpp']:.2f}x (per repeat: {per})")
     return "\n".join(lines)
+
+
+def plot_bench_llamacpp(report: dict):
+    """A ``bench_decode_llamacpp`` report as a figure: each path's decode tokens/s (bars) beside the
+    tokens/s its bytes per token allow at the run's bandwidth ceiling (the bound, a tick), labelled with
+    its megabytes per token and the share of the bound it reaches. Returns the matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    names = list(report["results"])
+    res = [report["results"][n] for n in names]
+    ceiling = report["bandwidth"]["ceiling"]
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(names) + 1.4))
+    y = range(len(names))
+    ax.barh(y, [r["decode_tokens_per_s"] for r in res], color=["C1" if n.startswith("llama") else "C0" for n in names])
+    bounds = [ceiling / r["bytes_per_token"] for r in res]
+    ax.scatter(bounds, y, marker="|", s=400, color="k", label="bound: ceiling / bytes per token")
+    for i, r in enumerate(res):
+        ax.text(r["decode_tokens_per_s"], i, f"  {r['decode_tokens_per_s']:.1f} tok/s, {r['bytes_per_token'] / 1e6:.0f} MB/token, "
+                f"{r['share_of_bound']:.0%} of bound", va="center", fontsize=8)
+    ax.set_yticks(list(y), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(bounds + [r["decode_tokens_per_s"] for r in res]) * 1.9)
+    ax.set_xlabel(f"decode tokens/s (batch 1, {report['threads']} threads; ceiling {ceiling / 1e9:.1f} GB/s)")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("4-bit decode: bytes read per token and tokens/s")
+    fig.tight_layout()
+    return fig

@@ -475,15 +475,20 @@ def rebuild_text(text: str, folder: Path = FIGURES, where: str = "") -> str:
         KeyError: a marker names a table that ``TABLES`` does not know.
         ValueError: a record lacks a key its table needs (written by another version of its command).
     """
+    from . import tables_quant  # its builders read the reports of the quantization commands
+
+    builders, reads = {**TABLES, **tables_quant.TABLES}, {**READS, **tables_quant.READS}
+    writers = {**WRITERS, **tables_quant.WRITERS}
+
     def fill(m: re.Match) -> str:
         name = m["name"]
-        if name not in TABLES:
-            raise KeyError(f"{where}: <!-- table:{name} --> names no table; known: {', '.join(TABLES)}")
+        if name not in builders:
+            raise KeyError(f"{where}: <!-- table:{name} --> names no table; known: {', '.join(builders)}")
         try:
-            table = TABLES[name](folder)
+            table = builders[name](folder)
         except KeyError as e:
             raise ValueError(f"{where}: table {name}: a record it reads lacks the key {e}; re-record it with the "
-                             f"command that writes it ({'; '.join(WRITERS[r] for r in READS[name])})") from None
+                             f"command that writes it ({'; '.join(writers[r] for r in reads[name])})") from None
         return m.group(1) + table + "\n" + m.group(4)
     return MARKER.sub(fill, text)
 

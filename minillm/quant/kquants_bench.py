@@ -161,3 +161,46 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def plot_q4_k_layout():
+    """The Q4_K super-block drawn byte by byte (llama.cpp's ``block_q4_K``): the float16 ``d`` and
+    ``dmin``, the 12 bytes of packed 6-bit scales and mins, the 128 bytes of 4-bit codes and which
+    sub-block of 32 weights each nibble group holds. Returns the matplotlib figure."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    colors = plt.get_cmap("tab10").colors
+    fig, ax = plt.subplots(figsize=(12, 4.2))
+
+    def box(x, y, w, h, label, color="white", fontsize=8):
+        ax.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black", linewidth=0.8))
+        ax.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=fontsize)
+
+    # row 1: the 16 header bytes, one unit per byte, coloured by the sub-block they scale
+    box(0, 3, 2, 1, "d\n(f16)", "#dddddd")
+    box(2, 3, 2, 1, "dmin\n(f16)", "#dddddd")
+    for k in range(12):
+        label = [f"sc{k}\n+hi sc{k + 4}", f"m{k - 4}\n+hi m{k}", f"lo sc{k - 4}\nlo m{k - 4}"][k // 4]
+        box(4 + k, 3, 1, 1, label, colors[k % 4] if k < 8 else colors[k - 4], fontsize=6)
+    ax.text(10, 4.25, "scales[12]: eight 6-bit sc[j] and eight 6-bit m[j]", ha="center", fontsize=9)
+    ax.text(2, 4.25, "super-block scales", ha="center", fontsize=9)
+    # row 2: the 128 code bytes in 4 groups of 32, each byte = low nibble | high nibble
+    for g in range(4):
+        x = 0.5 + 7 * g
+        box(x, 1.6, 6, 0.45, f"low nibbles of qs[{32 * g}..{32 * g + 31}]", colors[2 * g], fontsize=7)
+        box(x, 1.15, 6, 0.45, "high nibbles", colors[2 * g + 1], fontsize=7)
+    ax.text(14, 2.25, "qs[128]: 4-bit codes q, two per byte", ha="center", fontsize=9)
+    # row 3: the 256 weights as 8 sub-blocks of 32
+    for j in range(8):
+        box(3.5 * j, 0, 3.5, 0.6, f"sub-block {j}\nw{32 * j}..w{32 * j + 31}", colors[j], fontsize=7)
+        g, high = divmod(j, 2)
+        ax.annotate("", xy=(3.5 * j + 1.75, 0.6), xytext=(0.5 + 7 * g + (4.5 if high else 1.5), 1.15),
+                    arrowprops=dict(arrowstyle="->", linewidth=0.6, color="gray"))
+    ax.text(14, -0.45, "w = d * sc[j] * q - dmin * m[j]   (j = sub-block, q = 0..15)", ha="center", fontsize=10)
+    ax.set_xlim(-0.5, 28.5)
+    ax.set_ylim(-0.8, 4.6)
+    ax.axis("off")
+    ax.set_title("Q4_K: 256 weights in 144 bytes (4.5 bits per weight)")
+    fig.tight_layout()
+    return fig
