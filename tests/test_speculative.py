@@ -109,6 +109,13 @@ def test_stats_alpha_positions_and_predicted_speedup():
     assert pred["cost_per_pass"] == pytest.approx(cost) and pred["predicted_speedup"] == pytest.approx(2.5 / cost)
     assert pred["tokens_per_pass_alpha"] == pytest.approx(
         sum(expected_tokens_per_pass(0.75, k) for k in (4, 0, 4, 2)) / 4)
+    # decode_tokens_per_s's accounting: 10 - 1 tokens; the first pass (3 tokens) keeps 2/3 of its cost
+    assert pred["predicted_speedup_after_first_token"] == pytest.approx(9 / (4 * cost - 2.4 / 3))
+    # a first pass that keeps one token drops out whole; with no drafts at all, plain decoding's 1.0
+    one = SpeculativeStats(drafted=[4, 4], accepted=[0, 4], emitted=[1, 5])
+    assert predicted_speedup(one, verify)["predicted_speedup_after_first_token"] == pytest.approx(5 / 2.0)
+    none = SpeculativeStats(drafted=[0, 0, 0], accepted=[0, 0, 0])
+    assert predicted_speedup(none, verify)["predicted_speedup_after_first_token"] == pytest.approx(1.0)
     assert expected_tokens_per_pass(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert expected_tokens_per_pass(1.0, 3) == 4 and leviathan_speedup(0.0, 5, 0.0) == 1
     assert leviathan_speedup(0.5, 3, 0.1) == pytest.approx(1.875 / 1.3)

@@ -124,7 +124,8 @@ def sweep_gamma(model, tokenizer, *, gammas=(1, 2, 3, 4, 6, 8), workloads=None, 
 
     Returns:
         dict: verify_s, draft_cost_ratio, rows (workload, gamma, measured_speedup, predicted_speedup,
-        alpha, tokens_per_target_pass, same_tokens) and best ({workload: {"measured": gamma,
+        predicted_speedup_after_first_token, passes, first_pass_tokens, alpha, tokens_per_target_pass,
+        same_tokens) and best ({workload: {"measured": gamma,
         "predicted": gamma}}).
     """
     params = SamplingParams(max_new_tokens=new_tokens)
@@ -142,9 +143,12 @@ def sweep_gamma(model, tokenizer, *, gammas=(1, 2, 3, 4, 6, 8), workloads=None, 
         spec = [speculative_generate(model, make_proposer(model, draft), ids, params, num_speculative_tokens=gamma,
                                      tokenizer=tokenizer) for _ in range(repeats)]
         st = spec[-1][1]
+        pred = predicted_speedup(st, verify, c)
         rows.append({"workload": name, "gamma": gamma,
                      "measured_speedup": statistics.median(r.decode_tokens_per_s for r, _ in spec) / plain[name][0],
-                     "predicted_speedup": predicted_speedup(st, verify, c)["predicted_speedup"],
+                     "predicted_speedup": pred["predicted_speedup"],
+                     "predicted_speedup_after_first_token": pred["predicted_speedup_after_first_token"],
+                     "passes": len(st.drafted), "first_pass_tokens": st.emitted[0],
                      "alpha": st.alpha, "tokens_per_target_pass": st.tokens_per_target_pass,
                      "same_tokens": all(r.tokens == plain[name][1] for r, _ in spec)})
     for name in dict.fromkeys(r["workload"] for r in rows):

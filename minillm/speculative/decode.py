@@ -220,9 +220,16 @@ def predicted_speedup(stats: SpeculativeStats, verify_cost: dict[int, float], dr
             (``minillm.timing.measure_verify``); k = 1 is a decode step.
         draft_cost: c, seconds of one draft token / seconds of one target decode step (0 for n-gram).
 
+    ``predicted_speedup_after_first_token`` is the same prediction on the accounting of a measured
+    speedup of ``decode_tokens_per_s``, which counts the tokens after the first and the time after the
+    first token's share of its pass (``finish``): the first pass then weighs only (e_1 - 1) / e_1 of its
+    cost, and (sum of e_i) - 1 tokens are counted. With few passes (a large gamma on a short answer) the
+    two predictions differ most, since the first pass often keeps a single token.
+
     Returns:
         dict: cost_per_pass (decode steps), tokens_per_pass (measured), tokens_per_pass_alpha,
-        predicted_speedup (measured tokens / cost), predicted_speedup_alpha.
+        predicted_speedup (measured tokens / cost), predicted_speedup_alpha,
+        predicted_speedup_after_first_token (0 when the run emitted a single token).
 
     Raises:
         ValueError: no passes, or a k + 1 missing from verify_cost.
@@ -236,5 +243,10 @@ def predicted_speedup(stats: SpeculativeStats, verify_cost: dict[int, float], dr
     cost = sum(verify_cost[1 + k] / verify_cost[1] + draft_cost * k for k in stats.drafted) / n
     tokens = stats.tokens_per_target_pass
     tokens_alpha = sum(expected_tokens_per_pass(alpha, k) for k in stats.drafted) / n
+    emitted = stats.emitted or [a + 1 for a in stats.accepted]
+    first = verify_cost[1 + stats.drafted[0]] / verify_cost[1] + draft_cost * stats.drafted[0]
+    after_tokens, after_cost = sum(emitted) - 1, n * cost - first / max(1, emitted[0])
+    after = after_tokens / after_cost if after_tokens > 0 and after_cost > 0 else 0.0
     return {"cost_per_pass": cost, "tokens_per_pass": tokens, "tokens_per_pass_alpha": tokens_alpha,
-            "predicted_speedup": tokens / cost, "predicted_speedup_alpha": tokens_alpha / cost}
+            "predicted_speedup": tokens / cost, "predicted_speedup_alpha": tokens_alpha / cost,
+            "predicted_speedup_after_first_token": after}

@@ -141,7 +141,8 @@ def plot_tokens_per_pass(rows: list[dict], path, gamma: int) -> Path:
 
 def plot_speedup_vs_gamma(sweep: dict, path) -> Path:
     """Measured (solid) and predicted (dashed) speedup against gamma per workload of a ``sweep_gamma``
-    report, the best measured gamma starred."""
+    report, the best measured gamma starred; where the rows hold it, also the prediction on the
+    measurement's accounting (dotted: ``predicted_speedup_after_first_token``)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for name, best in sweep["best"].items():
@@ -150,6 +151,9 @@ def plot_speedup_vs_gamma(sweep: dict, path) -> Path:
         line, = ax.plot(gammas, [r["measured_speedup"] for r in rows], "o-", label=f"{short_name(name)}, measured")
         ax.plot(gammas, [r["predicted_speedup"] for r in rows], "x--", color=line.get_color(),
                 label=f"{short_name(name)}, predicted")
+        if all("predicted_speedup_after_first_token" in r for r in rows):
+            ax.plot(gammas, [r["predicted_speedup_after_first_token"] for r in rows], "+:", color=line.get_color(),
+                    label=f"{short_name(name)}, predicted after the first token")
         top = next(r for r in rows if r["gamma"] == best["measured"])
         ax.plot([top["gamma"]], [top["measured_speedup"]], "*", ms=14, color=line.get_color())
     gammas = sorted({r["gamma"] for r in sweep["rows"]})
@@ -179,7 +183,7 @@ def plot_replay_tokens_per_pass(grids: dict[str, dict[int, dict[int, float]]], p
             ax.plot(list(by_gamma), list(by_gamma.values()), ls=ls, marker=marker, ms=3, label=f"min_n = {n}")
         ax.axhline(2, color="gray", lw=1)
         gammas = sorted({g for by_gamma in grid.values() for g in by_gamma})
-        ax.set_xticks([g for g in gammas if g in (1, 2, 4, 8, 12, 16) or g == gammas[-1]])
+        ax.set_xticks([g for g in gammas if g in (1, 2, 4, 8, 16, 24, 32) or g == gammas[-1]])
         ax.set_ylim(0.8, top * 1.1)
         ax.set_title(short_name(name), fontsize=9)
     for ax in axes.flat[len(grids):]:
