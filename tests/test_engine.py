@@ -53,17 +53,18 @@ def recompute_logits(model, ids):
         return model(torch.tensor([ids]), torch.arange(len(ids)))[0]
 
 
-@pytest.mark.parametrize("num_blocks,budget,width", [
-    (None, 256, None),  # everything fits: one prefill step, then decodes
-    (40, 16, None),  # chunked prefill beside decodes, some preemption
-    (14, 8, None),  # a pool of about two requests: preemption and recompute
-    (14, 7, 1),  # one token per row: a chunk cut into many rows of one sequence
-    (40, 300, 4),
+@pytest.mark.parametrize("num_blocks,budget,width,layout", [
+    (None, 256, None, None),  # everything fits: one prefill step, then decodes (one flat row per step)
+    (None, 256, None, "rows"),  # the same in (B, T) rows (pack_rows)
+    (40, 16, None, None),  # chunked prefill beside decodes, some preemption
+    (14, 8, None, None),  # a pool of about two requests: preemption and recompute
+    (14, 7, 1, None),  # one token per row: a chunk cut into many rows of one sequence
+    (40, 300, 4, None),
 ])
-def test_greedy_requests_equal_generate_cached_alone(tiny, num_blocks, budget, width):
+def test_greedy_requests_equal_generate_cached_alone(tiny, num_blocks, budget, width, layout):
     ps = prompts()
     engine = LLMEngine(tiny, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, row_width=width,
-                       record_logits=True)
+                       layout=layout, record_logits=True)
     done = run(engine, [(str(i), p, greedy(o)) for i, (p, o) in enumerate(zip(ps, OUT_LENS))])
     for i, (p, o) in enumerate(zip(ps, OUT_LENS)):
         assert done[str(i)] == [solo(tiny, p, greedy(o))]
@@ -169,10 +170,10 @@ def test_abort_returns_every_block(tiny):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 5),
                               st.integers(1, 12), st.integers(1, 3)), min_size=1, max_size=30),
-       num_blocks=st.integers(10, 30), budget=st.integers(1, 20))
-def test_random_interleavings_finish_every_request_with_its_solo_tokens(tiny, ops, num_blocks, budget):
+       num_blocks=st.integers(10, 30), budget=st.integers(1, 20), layout=st.sampled_from(["flat", "rows"]))
+def test_random_interleavings_finish_every_request_with_its_solo_tokens(tiny, ops, num_blocks, budget, layout):
     ps = prompts()
-    engine = LLMEngine(tiny, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget)
+    engine = LLMEngine(tiny, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, layout=layout)
     added, aborted, done, k = {}, set(), {}, 0
     for op, i, out_len, n in ops:
         if op == "add":

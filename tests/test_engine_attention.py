@@ -7,7 +7,7 @@ import torch
 from helpers import random_decoder
 
 from minillm.model import ModelConfig, attention, attention_mask
-from minillm.paged import LLMEngine, PagedKVCache, pack_rows, pack_rows_naive
+from minillm.paged import LLMEngine, PagedKVCache, pack_flat, pack_rows, pack_rows_naive
 from minillm.paged.cache import buckets
 
 CFG = ModelConfig(n_layers=1, dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=300,
@@ -105,4 +105,89 @@ def test_packer_orders_rows_by_their_end_and_keeps_the_naive_logits():
         with torch.inference_mode():
             outs.append(model(rows.tokens, rows.input_pos, engine.cache,
                               logits_indices=rows.logits_indices(range(len(ps)))))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
+
+
+def test_flat_row_of_segments_attends_each_over_its_own_sequence():
+    """One flat row (1, N) of segments (set_rows with widths): decode tokens at several lengths, a new
+    sequence's 6-token prompt, a 3-token chunk of a sequence holding 9, segments out of order, GQA with
+    G = 3, NaN in every slot no sequence holds: each segment's output is attention over its own
+    sequence's keys alone, and every new key lands in its sequence's slots."""
+    torch.manual_seed(1)
+    H, Hkv, D, bs = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, 4
+    cache = PagedKVCache(CFG, 40, bs, attention="bucketed")
+    held = [9, 2, 17, 0, 5]
+    keys = [torch.randn(Hkv, n + 8, D) for n in held]
+    values = [torch.randn(Hkv, n + 8, D) for n in held]
+    for s, n in enumerate(held):
+        cache.add_sequence(s)
+        if n:
+            cache.manager.grow(s, n)
+            slots = cache.manager.slot_mapping(s, range(n))
+            for pool, x in ((cache.k[0], keys[s]), (cache.v[0], values[s])):
+                pool.view(-1, Hkv, D)[slots] = x[:, :n].transpose(0, 1)
+    segments = [(2, 17, 1), (3, 0, 6), (1, 2, 1), (0, 9, 3), (4, 5, 1)]  # (sequence, first position, tokens)
+    pos = torch.tensor([[p for _, a, n in segments for p in range(a, a + n)]])  # (1, N)
+    cache.set_rows([s for s, _, _ in segments], [n for _, _, n in segments])
+    cache.prepare(pos)
+    owned = {slot for s in range(5) for slot in cache.manager.slot_mapping(s, range(cache.manager.num_tokens(s)))}
+    for pool in (cache.k[0], cache.v[0]):
+        flat = pool.view(-1, Hkv, D)
+        flat[[i for i in range(len(flat)) if i not in owned]] = float("nan")
+    k_new = torch.cat([keys[s][:, a:a + n] for s, a, n in segments], dim=1)[None]  # (1, Hkv, N, D)
+    v_new = torch.cat([values[s][:, a:a + n] for s, a, n in segments], dim=1)[None]
+    q = torch.randn(1, H, pos.shape[1], D)
+    out = cache.attend(0, q, k_new, v_new)  # (1, H, N, D)
+    assert out.shape == q.shape and not out.isnan().any()
+    t = 0
+    for s, a, n in segments:
+        mask = torch.arange(a + n)[None, :] <= torch.arange(a, a + n)[:, None]  # (n, a + n)
+        want = attention(q[:, :, t:t + n], keys[s][None, :, :a + n], values[s][None, :, :a + n], mask)
+        torch.testing.assert_close(out[:, :, t:t + n], want, rtol=1e-5, atol=1e-5)
+        got_k = cache.k[0].view(-1, Hkv, D)[cache.manager.slot_mapping(s, range(a, a + n))].transpose(0, 1)
+        torch.testing.assert_close(got_k, keys[s][:, a:a + n])
+        t += n
+
+
+def test_flat_row_refusals_name_the_problem():
+    cache = PagedKVCache(CFG, 8, 4, attention="indexed")
+    cache.add_sequence(0)
+    with pytest.raises(ValueError, match="needs attention='bucketed'"):
+        cache.set_rows([0], [1])
+    cache = PagedKVCache(CFG, 8, 4, attention="bucketed")
+    cache.add_sequence(0)
+    with pytest.raises(ValueError, match="one width >= 1 per sequence"):
+        cache.set_rows([0], [1, 2])
+    cache.set_rows([0], [3])
+    with pytest.raises(ValueError, match=r"needs shape \(1, 3\)"):
+        cache.prepare(torch.tensor([[0, 1]]))
+    with pytest.raises(ValueError, match="one span per sequence"):
+        pack_flat([(0, 0, [1, 2]), (0, 2, [3])])
+    with pytest.raises(ValueError, match="layout"):
+        LLMEngine(random_decoder(300), attention="indexed", layout="flat")
+
+
+def test_flat_packing_keeps_the_naive_logits():
+    """pack_flat (one (1, N) row, segments ordered by width then end) gives, at each sequence's last
+    token, the logits of the naive one-row-per-sequence packing on the "indexed" path; and the
+    sequences' later decode tokens (a flat row of single tokens) too."""
+    model = random_decoder(300)
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, 300, (n,), generator=g).tolist() for n in (3, 17, 1, 8, 12)]
+    nxt = [int(t) for t in torch.randint(0, 300, (5,), generator=g)]
+    rows = pack_flat([(i, 0, p) for i, p in enumerate(ps)])
+    assert rows.shape == (1, sum(map(len, ps))) and rows.widths == sorted(map(len, ps))
+    outs = []
+    for pack, path in ((pack_rows_naive, "indexed"), (lambda spans, S: pack_flat(spans), "bucketed")):
+        engine = LLMEngine(model, block_size=4, num_blocks=32, attention=path)
+        for i, p in enumerate(ps):
+            engine.manager.allocate(i, p)
+        step = []
+        for spans in ([(i, 0, p) for i, p in enumerate(ps)], [(i, len(p), [nxt[i]]) for i, p in enumerate(ps)]):
+            rows = pack(spans, 18)
+            engine.cache.set_rows(rows.seq_ids, rows.widths)
+            with torch.inference_mode():
+                step.append(model(rows.tokens, rows.input_pos, engine.cache,
+                                  logits_indices=rows.logits_indices(range(len(ps)))))
+        outs.append(torch.cat(step))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)

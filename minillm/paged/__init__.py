@@ -9,7 +9,7 @@ the fragmentation lab (Sec. 3, Fig. 2).
 * ``paged_attention`` (attention.py): block-wise attention with an online softmax (the kernel's algorithm).
 * ``generate_paged`` (generate.py): ``generate_cached`` on a paged cache.
 * The engine (issue 18): ``LLM`` / ``LLMEngine`` (llm.py, engine.py: continuous batching in vLLM's API),
-  ``Scheduler`` (scheduler.py), ``pack_rows`` (batching.py), ``Sequence`` / ``RequestOutput``
+  ``Scheduler`` (scheduler.py), ``pack_flat`` / ``pack_rows`` (batching.py), ``Sequence`` / ``RequestOutput``
   (sequence.py), beam search (beam.py), ``python -m minillm serve-bench`` (serve_bench.py, serve_cli.py).
 * ``run_lab`` / ``format_table`` / ``kv_utilization`` (fragmentation.py): the share of reserved KV
   memory holding tokens under reservation and paging; figures in plots.py;
@@ -26,7 +26,7 @@ from .block_manager import (
     blocks_for,
     hash_block_tokens,
 )
-from .batching import pack_rows, pack_rows_naive
+from .batching import pack_flat, pack_rows, pack_rows_naive
 from .beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_search_naive
 from .cache import PagedKVCache
 from .engine import LLMEngine
@@ -39,8 +39,8 @@ from .plots import fork_example, plot_fork_cow, plot_memory_vs_block_size
 
 __all__ = [
     "LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "LLMEngine",
-    "RequestMetrics", "RequestOutput", "Scheduler", "Sequence", "SequenceStatus", "beam_search_naive", "pack_rows",
-    "pack_rows_naive",
+    "RequestMetrics", "RequestOutput", "Scheduler", "Sequence", "SequenceStatus", "beam_search_naive", "pack_flat",
+    "pack_rows", "pack_rows_naive",
     "BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PagedKVCache", "PrefixCacheStats", "TRACES",
     "UnknownSequenceError", "blocks_for", "fork_example", "format_table", "generate_paged", "hash_block_tokens",
     "kv_utilization", "make_trace", "measure_attention_paths", "paged_attention", "plot_fork_cow",

@@ -1,4 +1,11 @@
-"""How one step's tokens become the (B, T) rows of one ``Decoder.forward`` on the paged cache.
+"""How one step's tokens become the input of one ``Decoder.forward`` on the paged cache: one flat row
+(``pack_flat``, the engine's default) or (B, T) rows (``pack_rows``).
+
+The flat row is vLLM V1's layout: every scheduled token side by side, (1, N), one segment per sequence,
+so the linear layers, which take most of a step, compute the N real tokens and nothing else; the
+"bucketed" cache attends each segment over its own sequence (``PagedKVCache.set_rows(seq_ids, widths)``).
+The rows below are what the "indexed" and "gather" paths need, and the baseline the flat row is tested
+against.
 
 A step (``minillm.paged.scheduler``) gives each sequence a span of new tokens: one for a decode, a
 chunk for a prefill. The forward takes a rectangle: B rows of T tokens, -1 positions marking padding.
@@ -28,6 +35,7 @@ the baseline with the same result (tests/test_engine.py checks that their logits
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -42,12 +50,15 @@ KEY_COST = 0.05  # c_key / c_token in token-rows per key position of a row (see 
 class Rows:
     """One forward's inputs: ``seq_ids`` (B,) the sequence of each row, ``tokens`` and ``input_pos``
     (B, T) int64 (padding: token 0, position -1), and ``last`` {seq_id: (row, column)} of each
-    sequence's last token in this forward (where its next-token logits are)."""
+    sequence's last token in this forward (where its next-token logits are). ``widths``: None for
+    rectangular rows; for one flat row (``pack_flat``: B = 1), the tokens of each sequence in turn,
+    and ``seq_ids`` then names the sequence of each segment (``PagedKVCache.set_rows(seq_ids, widths)``)."""
 
     seq_ids: list[int]
     tokens: torch.Tensor
     input_pos: torch.Tensor
     last: dict[int, tuple[int, int]]
+    widths: list[int] | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -102,6 +113,26 @@ def pack_rows(spans: list[tuple[int, int, list[int]]], max_seq_len: int, device=
         raise ValueError("spans: give at least one span, each with at least one token")
     width = width or choose_row_width([len(ids) for _, _, ids in spans], max_seq_len)
     return _to_rows(sorted(_cut(spans, width), key=lambda row: row[1] + len(row[2])), width, device)
+
+
+def pack_flat(spans: list[tuple[int, int, list[int]]], device="cpu") -> Rows:
+    """Every span's tokens in one flat row (1, N) (vLLM V1's flat batch), one segment per sequence:
+    the linear layers run on the N real tokens and no padding, and the "bucketed" cache attends each
+    segment over its own sequence (rows of one width grouped by the keys they read). Segments are
+    ordered by width, then by where they end, so that the cache's groups are consecutive tokens.
+    Raises ValueError for no spans, an empty span, or two spans of one sequence."""
+    if not spans or any(not ids for _, _, ids in spans):
+        raise ValueError("spans: give at least one span, each with at least one token")
+    if len({s for s, _, _ in spans}) != len(spans):
+        raise ValueError("spans: a flat row takes one span per sequence; join a sequence's spans first")
+    spans = sorted(spans, key=lambda span: (len(span[2]), span[1] + len(span[2])))
+    tokens = [t for _, _, ids in spans for t in ids]
+    input_pos = [p for _, start, ids in spans for p in range(start, start + len(ids))]
+    widths = [len(ids) for _, _, ids in spans]
+    ends = itertools.accumulate(widths)
+    last = {s: (0, end - 1) for (s, _, _), end in zip(spans, ends)}
+    return Rows([s for s, _, _ in spans], torch.tensor([tokens], dtype=torch.long, device=device),
+                torch.tensor([input_pos], dtype=torch.long, device=device), last, widths)
 
 
 def pack_rows_naive(spans: list[tuple[int, int, list[int]]], max_seq_len: int = 0, device="cpu") -> Rows:

@@ -17,6 +17,11 @@ layer writes every row's keys and values before any row attends, so several rows
 sequence (consecutive spans, in position order: a prefill in chunks, or a verified draft), and a
 later row sees what an earlier row wrote in the same forward.
 
+The flat batch (vLLM V1's layout; the engine's default). ``set_rows(seq_ids, widths)`` makes the
+forward one row of N = sum(widths) tokens, (1, N): "row" b is then a segment, the next widths[b]
+tokens, so decode tokens and prefill chunks sit side by side and the linear layers compute no padding.
+Only the "bucketed" path reads segments: rows of one width are grouped, so a group is a rectangle again.
+
 Three ways to hand the attention its keys (``attention=``):
 * "gather", the reference: per row, the sequence's blocks concatenated and cut to its length, then
   padded to S and stacked; fresh tensors every layer.
@@ -39,6 +44,8 @@ block and fresh tensors per layer). The contiguous cache returns a view, so it c
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
@@ -109,6 +116,7 @@ class PagedKVCache:
                                  f"takes {block_bytes:.0f} bytes over {config.n_layers} layers, give at least that")
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size, self.attention = block_size, attention
+        self.bucket_cost = BUCKET_COST  # the "bucketed" path's price of one more group (``buckets``)
         self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
         self.group = config.n_heads // config.n_kv_heads  # query heads per KV head (GQA)
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
@@ -116,6 +124,7 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.rows: list[int] = []
+        self.widths: list[int] | None = None  # set_rows: segment widths of a flat row, or None for (B, T)
         self._buf_k = self._buf_v = None  # the "indexed" path's (B * S, Hkv, D) buffers, grown as needed
 
     @property
@@ -152,16 +161,29 @@ class PagedKVCache:
         self.manager.free(seq_id)
         self.rows = [s for s in self.rows if s != seq_id]
 
-    def set_rows(self, seq_ids) -> None:
+    def set_rows(self, seq_ids, widths=None) -> None:
         """Row b of the next forwards belongs to sequence ``seq_ids[b]`` (ids may repeat).
+
+        ``widths``: None for rectangular (B, T) forwards; or the forwards are one flat row of
+        sum(widths) tokens (vLLM V1's flat batch: (1, N) tokens), whose first widths[0] tokens are
+        "row" 0, the next widths[1] row 1, and so on (segments: the linear layers see no padding).
+        Only the "bucketed" path attends over segments.
 
         Raises:
             UnknownSequenceError: an id the manager does not hold.
+            ValueError: widths of another length than seq_ids, a width below 1, or widths on a path
+                other than "bucketed".
         """
         seq_ids = list(seq_ids)
         for s in seq_ids:
             self.manager.num_tokens(s)
-        self.rows = seq_ids
+        if widths is not None:
+            widths = list(widths)
+            if self.attention != "bucketed":
+                raise ValueError(f"widths: a flat row of segments needs attention='bucketed', not {self.attention!r}")
+            if len(widths) != len(seq_ids) or min(widths, default=1) < 1:
+                raise ValueError(f"widths: need one width >= 1 per sequence ({len(seq_ids)}), got {widths}")
+        self.rows, self.widths = seq_ids, widths
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block in every layer (copy-on-write)."""
@@ -186,6 +208,13 @@ class PagedKVCache:
             raise ValueError("rows: no sequences set; call set_rows(seq_ids) before the forward")
         B = len(self.rows)
         pos = input_pos.tolist()
+        if self.widths is not None:  # one flat row: cut it into the segments set_rows gave
+            N = sum(self.widths)
+            if input_pos.dim() != 2 or input_pos.shape != (1, N):
+                raise ValueError(f"input_pos: a flat row of {B} segments ({N} tokens) needs shape (1, {N}), got "
+                                 f"{tuple(input_pos.shape)}")
+            ends = list(itertools.accumulate(self.widths))
+            pos = [pos[0][e - w:e] for e, w in zip(ends, self.widths)]
         pos = [pos] * B if input_pos.dim() == 1 else pos
         if len(pos) != B:
             raise ValueError(f"input_pos: {len(pos)} rows of positions for {B} rows set by set_rows")
@@ -225,13 +254,14 @@ class PagedKVCache:
         lens = [self.manager.num_tokens(s) for s in self.rows]
         if min(lens) == 0:
             raise ValueError(f"rows: sequence {self.rows[lens.index(0)]} holds no tokens; give each row at least one")
+        self._offsets = [0, *itertools.accumulate(len(row) for row in pos)][:-1]  # where each row starts in B * T
         write_slots, write_index = [], []
-        for b, (seq, row) in enumerate(zip(self.rows, pos)):
+        for seq, row, offset in zip(self.rows, pos, self._offsets):
             real = [(t, p) for t, p in enumerate(row) if p >= 0]
             write_slots += self.manager.slot_mapping(seq, [p for _, p in real])
-            write_index += [b * len(row) + t for t, _ in real]
+            write_index += [offset + t for t, _ in real]
         self._write_slots = torch.tensor(write_slots, dtype=torch.long, device=device)
-        n_entries = len(pos) * len(pos[0])
+        n_entries = sum(len(row) for row in pos)
         self._write_index = (None if len(write_index) == n_entries
                              else torch.tensor(write_index, dtype=torch.long, device=device))
         self._S = S = max(lens)
@@ -253,22 +283,33 @@ class PagedKVCache:
         return slots.reshape(-1).to(self.k[0].device)
 
     def _plan_groups(self, pos: list[list[int]]) -> None:
-        """The "bucketed" path's groups: (rows as a slice or an index tensor, read slots, S_g, mask)."""
-        device, T, G = self.k[0].device, len(pos[0]), self.group
+        """The "bucketed" path's groups, rows of one width together: (the rows' tokens among the forward's
+        B * T, as a slice or an index tensor; rows Bg; width T_g; read slots; S_g; mask)."""
+        device, G = self.k[0].device, self.group
         key_lens = [max(max(row) + 1, 1) for row in pos]  # causal: a row attends up to its last position
+        by_width: dict[int, list[int]] = {}
+        for b, row in enumerate(pos):
+            by_width.setdefault(len(row), []).append(b)
         self._groups = []
-        for rows in buckets(key_lens):
-            Sg = key_lens[rows[-1]]
-            mask = None  # every row one query at the position of its last key: nothing to mask
-            if T > 1 or any(key_lens[b] != Sg for b in rows):
-                qpos = torch.tensor([pos[b] for b in rows], dtype=torch.long, device=device)  # (Bg, T)
-                mask = attention_mask(qpos, torch.arange(Sg, device=device))  # (Bg, 1, T, Sg)
-                if T > 1:
-                    mask = mask.repeat(1, 1, G, 1)  # (Bg, 1, G*T, Sg): query row g*T + t is position t
-            contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-            index = slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device)
-            self._groups.append((index, self._slots(rows, [key_lens[b] for b in rows], Sg), Sg, mask))
-        self._groups_in_order = all(isinstance(g[0], slice) for g in self._groups)  # sorted groups tile 0..B-1
+        for T, members in sorted(by_width.items()):
+            for part in buckets([key_lens[b] for b in members], self.bucket_cost):
+                rows = [members[i] for i in part]
+                Sg = key_lens[rows[-1]]
+                mask = None  # every row one query at the position of its last key: nothing to mask
+                if T > 1 or any(key_lens[b] != Sg for b in rows):
+                    qpos = torch.tensor([pos[b] for b in rows], dtype=torch.long, device=device)  # (Bg, T)
+                    mask = attention_mask(qpos, torch.arange(Sg, device=device))  # (Bg, 1, T, Sg)
+                    if T > 1:
+                        mask = mask.repeat(1, 1, G, 1)  # (Bg, 1, G*T, Sg): query row g*T + t is position t
+                tokens = [self._offsets[b] + t for b in rows for t in range(T)]
+                contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
+                index = slice(tokens[0], tokens[-1] + 1) if contiguous else torch.tensor(tokens, device=device)
+                self._groups.append((index, len(rows), T, self._slots(rows, [key_lens[b] for b in rows], Sg), Sg,
+                                     mask))
+        stops = [0] + [g[0].stop for g in self._groups if isinstance(g[0], slice)]
+        # groups that are slices, each starting where the previous one stops, tile the tokens in order
+        self._groups_in_order = (len(stops) == len(self._groups) + 1
+                                 and all(g[0].start == stops[i] for i, g in enumerate(self._groups)))
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write this layer's new k, v (B, Hkv, T, D) at the prepared slots (padding is not written)."""
@@ -311,28 +352,31 @@ class PagedKVCache:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this layer's new k, v (B, Hkv, T, D), then attend: q (B, H, T, D) -> (B, H, T, D), what
         ``minillm.model.attention(q, *update(layer, k, v), mask)`` gives ("bucketed" path; the module
-        docstring says how)."""
+        docstring says how). For a flat row of segments (``set_rows(..., widths)``) B is 1 and each
+        segment attends over its own sequence's keys."""
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         self._write(layer, k, v)
         k_pool, v_pool = self.k[layer].view(-1, Hkv, D), self.v[layer].view(-1, Hkv, D)
+        qt = q.transpose(1, 2).reshape(B * T, H, D).contiguous()  # (B*T, H, D) token-major: each group's queries in one piece
         outs = []
-        for rows, slots, Sg, mask in self._groups:
-            qg = q[rows]
-            Bg = qg.shape[0]
+        for index, Bg, Tg, slots, Sg, mask in self._groups:
             buf_k, buf_v = self._buffers(Bg * Sg, k)
             torch.index_select(k_pool, 0, slots, out=buf_k)
             torch.index_select(v_pool, 0, slots, out=buf_v)
             kg = buf_k.view(Bg, Sg, Hkv, D).transpose(1, 2)  # (Bg, Hkv, Sg, D)
             vg = buf_v.view(Bg, Sg, Hkv, D).transpose(1, 2)
-            qg = qg.reshape(Bg, Hkv, (H // Hkv) * T, D)  # a KV head's query heads as rows: (Bg, Hkv, G*T, D)
-            outs.append(F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask).view(Bg, H, T, D))
+            # a KV head's query heads as rows: (Bg, Hkv, G*Tg, D)
+            qg = qt[index].view(Bg, Tg, H, D).transpose(1, 2).reshape(Bg, Hkv, (H // Hkv) * Tg, D)
+            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)  # (Bg, Hkv, G*Tg, D)
+            outs.append(out.view(Bg, H, Tg, D).transpose(1, 2).reshape(Bg * Tg, H, D))
         if self._groups_in_order:
-            return outs[0] if len(outs) == 1 else torch.cat(outs)
-        y = q.new_empty((B, H, T, D))
-        for (rows, _, _, _), out in zip(self._groups, outs):
-            y[rows] = out
-        return y
+            y = outs[0] if len(outs) == 1 else torch.cat(outs)
+        else:
+            y = q.new_empty((B * T, H, D))
+            for group, out in zip(self._groups, outs):
+                y[group[0]] = out
+        return y.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
 
     def _gather(self, pool: torch.Tensor) -> torch.Tensor:
         """The reference read: each row's blocks, concatenated, cut, padded; (B, Hkv, S, D)."""

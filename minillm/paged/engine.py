@@ -3,8 +3,9 @@
 Yu et al. 2022 (Orca, Sec. 4: iteration-level scheduling) and Kwon et al. 2023 (vLLM, arXiv
 2309.06180, Sec. 4.3-4.5: many sequences decode together over one block pool; parallel samples and
 beams share blocks; preemption by recompute). One ``step()``: schedule (``Scheduler``), run one forward
-over every scheduled token (``batching.pack_rows``: decode rows of one token, prefill chunks cut into
-rows, one ``Decoder.forward`` on the ``PagedKVCache``), sample each sequence whose computed tokens
+over every scheduled token (``batching.pack_flat``: decode tokens and prefill chunks side by side in
+one (1, N) row, as vLLM V1 batches them; or ``batching.pack_rows``' (B, T) rows; one ``Decoder.forward``
+on the ``PagedKVCache``), sample each sequence whose computed tokens
 caught up with its known tokens (one generator per sequence: sample 0 seeded with the request's seed,
 so a seeded request draws the same tokens alone as in any batch), append, stop.
 
@@ -29,7 +30,7 @@ import torch
 from ..generation import GenerationResult, Stopper, check_prompt, stop_ids
 from ..kv_cache import kv_cache_bytes as kv_bytes_of
 from ..sampling import SamplingParams, check_logits, make_generator, sample
-from .batching import pack_rows
+from .batching import pack_flat, pack_rows
 from .beam import BeamSearchParams, finalize, search_done, select_beams
 from .block_manager import blocks_for
 from .cache import PagedKVCache
@@ -101,19 +102,24 @@ class LLMEngine:
         max_num_seqs, max_num_batched_tokens: the scheduler's limits.
         eos_ids: ids that end a sequence (default: the tokenizer's EOS).
         max_seq_len: context to use (default: the model's).
-        row_width: force the forward's T (default: ``batching.choose_row_width``).
+        layout: "flat" (default with the "bucketed" path: every scheduled token in one (1, N) row,
+            ``batching.pack_flat``) or "rows" (``batching.pack_rows``: (B, T) rows, the only layout of the
+            "indexed" and "gather" paths).
+        row_width: force the rows' T (the "rows" layout; default: ``batching.choose_row_width``).
         record_logits: keep each sequence's next-token logits (tests compare them with a recompute).
         attention: the cache's path (``PagedKVCache``): "bucketed" (default: rows grouped by length, the
             cache attends), or "indexed" / "gather" (every row padded to the longest; the references).
 
     Raises:
-        ValueError: from the pool and scheduler (sizes below 1).
+        ValueError: from the pool and scheduler (sizes below 1); an unknown layout, or "flat" with
+            another attention path than "bucketed" or with a row_width.
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 256, eos_ids=None, max_seq_len: int | None = None,
-                 row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed"):
+                 row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed",
+                 layout: str | None = None):
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = min(max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         if num_blocks is None and kv_cache_bytes is None:
@@ -126,6 +132,12 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.eos_ids = stop_ids(tokenizer, eos_ids)
         self.row_width, self.record_logits = row_width, record_logits
+        if layout is None:
+            layout = "flat" if attention == "bucketed" and row_width is None else "rows"
+        if layout not in ("flat", "rows") or (layout == "flat" and (attention != "bucketed" or row_width)):
+            raise ValueError(f"layout: {layout!r} must be 'rows' or 'flat', and 'flat' needs attention='bucketed' "
+                             f"and no row_width (got attention={attention!r}, row_width={row_width})")
+        self.layout = layout
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.logits: dict[tuple[str, int], list[torch.Tensor]] = {}  # record_logits: (request, index) -> (V,) per sample
@@ -231,8 +243,11 @@ class LLMEngine:
         kinds = [(s.request_id, s.index, n, _kind(s, n)) for s, n in out.scheduled]
         spans = [(s.seq_id, s.num_computed_tokens, s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
                  for s, n in out.scheduled]
-        rows = pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width)
-        self.cache.set_rows(rows.seq_ids)
+        if self.layout == "flat":
+            rows = pack_flat(spans, self.model.device)
+        else:
+            rows = pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width)
+        self.cache.set_rows(rows.seq_ids, rows.widths)
         computed = {s.seq_id: s.num_computed_tokens + n for s, n in out.scheduled}
         ready = [s for s, _ in out.scheduled if computed[s.seq_id] == s.num_tokens]  # caught up: they sample
         # logits only at the ready sequences' last tokens: (R, V), one output projection per sampled token

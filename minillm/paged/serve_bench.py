@@ -124,7 +124,8 @@ def run_static(model, reqs: list[BenchRequest], batch_size: int) -> dict:
 
 def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blocks: int | None = None,
                max_num_seqs: int = 64, max_num_batched_tokens: int = 256, progress=None) -> dict:
-    """The engine, every request added at time 0; adds its memory figures and the lab's prediction."""
+    """The engine, every request added at time 0; adds its memory figures, the lab's prediction and
+    ``rows_per_step_mean`` (sequences in a step's forward, the mean over steps)."""
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens)
     t0 = time.perf_counter()
@@ -149,7 +150,7 @@ def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blo
     report.update({k: mem[k] for k in ("kv_utilization", "preemptions", "prefix_hit_rate", "peak_blocks",
                                        "mean_blocks", "steps")})
     report.update({"lab_kv_utilization": lab, "num_blocks": engine.num_blocks,
-                   "rows_per_step_mean": float(np.mean([rec.rows[0] for rec in engine.stats.records]))})
+                   "rows_per_step_mean": float(np.mean([len(rec.runs) for rec in engine.stats.records]))})
     report["engine"] = engine  # for the notebook's timeline; removed before JSON
     return report
 
