@@ -1,0 +1,53 @@
+"""The end-to-end sensitivity measurement of variable bitrate (minillm/quant/sensitivity.py), on a tiny
+random model: the fast pass (rerun from the layer's block) equals the naive one (rerun everything)."""
+
+import pytest
+import torch
+
+from minillm.quant.bitrate import optimize
+from minillm.quant.sensitivity import ERROR, measure_logits, measure_logits_naive
+
+from helpers import random_decoder
+
+OPTIONS = [(2, 32), (4, 32)]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_decoder(300)
+
+
+@pytest.fixture(scope="module")
+def calib():
+    return torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(0))
+
+
+def test_the_fast_pass_equals_rerunning_the_whole_model(tiny, calib):
+    fast = measure_logits(tiny, calib, OPTIONS, progress=False)
+    naive = measure_logits_naive(tiny, calib, OPTIONS, progress=False)
+    assert [r["name"] for r in fast["layers"]] == [r["name"] for r in naive["layers"]]
+    for a, b in zip(fast["layers"], naive["layers"]):
+        assert a["bits"] == b["bits"]
+        assert a["errors"] == pytest.approx(b["errors"], rel=1e-4, abs=1e-7)
+    assert fast["setup"]["error"] == ERROR
+
+
+def test_kl_costs_are_positive_and_fall_with_more_bits(tiny, calib):
+    table = measure_logits(tiny, calib, OPTIONS, progress=False)
+    errs = torch.tensor([r["errors"] for r in table["layers"]])
+    assert (errs > 0).all()
+    assert (errs[:, 0] > errs[:, 1]).float().mean() > 0.9  # 2 bits cost more than 4 on nearly every layer
+
+
+def test_the_optimizer_reads_a_kl_table(tiny, calib):
+    table = measure_logits(tiny, calib, OPTIONS, progress=False)
+    weights = sum(r["out_features"] * r["in_features"] for r in table["layers"])
+    cheap, rich = (sum(r["bits"][k] for r in table["layers"]) / weights for k in (0, 1))
+    mid = optimize(table, (cheap + rich) / 2, power=1.0, relative_to="output")
+    assert cheap <= mid["bpw"] <= (cheap + rich) / 2
+    assert sum(r["errors"][0] for r in table["layers"]) > mid["objective"] > sum(r["errors"][1] for r in table["layers"])
+
+
+def test_bad_calibration_is_refused(tiny):
+    with pytest.raises(ValueError, match="calib"):
+        measure_logits(tiny, torch.zeros(48, dtype=torch.long), OPTIONS, progress=False)
