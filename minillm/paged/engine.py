@@ -282,7 +282,8 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         greedy = [i for i, s in enumerate(ready)
                   if not self.requests[s.request_id].is_beam_search and self.requests[s.request_id].params.greedy]
-        greedy_tokens = dict(zip(greedy, last[greedy].argmax(-1).tolist())) if greedy else {}
+        picked = last if len(greedy) == len(ready) else last[greedy]  # every row greedy: no (R, V) copy
+        greedy_tokens = dict(zip(greedy, picked.argmax(-1).tolist())) if greedy else {}
         lse = lse.tolist()
         for i, seq in enumerate(ready):
             req = self.requests[seq.request_id]

@@ -32,7 +32,7 @@ class LLM:
         block_size, num_blocks, kv_cache_bytes, enable_prefix_caching, max_num_seqs,
         max_num_batched_tokens: as ``LLMEngine``.
         dtype, device, n_shards: how ``load_model`` loads a path (ignored for a loaded model).
-        **engine_kwargs: more ``LLMEngine`` arguments (eos_ids, max_seq_len, row_width, record_logits).
+        **engine_kwargs: more ``LLMEngine`` arguments (eos_ids, max_seq_len, layout, row_width, record_logits).
 
     Raises:
         ValueError / ModelFileError: from ``load_model`` and ``LLMEngine``.
