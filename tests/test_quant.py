@@ -184,6 +184,27 @@ def test_asymmetric_target_is_the_least_squares_weight_onto_the_float_outputs():
     assert torch.equal(asymmetric_target(w, h.H, torch.zeros_like(h.H)), w.double())  # no input error: W itself
 
 
+def test_dampened_asymmetric_target_is_the_ridge_regression_toward_w():
+    """With dampening p the target minimises ||W X_f - W' X||^2 + lam ||W' - W||^2, lam = p mean(diag H) n / 2
+    (H = 2 X^T X / n): the ridge that pulls the least-squares weight back toward W, more as p grows."""
+    g = torch.Generator().manual_seed(7)
+    x_f = correlated(n=300, dim=64, rank=16)
+    x = x_f + 0.2 * torch.randn(x_f.shape, generator=g)
+    w = torch.randn(24, 64, generator=g)
+    h = Hessian(64)
+    h.add_batch(x, x_f)
+    dist = {}
+    for p in (0.01, 0.3):
+        lam = p * torch.diag(h.H).mean().item() * x.shape[0] / 2
+        A = torch.cat([x.double(), lam ** 0.5 * torch.eye(64, dtype=torch.float64)])
+        B = torch.cat([(x_f @ w.t()).double(), lam ** 0.5 * w.t().double()])
+        ridge = torch.linalg.lstsq(A, B).solution.t()
+        target = asymmetric_target(w, h.H, h.dXXT, percdamp=p)
+        assert (target - ridge).abs().max() < 1e-2 * (ridge - w).abs().max()
+        dist[p] = (target - w).norm().item()
+    assert dist[0.3] < 0.7 * dist[0.01]
+
+
 def test_v2_fits_the_float_outputs_better_than_the_paper_objective():
     g = torch.Generator().manual_seed(6)
     x_f = correlated(n=2048, dim=256)
@@ -244,6 +265,10 @@ def test_quantize_model_defaults_are_the_measured_best_and_the_paper_is_one_call
     assert quantize_model(copy.deepcopy(tiny[0]), "rtn", QuantConfig(4, 32), progress=False)["mse"] is False
     with pytest.raises(ValueError, match="v2"):
         quantize_model(copy.deepcopy(tiny[0]), "awq", QuantConfig(4, 32), calib, v2=True, progress=False)
+    untouched = copy.deepcopy(tiny[0])
+    with pytest.raises(ValueError, match=r"v2_percdamp: must be in \[0, 1\)"):
+        quantize_model(untouched, "gptq", QuantConfig(4, 32), calib, v2=True, v2_percdamp=1.0, progress=False)
+    assert not any(isinstance(m, QuantLinear) for m in untouched.modules())  # refused before any layer changed
 
 
 @pytest.mark.parametrize("true_sequential", [True, False])
@@ -263,6 +288,34 @@ def test_v2_pipeline_fits_the_float_models_outputs(tiny, true_sequential):
     assert torch.equal(codes(runs[True], 0, "attn.wqkv"), codes(runs[False], 0, "attn.wqkv"))
     last = len(tiny[0].layers) - 1
     assert not torch.equal(codes(runs[True], last, "mlp.w_down"), codes(runs[False], last, "mlp.w_down"))
+
+
+def test_v2_options_reach_the_layer_alpha_scales_and_v2_percdamp_dampens_the_target_only(tiny):
+    """A layer quantized by the pipeline's quantizer with v2 is GPTQ (dampening percdamp) on the target
+    ``asymmetric_target(W, H, dXXT, v2_percdamp, v2_alpha)``; v2_alpha 0 gives the plain layer."""
+    from minillm.quant.pipeline import LayerQuantizer, linear_of
+
+    g = torch.Generator().manual_seed(8)
+    x_f = torch.randn(2, 16, tiny[0].config.ffn_dim, generator=g)
+    x = x_f + 0.3 * torch.randn(x_f.shape, generator=g)
+    cfg = QuantConfig(4, 32, mse=True)
+    opts = dict(awq=False, gptq=True, awq_clip=False, act_order=True, static_groups=False, blocksize=128,
+                percdamp=0.001, awq_tokens=0, fast=False)
+
+    def layer(**v2):
+        block = copy.deepcopy(tiny[0].layers[0])
+        return LayerQuantizer(tiny[0], cfg, **opts, **v2)(block, 0, "mlp.w_down", x, x_f).quantized_weight().codes
+
+    W = linear_of(tiny[0].layers[0], "mlp.w_down")[0].weight.float()
+    h = Hessian(W.shape[1])
+    h.add_batch(x, x_f)
+    for alpha, damp in ((1.0, 0.1), (0.5, None)):
+        expected = gptq_quantize(asymmetric_target(W, h.H, h.dXXT, 0.001 if damp is None else damp, alpha), h.H,
+                                 cfg, percdamp=0.001, act_order=True).codes
+        assert torch.equal(layer(v2=True, v2_alpha=alpha, v2_percdamp=damp), expected)
+    plain = layer()
+    assert torch.equal(layer(v2=True, v2_alpha=0.0), plain)
+    assert not torch.equal(layer(v2=True, v2_percdamp=0.1), plain)
 
 
 def test_paper_gptq_is_the_reference_loop_on_the_float_blocks_inputs(tiny):

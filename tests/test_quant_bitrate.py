@@ -118,11 +118,15 @@ def test_measure_refuses_bad_arguments(tiny, calib):
         measure(tiny, calib, OPTIONS, blocks=[5], progress=False)
 
 
-def test_a_uniform_choice_is_the_pipelines_gptq(tiny, calib):
+@pytest.mark.parametrize("options", [{}, {"v2": True, "v2_percdamp": 0.1}, {"v2": False, "true_sequential": False}])
+def test_a_uniform_choice_is_the_pipelines_gptq(tiny, calib, options):
+    """The same GPTQ options (defaults: the pipeline's; v2 and true_sequential passed through) give the
+    pipeline's layers."""
     names = [f"layers.{i}.{n}" for i in range(2) for n in LAYERS]
     a, b = copy.deepcopy(tiny), copy.deepcopy(tiny)
-    quantize_variable(a, {n: [3, 32] for n in names}, calib, progress=False)
-    quantize_model(b, "gptq", QuantConfig(3, 32, mse=True), calib, act_order=True, percdamp=0.001, progress=False)
+    rep = quantize_variable(a, {n: [3, 32] for n in names}, calib, progress=False, **options)
+    quantize_model(b, "gptq", QuantConfig(3, 32, mse=True), calib, progress=False, **options)
+    assert all(rep[k] == v for k, v in options.items())
     for i in range(2):
         for n in LAYERS:
             assert torch.equal(linear_of(a.layers[i], n)[0].dequantize(), linear_of(b.layers[i], n)[0].dequantize())

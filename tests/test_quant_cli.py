@@ -95,6 +95,7 @@ def test_quant_flags_reach_the_library(monkeypatch):
 
     d = parse()
     assert d["act_order"] is d["true_sequential"] is d["v2"] is d["percdamp"] is d["awq_clip"] is d["config"].mse is None
+    assert d["v2_percdamp"] is None and parse("--v2", "--v2-percdamp", "0.1")["v2_percdamp"] == 0.1
     assert d["calib"] == (pipeline.CALIB_SAMPLES, 512)
     for flags, clip in (([], None), (["--awq-clip"], True), (["--no-awq-clip"], False)):
         assert parse("--mse", *flags)["awq_clip"] is clip and seen["config"].mse is True
@@ -109,7 +110,7 @@ def test_gptq_only_flags_are_refused_for_other_methods():
     from minillm import cli
     from minillm.quant import cli as cli_quant
 
-    for flag in (["--no-act-order"], ["--percdamp", "0.01"], ["--v2"]):
+    for flag in (["--no-act-order"], ["--percdamp", "0.01"], ["--v2"], ["--v2-percdamp", "0.1"]):
         args = cli.build_parser().parse_args(["perplexity", "--quant", "awq", *flag])
         with pytest.raises(ValueError, match="does not use"):
             cli_quant._quant_config(args)

@@ -35,6 +35,9 @@ AVENUES: dict[str, tuple[str, dict]] = {
               "on the float block's inputs", dict(GPTQ_PAPER)),
     "v2": ("asymmetric calibration (GPTQv2), alpha 1", {"v2": True}),
     "v2_alpha0.25": ("asymmetric calibration, alpha 0.25 (GPTQv2's code)", {"v2": True, "v2_alpha": 0.25}),
+    "v2_damp0.01": ("asymmetric calibration, its correction dampened by 1% (a ridge toward W)",
+                    {"v2": True, "v2_percdamp": 0.01}),
+    "v2_damp0.1": ("asymmetric calibration, its correction dampened by 10%", {"v2": True, "v2_percdamp": 0.1}),
     "not_sequential": ("all layers of a block on the float block's inputs", {"true_sequential": False}),
     "calib_128x512": ("4x more calibration windows", {"calib": (128, 512)}),
     "calib_64x512": ("2x more calibration windows", {"calib": (64, 512)}),
@@ -98,7 +101,7 @@ def gptq_avenues(model, tokenizer, names=None, *, bits: int = 4, group_size: int
         ppl = score(q)
         del q
         options = {k: rep[k] for k in ("act_order", "static_groups", "mse", "percdamp", "true_sequential", "v2",
-                                       "v2_alpha", "calib_samples", "calib_seqlen")}
+                                       "v2_alpha", "v2_percdamp", "calib_samples", "calib_seqlen")}
         row = {"name": name, "change": change, "options": options, "perplexity": ppl,
                "recovery": recovery(ppl, ppl_rtn, ppl_float), "quantize_s": seconds}
         result["rows"].append(row)

@@ -289,11 +289,15 @@ class _PerLayerQuantizer(LayerQuantizer):
 @torch.inference_mode()
 def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor | None, *,
                       act_order: bool = GPTQ_DEFAULTS["act_order"], percdamp: float = GPTQ_DEFAULTS["percdamp"],
-                      mse: bool = GPTQ_DEFAULTS["mse"], method: str = "gptq", fast: bool = True,
-                      progress: bool = True) -> dict:
+                      mse: bool = GPTQ_DEFAULTS["mse"], true_sequential: bool = GPTQ_DEFAULTS["true_sequential"],
+                      v2: bool = GPTQ_DEFAULTS["v2"], v2_alpha: float = 1.0, v2_percdamp: float | None = None,
+                      method: str = "gptq",
+                      fast: bool = True, progress: bool = True) -> dict:
     """Quantize ``model`` in place with GPTQ (or, ``method="rtn"``, round to nearest, which needs no
     ``calib``), each layer with its own (bits, group_size) from ``choice`` (``optimize(...)["choice"]``),
-    through the pipeline's block loop (``pipeline.quantize_block``).
+    through the pipeline's block loop (``pipeline.quantize_block``), with the pipeline's GPTQ options
+    (``act_order``, ``percdamp``, ``mse``, ``true_sequential``, ``v2``/``v2_alpha``/``v2_percdamp``: see
+    ``quantize_model``; their defaults are ``pipeline.GPTQ_DEFAULTS``).
 
     Returns the report ``save_quantized`` needs: method, bits / group_size None, and
     "layer_configs" {name: [bits, group_size]}, "layers" [{"name", "rel_error"}] (each layer's output
@@ -310,10 +314,12 @@ def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor |
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method: variable bitrate quantizes with 'gptq' or 'rtn', not {method!r}")
     mse = mse and method == "gptq"
+    v2 = v2 and method == "gptq"
     configs = {n: QuantConfig(int(choice[n][0]), int(choice[n][1]), mse=mse) for n in names}
     model._compiled_decode = None  # a compiled decode froze the float weights
     quantizer = _PerLayerQuantizer(model, configs, awq=False, gptq=method == "gptq", awq_clip=False, act_order=act_order,
-                                   static_groups=False, blocksize=128, percdamp=percdamp, awq_tokens=0, fast=fast)
+                                   static_groups=False, blocksize=128, percdamp=percdamp, true_sequential=true_sequential,
+                                   v2=v2, v2_alpha=v2_alpha, v2_percdamp=v2_percdamp, awq_tokens=0, fast=fast)
     if method == "rtn":  # no calibration inputs needed (errors not measured: NaN)
         for i, block in enumerate(tqdm(model.layers, desc="quantize (variable)", disable=not progress, leave=False)):
             for name in LAYERS:
@@ -321,9 +327,13 @@ def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor |
                 quantizer.rtn(block, i, name)
     else:
         X, rope, mask = block_inputs(model, calib.to(model.device))
+        X_float = X.clone() if v2 else None
         for i, block in enumerate(tqdm(model.layers, desc="quantize (variable)", disable=not progress, leave=False)):
-            X, _ = quantize_block(quantizer, block, i, X, rope, mask)
+            X, X_float = quantize_block(quantizer, block, i, X, rope, mask, X_float)
+    gptq = method == "gptq"
     return {"method": method, "bits": None, "group_size": None, "sym": False, "mse": mse, "act_order": act_order,
+            "percdamp": percdamp if gptq else None, "true_sequential": true_sequential if gptq else None, "v2": v2,
+            "v2_alpha": v2_alpha if v2 else None, "v2_percdamp": quantizer.v2_percdamp if v2 else None,
             "static_groups": False, "awq_clip": False, "calib_samples": None if calib is None else calib.shape[0],
             "calib_seqlen": None if calib is None else calib.shape[1],
             "layer_configs": {n: list(choice[n]) for n in names}, "layers": quantizer.layers}

@@ -52,6 +52,9 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--v2", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ: asymmetric calibration (GPTQv2: fit each layer to the float model's outputs; "
                    f"default: {'on' if d['v2'] else 'off'}; --no-v2: the paper's)")
+    p.add_argument("--v2-percdamp", type=float, default=None,
+                   help="GPTQ --v2: dampening of the asymmetric correction's solve, a fraction of the mean diagonal "
+                   "of H (a ridge toward the float weight; default: the --percdamp value)")
     p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=None,
                    help="AWQ's clip search (default: on, except awq+gptq with the range search)")
     p.add_argument("--calib-samples", type=at_least(1), default=pipeline.CALIB_SAMPLES,
@@ -70,11 +73,12 @@ def _quant_config(args) -> QuantConfig:
                                                 ("--static-groups", args.static_groups, "gptq"),
                                                 ("--percdamp", args.percdamp is not None, "gptq"),
                                                 ("--v2/--no-v2", args.v2 is not None, "gptq"),
+                                                ("--v2-percdamp", args.v2_percdamp is not None, "gptq"),
                                                 ("--awq-clip/--no-awq-clip", args.awq_clip is not None, "awq"))
                   if on and method not in args.quant]
         if unused:
             raise ValueError(f"quant: {args.quant} does not use {', '.join(unused)}; drop it, or pick a method that "
-                             "does (gptq and awq+gptq for --act-order/--static-groups/--percdamp/--v2, awq and "
+                             "does (gptq and awq+gptq for --act-order/--static-groups/--percdamp/--v2/--v2-percdamp, awq and "
                              "awq+gptq for --awq-clip)")
     return QuantConfig(args.bits, args.group_size, args.sym, args.mse)
 
@@ -89,8 +93,8 @@ def _quantize(args, model, tokenizer, config=None) -> dict:
         calib = pipeline.calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
     return pipeline.quantize_model(model, args.quant, config, calib, act_order=args.act_order,
                                    static_groups=args.static_groups, percdamp=args.percdamp,
-                                   true_sequential=args.true_sequential, v2=args.v2, awq_clip=args.awq_clip,
-                                   progress=not args.json, quant_head=args.quant_head)
+                                   true_sequential=args.true_sequential, v2=args.v2, v2_percdamp=args.v2_percdamp,
+                                   awq_clip=args.awq_clip, progress=not args.json, quant_head=args.quant_head)
 
 
 def _read_text(args) -> tuple[str, str]:
@@ -122,7 +126,7 @@ def cmd_perplexity(args) -> int:
         q = _quantize(args, model, tokenizer, config)
         report.update(quant=args.quant, bits=args.bits, group_size=args.group_size, act_order=q["act_order"],
                       static_groups=q["static_groups"], mse=q["mse"], percdamp=q["percdamp"],
-                      true_sequential=q["true_sequential"], v2=q["v2"], awq_clip=q["awq_clip"], float_perplexity=float_ppl,
+                      true_sequential=q["true_sequential"], v2=q["v2"], v2_percdamp=q.get("v2_percdamp"), awq_clip=q["awq_clip"], float_perplexity=float_ppl,
                       calib_samples=q.get("calib_samples"), calib_seqlen=q.get("calib_seqlen"), quant_head=args.quant_head)
     report.update(perplexity(model, tokens, args.seqlen, args.max_tokens, progress=not args.json, reference=reference))
     if args.json:

@@ -31,8 +31,9 @@ square turns that into the ordinary objective with another target weight:
     || W X_f - W_hat X ||^2 = || (W_hat - W*) X ||^2 + const,   W* = W X_f X^T (X X^T)^-1 = W + W C H^-1
 
 with ``C = (X_f - X) X^T`` (``Hessian.dXXT``) and H as above: the least-squares weight that maps the
-quantized model's inputs onto the float model's outputs. ``asymmetric_target`` computes W* (with the
-same dampening), and GPTQ, unchanged, quantizes W* on H: since the two objectives differ by a constant,
+quantized model's inputs onto the float model's outputs. ``asymmetric_target`` computes W* (dampened:
+``(H + damp)^-1`` makes W* the ridge regression that pulls the fit back toward W, which a fit on few calibration
+tokens needs), and GPTQ, unchanged, quantizes W* on H: since the two objectives differ by a constant,
 GPTQ's greedy column loop on W* is GPTQ's greedy loop on the asymmetric objective. (GPTQv2's own code
 keeps W and adds a correction term built from the same ``dXXT`` inside the column loop, scaled by a
 factor alpha = 0.25; its steps are not those of the completed square, so its results differ. ``alpha``
@@ -81,9 +82,10 @@ def asymmetric_target(weight: torch.Tensor, H: torch.Tensor, dXXT: torch.Tensor,
                       alpha: float = 1.0) -> torch.Tensor:
     """GPTQv2's target weight (O, I) float64: ``W + alpha * W dXXT (H + damp)^-1`` (module docstring).
 
-    With alpha = 1 it is the least-squares weight mapping the quantized model's inputs X onto the float
-    layer's outputs on the float model's inputs (tested against ``torch.linalg.lstsq``); dead inputs and
-    dampening as in ``gptq_quantize``, so both see the same H.
+    With alpha = 1 and no dampening it is the least-squares weight mapping the quantized model's inputs X
+    onto the float layer's outputs on the float model's inputs (tested against ``torch.linalg.lstsq``); with
+    dampening ``percdamp * mean(diag H)`` (as in ``gptq_quantize``) it is the ridge regression toward W
+    (tested). Dead inputs as in ``gptq_quantize``.
     """
     if dXXT.shape != H.shape:
         raise ValueError(f"dXXT: expected {tuple(H.shape)} like H, got {tuple(dXXT.shape)}")

@@ -102,8 +102,9 @@ def _subsample(x: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
 def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor | None = None, *,
                    act_order: bool | None = None, static_groups: bool = False, blocksize: int = 128,
                    percdamp: float | None = None, true_sequential: bool | None = None, v2: bool | None = None,
-                   v2_alpha: float = 1.0, awq_grid: int = 20, awq_clip: bool | None = None, awq_tokens: int = 4096,
-                   fast: bool = True, progress: bool = True, quant_head: str = "none") -> dict:
+                   v2_alpha: float = 1.0, v2_percdamp: float | None = None, awq_grid: int = 20,
+                   awq_clip: bool | None = None, awq_tokens: int = 4096, fast: bool = True, progress: bool = True,
+                   quant_head: str = "none") -> dict:
     """Quantize every linear layer of ``model``'s blocks in place (Linear -> ``QuantLinear``).
 
     Every option left at None takes the measured best for the method (``GPTQ_DEFAULTS``; the paper's
@@ -119,8 +120,9 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         act_order, static_groups, blocksize, percdamp: GPTQ's options (``gptq.gptq_quantize``).
         true_sequential: calibrate each layer of a block on the outputs of the block's layers before it,
             already quantized (else all four on one pass of the float block, as the paper).
-        v2, v2_alpha: GPTQ with asymmetric calibration (``gptq.asymmetric_target``): fit each layer to
-            the float model's outputs on the float model's inputs.
+        v2, v2_alpha, v2_percdamp: GPTQ with asymmetric calibration (``gptq.asymmetric_target``): fit
+            each layer to the float model's outputs on the float model's inputs; alpha scales the
+            correction, v2_percdamp dampens its solve (a ridge toward the float weight; None: percdamp).
         awq_grid: alpha grid size; awq_tokens: tokens sampled for AWQ's searches.
         awq_clip: run AWQ's clip search (Lin et al. 2024, Sec. 3.3). Default: yes, except for
             "awq+gptq" with ``config.mse``: there clipping would replace the float weights GPTQ then
@@ -155,6 +157,8 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         config = replace(config, mse=best["mse"])
     if v2 and not gptq:
         raise ValueError(f"v2: asymmetric calibration is a GPTQ option; {method} does not use it")
+    if v2_percdamp is not None and not 0 <= v2_percdamp < 1:
+        raise ValueError(f"v2_percdamp: must be in [0, 1) (a fraction of the mean diagonal of H), got {v2_percdamp}")
     if awq_clip is None:
         awq_clip = not (gptq and config.mse)
     if (awq or gptq) and calib is None:
@@ -167,12 +171,14 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
     model._compiled_decode = None  # a compiled decode (minillm.compiled) froze the float weights
     quantizer = LayerQuantizer(model, config, awq=awq, gptq=gptq, awq_clip=awq and awq_clip, act_order=act_order,
                                static_groups=static_groups, blocksize=blocksize, percdamp=percdamp,
-                               true_sequential=true_sequential, v2=v2, v2_alpha=v2_alpha, awq_tokens=awq_tokens,
-                               fast=fast)
+                               true_sequential=true_sequential, v2=v2, v2_alpha=v2_alpha, v2_percdamp=v2_percdamp,
+                               awq_tokens=awq_tokens, fast=fast)
     report = {"method": method, "bits": config.bits, "group_size": config.group_size, "sym": config.sym,
               "mse": config.mse, "act_order": gptq and act_order, "static_groups": gptq and static_groups,
               "percdamp": percdamp if gptq else None, "true_sequential": true_sequential, "v2": v2,
-              "v2_alpha": v2_alpha if v2 else None, "awq_clip": awq and awq_clip, "layers": quantizer.layers}
+              "v2_alpha": v2_alpha if v2 else None,
+              "v2_percdamp": (percdamp if v2_percdamp is None else v2_percdamp) if v2 else None,
+              "awq_clip": awq and awq_clip, "layers": quantizer.layers}
     if calib is None:  # RTN without calibration: no inputs needed
         for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
             for name in LAYERS:
@@ -246,12 +252,14 @@ class LayerQuantizer:
 
     def __init__(self, model, config: QuantConfig, *, awq: bool, gptq: bool, awq_clip: bool, act_order: bool,
                  static_groups: bool, blocksize: int, percdamp: float, true_sequential: bool = True,
-                 v2: bool = False, v2_alpha: float = 1.0, awq_tokens: int, fast: bool):
+                 v2: bool = False, v2_alpha: float = 1.0, v2_percdamp: float | None = None, awq_tokens: int,
+                 fast: bool):
         self.model_config, self.config = model.config, config
         self.awq, self.gptq, self.awq_clip = awq, gptq, awq_clip
         self.gptq_options = {"blocksize": blocksize, "percdamp": percdamp, "act_order": act_order,
                              "static_groups": static_groups}
         self.true_sequential, self.v2, self.v2_alpha = true_sequential, v2, v2_alpha
+        self.v2_percdamp = percdamp if v2_percdamp is None else v2_percdamp
         self.awq_tokens, self.fast = awq_tokens, fast
         self.layers: list[dict] = []
 
@@ -275,7 +283,7 @@ class LayerQuantizer:
             h = Hessian(W.shape[1], device=W.device)
             h.add_batch(x, x_float if self.v2 else None)
             if self.v2:
-                W = asymmetric_target(W, h.H, h.dXXT, self.gptq_options["percdamp"], self.v2_alpha)
+                W = asymmetric_target(W, h.H, h.dXXT, self.v2_percdamp, self.v2_alpha)
             qw = gptq_quantize(W, h.H, self.config, **self.gptq_options)
         else:
             qw = rtn_quantize(W, self.config)
