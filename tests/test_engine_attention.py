@@ -14,6 +14,32 @@ CFG = ModelConfig(n_layers=1, dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_
                   max_seq_len=128)  # G = 3 query heads per KV head
 
 
+def cache_holding(held: list[int], path: str):
+    """A pool of 40 blocks of 4 with sequence s holding held[s] random keys and values (and 8 more known,
+    for its new tokens); returns (cache, keys, values), keys[s] and values[s] (Hkv, held[s] + 8, D)."""
+    Hkv, D = CFG.n_kv_heads, CFG.head_dim
+    cache = PagedKVCache(CFG, 40, 4, attention=path)
+    keys = [torch.randn(Hkv, n + 8, D) for n in held]
+    values = [torch.randn(Hkv, n + 8, D) for n in held]
+    for s, n in enumerate(held):
+        cache.add_sequence(s)
+        if n:
+            cache.manager.grow(s, n)
+            slots = cache.manager.slot_mapping(s, range(n))
+            for pool, x in ((cache.k[0], keys[s]), (cache.v[0], values[s])):
+                pool.view(-1, Hkv, D)[slots] = x[:, :n].transpose(0, 1)
+    return cache, keys, values
+
+
+def nan_in_unowned_slots(cache) -> None:
+    """NaN in every slot of layer 0 that no sequence holds (a read outside a sequence shows up)."""
+    Hkv, D = CFG.n_kv_heads, CFG.head_dim
+    owned = {slot for s in cache.manager.seq_ids() for slot in cache.manager.slot_mapping(s, range(cache.manager.num_tokens(s)))}
+    for pool in (cache.k[0], cache.v[0]):
+        flat = pool.view(-1, Hkv, D)
+        flat[[i for i in range(len(flat)) if i not in owned]] = float("nan")
+
+
 def test_buckets_partition_the_rows_and_follow_the_cost():
     lens = [40, 3, 41, 3, 100, 4, 39]
     groups = buckets(lens, bucket_cost=10)
@@ -30,27 +56,15 @@ def test_mixed_prefill_and_decode_rows_with_nan_in_unowned_slots(path):
     NaN in every slot no sequence holds: each path gives, per row, attention over that sequence's keys
     alone (the contiguous computation)."""
     torch.manual_seed(0)
-    H, Hkv, D, bs = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, 4
-    cache = PagedKVCache(CFG, 40, bs, attention=path)
+    H, D = CFG.n_heads, CFG.head_dim
     held = [9, 2, 17, 0]  # tokens already cached per sequence; sequence 3 is new (its prompt: two rows)
-    keys = [torch.randn(Hkv, n + 8, D) for n in held]  # enough for its new tokens too
-    values = [torch.randn(Hkv, n + 8, D) for n in held]
-    for s, n in enumerate(held):
-        cache.add_sequence(s)
-        if n:
-            cache.manager.grow(s, n)
-            slots = cache.manager.slot_mapping(s, range(n))
-            for pool, x in ((cache.k[0], keys[s]), (cache.v[0], values[s])):
-                pool.view(-1, Hkv, D)[slots] = x[:, :n].transpose(0, 1)
+    cache, keys, values = cache_holding(held, path)
     rows = [2, 3, 0, 3, 1]  # sequence 3's rows in position order, the others between them
     T = 4
     pos = torch.tensor([[17, -1, -1, -1], [0, 1, 2, 3], [9, -1, -1, -1], [4, 5, 6, -1], [2, -1, -1, -1]])
     cache.set_rows(rows)
     cache.prepare(pos)
-    owned = {slot for s in range(4) for slot in cache.manager.slot_mapping(s, range(cache.manager.num_tokens(s)))}
-    for pool in (cache.k[0], cache.v[0]):
-        flat = pool.view(-1, Hkv, D)
-        flat[[i for i in range(len(flat)) if i not in owned]] = float("nan")
+    nan_in_unowned_slots(cache)
     k_new = torch.stack([keys[s][:, p.clamp_min(0)] for s, p in zip(rows, pos)])  # (B, Hkv, T, D)
     v_new = torch.stack([values[s][:, p.clamp_min(0)] for s, p in zip(rows, pos)])
     q = torch.randn(len(rows), H, T, D)
@@ -114,26 +128,13 @@ def test_flat_row_of_segments_attends_each_over_its_own_sequence():
     G = 3, NaN in every slot no sequence holds: each segment's output is attention over its own
     sequence's keys alone, and every new key lands in its sequence's slots."""
     torch.manual_seed(1)
-    H, Hkv, D, bs = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, 4
-    cache = PagedKVCache(CFG, 40, bs, attention="bucketed")
-    held = [9, 2, 17, 0, 5]
-    keys = [torch.randn(Hkv, n + 8, D) for n in held]
-    values = [torch.randn(Hkv, n + 8, D) for n in held]
-    for s, n in enumerate(held):
-        cache.add_sequence(s)
-        if n:
-            cache.manager.grow(s, n)
-            slots = cache.manager.slot_mapping(s, range(n))
-            for pool, x in ((cache.k[0], keys[s]), (cache.v[0], values[s])):
-                pool.view(-1, Hkv, D)[slots] = x[:, :n].transpose(0, 1)
+    H, Hkv, D = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
+    cache, keys, values = cache_holding([9, 2, 17, 0, 5], "bucketed")
     segments = [(2, 17, 1), (3, 0, 6), (1, 2, 1), (0, 9, 3), (4, 5, 1)]  # (sequence, first position, tokens)
     pos = torch.tensor([[p for _, a, n in segments for p in range(a, a + n)]])  # (1, N)
     cache.set_rows([s for s, _, _ in segments], [n for _, _, n in segments])
     cache.prepare(pos)
-    owned = {slot for s in range(5) for slot in cache.manager.slot_mapping(s, range(cache.manager.num_tokens(s)))}
-    for pool in (cache.k[0], cache.v[0]):
-        flat = pool.view(-1, Hkv, D)
-        flat[[i for i in range(len(flat)) if i not in owned]] = float("nan")
+    nan_in_unowned_slots(cache)
     k_new = torch.cat([keys[s][:, a:a + n] for s, a, n in segments], dim=1)[None]  # (1, Hkv, N, D)
     v_new = torch.cat([values[s][:, a:a + n] for s, a, n in segments], dim=1)[None]
     q = torch.randn(1, H, pos.shape[1], D)

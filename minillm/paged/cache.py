@@ -250,7 +250,7 @@ class PagedKVCache:
     def _plan(self, pos: list[list[int]]) -> None:
         """This forward's write slots and, per row, the slot of every key position 0..S-1 ("indexed"), or
         the groups of rows with their read slots and masks ("bucketed")."""
-        bs, device = self.block_size, self.k[0].device
+        device = self.k[0].device
         lens = [self.manager.num_tokens(s) for s in self.rows]
         if min(lens) == 0:
             raise ValueError(f"rows: sequence {self.rows[lens.index(0)]} holds no tokens; give each row at least one")
