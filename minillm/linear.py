@@ -29,11 +29,12 @@ class Linear(nn.Module):
     W reordered once into its blocked layout (the kernel ``torch.compile`` uses for frozen float32
     linears on CPU).
 
-    Why: MKL runs ``x @ W`` for a single row on one core, whatever ``torch.get_num_threads()``
-    says, and its small-batch GEMMs stream the weights slowly: on the 2-core CPU one row is fastest
-    as column shards through ``torch.bmm`` and several rows through oneDNN's packed weight. The same
-    bytes are read each time; the kernel decides how close to the memory bandwidth they stream.
-    Notebook 01 (``roofline.measure_linear_layouts``) measures the four layouts on the machine at hand. This is tensor parallelism across cores (Megatron-LM's column-parallel linear, Shoeybi
+    Why: the same bytes are read each time, and the kernel decides how close to the memory bandwidth
+    they stream. Column shards give each core its own contiguous half of the weight for one row, and
+    oneDNN's packed weight streams several rows faster than the small-batch GEMMs of ``x @ W`` on the
+    2-core CPU this was chosen on; which layout wins moves with the machine and the minute (in some runs
+    plain ``F.linear`` streams one row fastest), so notebook 01 (``roofline.measure_linear_layouts``)
+    measures the layouts on the machine at hand. This is tensor parallelism across cores (Megatron-LM's column-parallel linear, Shoeybi
     et al. 2019) for one row, and a layout change for several. ``linear_naive`` is the plain form
     the tests compare with.
 

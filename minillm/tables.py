@@ -496,9 +496,11 @@ def rebuild_text(text: str, folder: Path = FIGURES, where: str = "") -> str:
 def rebuild(root: Path = ROOT, folder: Path | None = None, check: bool = False) -> list[str]:
     """Rebuild the tables in ``FILES`` under ``root``; returns the files that changed (with ``check``,
     the files that would change, untouched)."""
+    from . import tables_quant  # docs/quantization.md, from the quantization commands' reports
+
     folder = folder or root / "figures"
     changed = []
-    for rel in FILES:
+    for rel in {**FILES, **tables_quant.FILES}:
         path = root / rel
         old = path.read_text(encoding="utf-8")
         new = rebuild_text(old, folder, rel)

@@ -147,9 +147,23 @@ def bitrate(folder: Path = FIGURES) -> str:
         lines += ["", "Errors relative to the block's update instead (`relative_to=\"update\"`): " + "; ".join(
             f"budget {v['target_bpw']}: {v['bpw']:.3f} bpw, perplexity {v['perplexity']:,.2f}" for v in second) + "."]
     lines += ["", f"Goal (at every budget at least as good as the best uniform setting of no more bits per weight, "
-              f"strictly better at two budgets or more): {MET[g['met']]}: strictly better at {g['strictly_better']} of "
-              f"{len(g['budgets'])} budgets, never worse: {g['never_worse']}."]
+              f"strictly better at two budgets or more), with the block-output measurement: {MET[g['met']]}: strictly "
+              f"better at {g['strictly_better']} of {len(g['budgets'])} budgets, never worse: {g['never_worse']}."]
     lines += ["", f"{rep.get('run', _provenance(rep, '05b_bitrate.json'))}."]
+    if rep.get("variable_kl"):
+        gk, kl = rep["goals_kl"], {v["target_bpw"]: v for v in rep["variable_kl"]}
+        rows = [[f"{b['target_bpw']}", f"{b['variable_bpw']:.3f}, {b['variable_ppl']:,.2f}, {kl[b['target_bpw']]['kl']:.3f}",
+                 "none of no more bpw" if b["uniform"] is None else f"{b['uniform']}: {b['uniform_bpw']:.3f}, {b['uniform_ppl']:,.2f}",
+                 "-" if b["better"] is None else ("yes" if b["better"] else "**no**")] for b in gk["budgets"]]
+        m = rep["measurement_kl"]["setup"]
+        lines += ["", "Measured end to end instead (`sensitivity.measure_logits`: each option's KL on the logits, one layer "
+                  f"quantized with {m['method'].upper()} at a time, {m['calib_samples']} x {m['calib_seqlen']} calibration "
+                  f"tokens; the optimizer sums the costs, power {m['power']:g}), scored the same way:", "",
+                  *_table(["budget", "variable (KL measurement): bpw, perplexity, KL", "best uniform of no more bpw: bpw, "
+                           "perplexity", "variable better"], ["r", "l", "l", "l"], rows),
+                  "", f"Goal with the end-to-end measurement: {MET[gk['met']]}: strictly better at {gk['strictly_better']} "
+                  f"of {len(gk['budgets'])} budgets, never worse: {gk['never_worse']} (against uniform RTN, the quantizer the "
+                  f"allocation used). Measurement: {m['date']}, load {m['load']}, {m['duration_s'] / 60:.0f} min."]
     return "\n".join(lines)
 
 
@@ -157,8 +171,10 @@ def gptq_avenues(folder: Path = FIGURES) -> str:
     """Each GPTQ avenue's perplexity and recovery on one protocol, in one run; the 70% goal for the defaults."""
     rep = read_report("05_gptq_avenues.json", folder)
     s, fl, rtn = rep["setup"], rep["float"]["perplexity"], rep["rtn"]["perplexity"]
-    rows = [[f"`{r['name']}`", r["change"], f"{r['perplexity']:.3f}", f"{r['recovery']:.1%}"] for r in rep["rows"]]
-    lines = _table(["avenue", "what changes from the defaults", "perplexity", "recovery"], ["l", "l", "r", "r"], rows)
+    rows = [[f"`{r['name']}`", r["change"], f"{r['perplexity']:.2f}", f"{r['recovery']:.1%}", r.get("measured", "-")]
+            for r in rep["rows"]]
+    lines = _table(["avenue", "what changes from the defaults", "perplexity", "recovery", "measured"],
+                   ["l", "l", "r", "r", "l"], rows)
     lines += ["", f"GPTQ {s['bits']}-bit group {s['group_size']} on {s['eval_text']} (the first {s['max_tokens']:,} tokens, "
               f"windows of {s['seqlen']}): float {fl:.3f}, RTN {rtn:.3f}; recovery = (RTN - avenue) / (RTN - float); "
               f"calibration from {s['calib_text']}; {rep['machine']}."]
@@ -166,8 +182,11 @@ def gptq_avenues(folder: Path = FIGURES) -> str:
     if default is not None:
         lines += ["", f"Goal (the defaults recover at least 70%): {MET[default['recovery'] >= 0.7]} "
                   f"({default['recovery']:.1%})."]
+    if rep.get("note"):
+        lines += ["", f"{rep['note'][0].upper()}{rep['note'][1:]}."]
     lines += ["", _provenance(rep, "05_gptq_avenues.json") + "."]
     return "\n".join(lines)
 
 
 TABLES = {"quant_table": quant_table, "kquants": kquants, "bitrate": bitrate, "gptq_avenues": gptq_avenues}
+FILES = {"docs/quantization.md": ["quant_table", "gptq_avenues", "kquants", "bitrate"]}

@@ -70,3 +70,14 @@ def test_avenues_goal_reads_the_defaults_row(tmp_path):
 def test_a_missing_report_names_its_command(tmp_path):
     with pytest.raises(FileNotFoundError, match="kquants_bench"):
         tables_quant.kquants(tmp_path)
+
+
+def test_the_quantization_doc_holds_every_table_and_each_names_its_report(tmp_path):
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "quantization.md").read_text(encoding="utf-8")
+    for rel, names in tables_quant.FILES.items():
+        for name in names:
+            assert f"<!-- table:{name} -->" in text, (rel, name)
+            with pytest.raises(FileNotFoundError, match=tables_quant.READS[name][0]):
+                tables_quant.TABLES[name](tmp_path)  # an empty folder: the error names the report and its command

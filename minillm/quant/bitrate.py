@@ -189,9 +189,14 @@ def layer_errors(row: dict, relative_to: str = "update") -> list[float]:
     harmless relative to it; relative to the block's own update it does not (docs/quantization.md)."""
     if relative_to not in RELATIVE_TO:
         raise ValueError(f"relative_to: one of {RELATIVE_TO}, got {relative_to!r}")
-    if relative_to == "output":
+    if relative_to == "output" or "out_norm" not in row:  # an end-to-end (KL) measurement has no block norms
         return row["errors"]
     return [e * row["out_norm"] / row["update_norm"] for e in row["errors"]]
+
+
+def table_power(table: dict, power: float | None = None) -> float:
+    """``power`` if given, else the measurement's own (``setup["power"]``), else 2."""
+    return float(table.get("setup", {}).get("power", 2.0) if power is None else power)
 
 
 def _result(table: dict, picks: list[int], weights: int, power: float, bpw: float, relative_to: str) -> dict:
@@ -204,9 +209,12 @@ def _result(table: dict, picks: list[int], weights: int, power: float, bpw: floa
             "errors": {r["name"]: e[k] for r, e, k in zip(layers, errs, picks)}}
 
 
-def optimize(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4000, relative_to: str = "update") -> dict:
+def optimize(table: dict, bpw: float, *, power: float | None = None, resolution: int = 4000,
+             relative_to: str = "update") -> dict:
     """One option per layer minimising ``sum err^power`` with total bits <= ``bpw`` x weights, err being
-    each layer's measured block error relative to ``relative_to`` (``layer_errors``).
+    each layer's measured block error relative to ``relative_to`` (``layer_errors``). ``power`` None: the
+    table's own (``setup["power"]``: 1 for the end-to-end KL costs of ``sensitivity.measure_logits``, which
+    add), else 2 (block errors as independent noises, which add in power).
 
     Dynamic programming over the budget in units of ``max(1, budget / resolution)`` bits, each cost
     rounded to whole units; the answer is read back from the largest unit budget whose true total
@@ -221,6 +229,7 @@ def optimize(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4
         ValueError: the budget is below the cheapest options.
     """
     layers, weights, budget = _problem(table, bpw)
+    power = table_power(table, power)
     errs = [layer_errors(r, relative_to) for r in layers]
     unit = max(1.0, budget / resolution)
     B = int(math.floor(budget / unit + 1e-9))
@@ -255,7 +264,7 @@ def optimize(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4
     raise ValueError(f"bpw: no choice of options fits {bpw} bits per weight; raise --bpw")
 
 
-def optimize_naive(table: dict, bpw: float, *, power: float = 2.0, resolution: int = 4000,
+def optimize_naive(table: dict, bpw: float, *, power: float | None = None, resolution: int = 4000,
                    relative_to: str = "update") -> dict:
     """The baseline of ``optimize`` (same signature): every combination of options, the least
     objective whose true total bits fit (``resolution`` is ignored). Refuses more than 10^6 combinations."""
@@ -263,6 +272,7 @@ def optimize_naive(table: dict, bpw: float, *, power: float = 2.0, resolution: i
     n = math.prod(len(r["bits"]) for r in layers)
     if n > 10**6:
         raise ValueError(f"table: {n} combinations are too many to try; use optimize")
+    power = table_power(table, power)
     errs = [layer_errors(r, relative_to) for r in layers]
     best, picks = float("inf"), None
     for combo in itertools.product(*(range(len(r["bits"])) for r in layers)):
@@ -385,7 +395,7 @@ def uniform_row(model, setup: dict, method: str, bits: int, group_size: int, mse
     return row
 
 
-def variable_row(model, setup: dict, table: dict, bpw: float, power: float = 2.0, mse: bool = True,
+def variable_row(model, setup: dict, table: dict, bpw: float, power: float | None = None, mse: bool = True,
                  method: str = "gptq", relative_to: str = "update") -> dict:
     """Optimize the allocation for ``bpw``, quantize a copy with it (``method``, GPTQ's range search as
     ``mse``) and score it."""
@@ -394,7 +404,7 @@ def variable_row(model, setup: dict, table: dict, bpw: float, power: float = 2.0
     t0 = time.perf_counter()
     quantize_variable(q, choice["choice"], setup["calib"], mse=mse, method=method, progress=False)
     return {"method": "variable", "quantizer": method, "target_bpw": bpw, "mse": mse and method == "gptq", "bpw": model_bpw(q), "quantize_s": time.perf_counter() - t0,
-            "objective": choice["objective"], "power": power, "relative_to": relative_to, "choice": choice["choice"], **_score(q, setup)}
+            "objective": choice["objective"], "power": choice["power"], "relative_to": relative_to, "choice": choice["choice"], **_score(q, setup)}
 
 
 def best_uniform(rows: list[dict], bpw: float) -> dict | None:
@@ -523,7 +533,11 @@ def plot_ppl_vs_bpw(result: dict, path):
             ax.plot([r["bpw"] for r in rows], [r["perplexity"] for r in rows], marker=marker, lw=1, label=f"uniform {method}")
     rows = sorted(result["variable"], key=lambda r: r["bpw"])
     ax.plot([r["bpw"] for r in rows], [r["perplexity"] for r in rows], marker="*", ms=10, color="k",
-            label=f"variable ({rows[0].get('quantizer', 'gptq').upper() if rows else ''}, options chosen per layer)")
+            label=f"variable ({rows[0].get('quantizer', 'gptq').upper() if rows else ''}, block-output errors)")
+    kl = sorted(result.get("variable_kl", []), key=lambda r: r["bpw"])
+    if kl:  # the end-to-end measurement (sensitivity.measure_logits)
+        ax.plot([r["bpw"] for r in kl], [r["perplexity"] for r in kl], marker="*", ms=10, color="tab:red",
+                label=f"variable ({kl[0].get('quantizer', 'gptq').upper()}, KL on the logits)")
     ax.axhline(result["float"]["perplexity"], color="gray", ls="--", lw=1, label="float")
     ax.set_xlabel("bits per weight (codes + float16 scales + zeros, block linear layers)")
     ax.set_ylabel(f"perplexity ({result['setup']['eval_text']})")

@@ -4,6 +4,7 @@ with KL from the float model), ``quantize`` (safetensors or GGUF) and ``bench qu
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from ..evaluation import perplexity, reference_logprobs, windows
 from ..files import check_output_path, runs_folder
 from ..loading import default_model_path
 from ..options import add_model_args, at_least, load, print_json
+from ..tables import load_average
 from . import avenues, bitrate, pipeline
 from .bench import TABLE_CONFIGS, format_table, plot_layer_errors, plot_ppl_vs_bits, quant_table, save_table
 from .checkpoint import save_quantized
@@ -197,6 +199,9 @@ def cmd_bench_quant(args) -> int:
     configs = [c for c in TABLE_CONFIGS if c[2] == 64] if args.quick else TABLE_CONFIGS
     table = quant_table(model, tokenizer, configs, max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
                         gptq_mse=args.mse, progress=not args.json)
+    # the report carries its provenance, as docs/quantization.md's generated table states it
+    table = {"command": "python -m minillm " + " ".join(sys.argv[1:]), "date": datetime.date.today().isoformat(),
+             "load": load_average(), **table}
     out = save_table(table, args.out)
     figs = out.parent
     plot_ppl_vs_bits(table, figs / "05_ppl_vs_bits.png")
