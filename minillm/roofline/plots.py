@@ -79,12 +79,13 @@ def plot_predicted_vs_measured(rows: list[dict], path, title: str | None = None)
 def plot_linear_layouts(layouts: dict[int, dict[str, float]], weight_bytes: float, read_bandwidth: float, path,
                         title: str | None = None):
     """The bandwidth (GB/s) at which each weight layout streams one decode step's linear layers, per batch
-    size, against the streaming-read ceiling measured beside it.
+    size, against the bandwidth ceiling measured beside it (``Ceilings.bandwidth``: the larger of a streaming
+    copy and a streaming read).
 
     Args:
         layouts: {batch size: {layout: seconds}}, as ``measure_linear_layouts`` returns per batch size.
         weight_bytes: bytes of the linear weights read per step.
-        read_bandwidth: the ceiling, bytes/s.
+        read_bandwidth: the ceiling, bytes/s (``Ceilings.bandwidth``, whichever of copy and read was faster).
     """
     import numpy as np
 
@@ -96,12 +97,14 @@ def plot_linear_layouts(layouts: dict[int, dict[str, float]], weight_bytes: floa
         gbs = [weight_bytes / per[n] / 1e9 if n in per else 0 for n in names]
         bars = ax.barh(y + i * height, gbs, height, label=f"batch {batch}")
         ax.bar_label(bars, [f"{v:.1f}" for v in gbs], fontsize=7, padding=2)
-    ax.axvline(read_bandwidth / 1e9, color="k", ls="--", lw=1, label=f"read ceiling, measured just before: {read_bandwidth / 1e9:.1f} GB/s")
+    ax.axvline(read_bandwidth / 1e9, color="k", ls="--", lw=1, label=f"ceiling (larger of copy and read): {read_bandwidth / 1e9:.1f} GB/s")
+    top = max(weight_bytes / s / 1e9 for per in layouts.values() for s in per.values())
+    ax.set_xlim(0, 2.0 * max(top, read_bandwidth / 1e9))  # room on the right for the legend, clear of the bars
     ax.set_yticks(y + height * (len(layouts) - 1) / 2, names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("GB/s of weights streamed by one decode step's linear layers")
     ax.set_title(title or "Same weights, same bytes: the kernel sets the bandwidth")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     return save_figure(fig, path)
 
