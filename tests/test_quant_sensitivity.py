@@ -51,3 +51,19 @@ def test_the_optimizer_reads_a_kl_table(tiny, calib):
 def test_bad_calibration_is_refused(tiny):
     with pytest.raises(ValueError, match="calib"):
         measure_logits(tiny, torch.zeros(48, dtype=torch.long), OPTIONS, progress=False)
+
+
+def test_a_kl_table_is_optimized_with_its_own_power_and_no_block_norms(tiny, calib):
+    from minillm.quant.bitrate import measure, table_errors, table_power
+
+    kl = measure_logits(tiny, calib, OPTIONS, progress=False)
+    assert table_power(kl) == 1.0 and kl["setup"]["end_to_end"]
+    weights = sum(r["out_features"] * r["in_features"] for r in kl["layers"])
+    bpw = sum(r["bits"][1] + r["bits"][0] for r in kl["layers"]) / 2 / weights
+    assert optimize(kl, bpw) == optimize(kl, bpw, power=1.0, relative_to="output")
+    assert table_errors(kl) == [r["errors"] for r in kl["layers"]]
+    block = measure(tiny, calib, OPTIONS, error_windows=1, progress=False)
+    assert table_power(block) == 2.0  # a block measurement keeps the squared errors
+    stripped = {**block, "layers": [{k: v for k, v in r.items() if k != "out_norm"} for r in block["layers"]]}
+    with pytest.raises(KeyError):  # a block table without its norms is not silently read as end to end
+        optimize(stripped, bpw)

@@ -159,6 +159,8 @@ class PagedKVCache:
 
     def free(self, seq_id: int) -> None:
         self.manager.free(seq_id)
+        if self.widths is not None:  # a flat row's segments go with their sequences
+            self.widths = [w for s, w in zip(self.rows, self.widths) if s != seq_id]
         self.rows = [s for s in self.rows if s != seq_id]
 
     def set_rows(self, seq_ids, widths=None) -> None:

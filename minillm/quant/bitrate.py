@@ -189,7 +189,7 @@ def layer_errors(row: dict, relative_to: str = "update") -> list[float]:
     harmless relative to it; relative to the block's own update it does not (docs/quantization.md)."""
     if relative_to not in RELATIVE_TO:
         raise ValueError(f"relative_to: one of {RELATIVE_TO}, got {relative_to!r}")
-    if relative_to == "output" or "out_norm" not in row:  # an end-to-end (KL) measurement has no block norms
+    if relative_to == "output":
         return row["errors"]
     return [e * row["out_norm"] / row["update_norm"] for e in row["errors"]]
 
@@ -199,10 +199,21 @@ def table_power(table: dict, power: float | None = None) -> float:
     return float(table.get("setup", {}).get("power", 2.0) if power is None else power)
 
 
+def table_errors(table: dict, relative_to: str = "update") -> list[list[float]]:
+    """Every layer's errors as the optimizer weighs them: an end-to-end measurement's costs as they are
+    (``setup["end_to_end"]``, written by ``sensitivity.measure_logits``), a block measurement's relative
+    to ``relative_to`` (``layer_errors``)."""
+    if table.get("setup", {}).get("end_to_end"):
+        return [r["errors"] for r in table["layers"]]
+    return [layer_errors(r, relative_to) for r in table["layers"]]
+
+
 def _result(table: dict, picks: list[int], weights: int, power: float, bpw: float, relative_to: str) -> dict:
     layers, opts = table["layers"], table["options"]
     total = sum(r["bits"][k] for r, k in zip(layers, picks))
-    errs = [layer_errors(r, relative_to) for r in layers]
+    errs = table_errors(table, relative_to)
+    if table.get("setup", {}).get("end_to_end"):
+        relative_to = "kl"  # the record says what was weighed: KL costs, not block errors
     return {"target_bpw": bpw, "bpw": total / weights, "total_bits": total, "power": power, "relative_to": relative_to,
             "objective": sum(e[k] ** power for e, k in zip(errs, picks)),
             "choice": {r["name"]: list(opts[k]) for r, k in zip(layers, picks)},
@@ -230,7 +241,7 @@ def optimize(table: dict, bpw: float, *, power: float | None = None, resolution:
     """
     layers, weights, budget = _problem(table, bpw)
     power = table_power(table, power)
-    errs = [layer_errors(r, relative_to) for r in layers]
+    errs = table_errors(table, relative_to)
     unit = max(1.0, budget / resolution)
     B = int(math.floor(budget / unit + 1e-9))
     INF = float("inf")
@@ -273,7 +284,7 @@ def optimize_naive(table: dict, bpw: float, *, power: float | None = None, resol
     if n > 10**6:
         raise ValueError(f"table: {n} combinations are too many to try; use optimize")
     power = table_power(table, power)
-    errs = [layer_errors(r, relative_to) for r in layers]
+    errs = table_errors(table, relative_to)
     best, picks = float("inf"), None
     for combo in itertools.product(*(range(len(r["bits"])) for r in layers)):
         if sum(r["bits"][k] for r, k in zip(layers, combo)) > budget:
@@ -404,7 +415,7 @@ def variable_row(model, setup: dict, table: dict, bpw: float, power: float | Non
     t0 = time.perf_counter()
     quantize_variable(q, choice["choice"], setup["calib"], mse=mse, method=method, progress=False)
     return {"method": "variable", "quantizer": method, "target_bpw": bpw, "mse": mse and method == "gptq", "bpw": model_bpw(q), "quantize_s": time.perf_counter() - t0,
-            "objective": choice["objective"], "power": choice["power"], "relative_to": relative_to, "choice": choice["choice"], **_score(q, setup)}
+            "objective": choice["objective"], "power": choice["power"], "relative_to": choice["relative_to"], "choice": choice["choice"], **_score(q, setup)}
 
 
 def best_uniform(rows: list[dict], bpw: float) -> dict | None:

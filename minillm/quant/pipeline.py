@@ -159,6 +159,8 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         raise ValueError(f"v2: asymmetric calibration is a GPTQ option; {method} does not use it")
     if v2_percdamp is not None and not 0 <= v2_percdamp < 1:
         raise ValueError(f"v2_percdamp: must be in [0, 1) (a fraction of the mean diagonal of H), got {v2_percdamp}")
+    if v2_percdamp is not None and not v2:
+        raise ValueError("v2_percdamp: dampens GPTQv2's correction, which is off; turn on v2 (--v2) or leave it out")
     if awq_clip is None:
         awq_clip = not (gptq and config.mse)
     if (awq or gptq) and calib is None:

@@ -1,9 +1,9 @@
 """End-to-end sensitivity of each linear layer to quantization: the measurement pass of variable bitrate
 scored on the model's output instead of the block's.
 
-``bitrate.measure`` scores an option by the error it leaves in its own block's output. That misses what
-happens downstream: on SmolLM2 the 2-bit options look cheap there and then cost far more perplexity than
-the block errors predict (notebook 05b). ``measure_logits`` quantizes one layer at a time, leaves every
+``bitrate.measure`` scores an option by the error it leaves in its own block's output, which misses what
+the error does downstream (the blocks after it can amplify or absorb it; notebook 05b measures how much
+that matters). ``measure_logits`` quantizes one layer at a time, leaves every
 other layer float, runs the rest of the model and records KL(float || quantized) of the next-token
 distributions on calibration windows, in nats per token. For small perturbations these KL costs add up
 across layers, so ``bitrate.optimize`` minimises their plain sum (power 1) under the bit budget.
@@ -56,7 +56,7 @@ def _row(name: str, W: torch.Tensor, options, kls: list[float]) -> dict:
 
 def _table(options, layers: list[dict], calib: torch.Tensor) -> dict:
     return {"options": [list(o) for o in options], "layers": layers,
-            "setup": {"method": "rtn", "error": ERROR, "power": 1.0, "calib_samples": calib.shape[0],
+            "setup": {"method": "rtn", "error": ERROR, "end_to_end": True, "power": 1.0, "calib_samples": calib.shape[0],
                       "calib_seqlen": calib.shape[1]}}
 
 
@@ -114,3 +114,54 @@ def measure_logits_naive(model, calib: torch.Tensor, options, *, progress: bool 
                 kls.append(_kl(ref, _tail(q, 0, X, rope, mask)))
             layers.append(_row(f"layers.{i}.{name}", W, options, kls))
     return _table(options, layers, calib)
+
+
+def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib_samples: int = 2,
+                 calib_seqlen: int = 512, progress: bool = True) -> dict:
+    """notebook 05b's end-to-end rows, added to a ``bench quant --bpw`` ``result``: the KL measurement
+    (``measure_logits``, RTN), for every budget the allocation it gives quantized with RTN and scored as
+    the result's other rows (``bitrate.eval_setup`` with the result's protocol), and the goal against the
+    result's uniform rows. Returns the result with ``measurement_kl``, ``variable_kl`` and ``goals_kl``."""
+    import datetime
+    import os
+    import time
+
+    from . import bitrate
+    from .pipeline import calibration_tokens
+
+    options = options or [tuple(o) for o in result["measurement"]["options"]]
+    s = result["setup"]
+    t0 = time.perf_counter()
+    table = measure_logits(model, calibration_tokens(tokenizer, calib_samples, calib_seqlen), options, progress=progress)
+    table["setup"].update(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                          duration_s=time.perf_counter() - t0, load=" ".join(f"{x:.1f}" for x in os.getloadavg()))
+    setup = bitrate.eval_setup(model, tokenizer, max_tokens=s["max_tokens"], seqlen=s["seqlen"],
+                               calib_samples=s["calib_samples"], calib_seqlen=s["calib_seqlen"])
+    rows = [bitrate.variable_row(model, setup, table, bpw, method="rtn") for bpw in budgets]
+    return {**result, "measurement_kl": table, "variable_kl": rows, "goals_kl": bitrate.goals({**result, "variable": rows})}
+
+
+def main(argv=None) -> int:
+    """``python -m minillm.quant.sensitivity --out figures/05b_bitrate.json [--budgets 2.5,3,3.5,4,4.5]``:
+    add the end-to-end rows to a ``bench quant --bpw`` result in place."""
+    import argparse
+    import json
+
+    from ..files import atomic_write, dumps_strict
+    from ..loading import load_model
+
+    p = argparse.ArgumentParser(prog="python -m minillm.quant.sensitivity", description=main.__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="a bench quant --bpw result (JSON), rewritten with the end-to-end rows")
+    p.add_argument("--budgets", default="2.5,3,3.5,4,4.5", help="bits per weight, comma-separated")
+    args = p.parse_args(argv)
+    result = json.loads(open(args.out, encoding="utf-8").read())
+    model, tokenizer = load_model()
+    out = bitrate_rows(model, tokenizer, result, [float(b) for b in args.budgets.split(",")])
+    with atomic_write(args.out) as tmp:
+        tmp.write_text(dumps_strict(out, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {args.out}: goal {'met' if out['goals_kl']['met'] else 'NOT met'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
