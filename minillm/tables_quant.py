@@ -15,7 +15,7 @@ from .tables import FIGURES, MET, _table
 WRITERS = {"05_quant_table.json": "`python -m minillm bench quant --out figures/05_quant_table.json`",
            "05_kquants.json": "`python -m minillm.quant.kquants_bench --out figures/05_kquants.json`",
            "05b_bitrate.json": "`python -m minillm bench quant --bpw 2.5,3,3.5,4,4.5 --out figures/05b_bitrate.json` "
-                               "(its end-to-end rows: `python -m minillm.quant.sensitivity --out figures/05b_bitrate.json`)",
+                               "(its end-to-end rows: `python -m minillm.quant.sensitivity --result RESULT.json --out figures/05b_bitrate.json`)",
            "05_gptq_avenues.json": "`python -m minillm bench quant --avenues --out figures/05_gptq_avenues.json`"}
 READS = {"quant_table": ["05_quant_table.json"], "kquants": ["05_kquants.json"], "bitrate": ["05b_bitrate.json"],
          "gptq_avenues": ["05_gptq_avenues.json"]}

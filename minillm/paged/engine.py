@@ -120,6 +120,12 @@ class LLMEngine:
                  max_num_batched_tokens: int = 256, eos_ids=None, max_seq_len: int | None = None,
                  row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed",
                  layout: str | None = None):
+        # refused before the KV pool is allocated
+        if layout is None:
+            layout = "flat" if attention == "bucketed" and row_width is None else "rows"
+        if layout not in ("flat", "rows") or (layout == "flat" and (attention != "bucketed" or row_width)):
+            raise ValueError(f"layout: {layout!r} must be 'rows' or 'flat', and 'flat' needs attention='bucketed' "
+                             f"and no row_width (got attention={attention!r}, row_width={row_width})")
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = min(max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         if num_blocks is None and kv_cache_bytes is None:
@@ -132,11 +138,6 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.eos_ids = stop_ids(tokenizer, eos_ids)
         self.row_width, self.record_logits = row_width, record_logits
-        if layout is None:
-            layout = "flat" if attention == "bucketed" and row_width is None else "rows"
-        if layout not in ("flat", "rows") or (layout == "flat" and (attention != "bucketed" or row_width)):
-            raise ValueError(f"layout: {layout!r} must be 'rows' or 'flat', and 'flat' needs attention='bucketed' "
-                             f"and no row_width (got attention={attention!r}, row_width={row_width})")
         self.layout = layout
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()

@@ -142,19 +142,21 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
 
 
 def main(argv=None) -> int:
-    """``python -m minillm.quant.sensitivity --out figures/05b_bitrate.json [--budgets 2.5,3,3.5,4,4.5]``:
-    add the end-to-end rows to a ``bench quant --bpw`` result in place."""
+    """``python -m minillm.quant.sensitivity --result R.json --out OUT.json [--budgets 2.5,3,3.5,4,4.5]``:
+    a ``bench quant --bpw`` result with the end-to-end rows added, written to a new file."""
     import argparse
     import json
 
-    from ..files import atomic_write, dumps_strict
+    from ..files import atomic_write, check_output_path, dumps_strict
     from ..loading import load_model
 
     p = argparse.ArgumentParser(prog="python -m minillm.quant.sensitivity", description=main.__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="a bench quant --bpw result (JSON), rewritten with the end-to-end rows")
+    p.add_argument("--result", required=True, help="a bench quant --bpw result (JSON) to add the end-to-end rows to")
+    p.add_argument("--out", required=True, help="where to write the result with them (not --result itself)")
     p.add_argument("--budgets", default="2.5,3,3.5,4,4.5", help="bits per weight, comma-separated")
     args = p.parse_args(argv)
-    result = json.loads(open(args.out, encoding="utf-8").read())
+    check_output_path(args.out, "--out", sources=[args.result], suffix=".json")
+    result = json.loads(open(args.result, encoding="utf-8").read())
     model, tokenizer = load_model()
     out = bitrate_rows(model, tokenizer, result, [float(b) for b in args.budgets.split(",")])
     with atomic_write(args.out) as tmp:
