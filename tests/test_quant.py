@@ -263,6 +263,8 @@ def test_quantize_model_defaults_are_the_measured_best_and_the_paper_is_one_call
                          progress=False, **{k: v for k, v in GPTQ_PAPER.items() if k != "mse"})
     assert {k: rep[k] for k in GPTQ_PAPER} == GPTQ_PAPER
     assert quantize_model(copy.deepcopy(tiny[0]), "rtn", QuantConfig(4, 32), progress=False)["mse"] is False
+    both = quantize_model(copy.deepcopy(tiny[0]), "awq+gptq", QuantConfig(4, 32), calib, progress=False)
+    assert both["v2"] is False and both["v2_percdamp"] is None and both["act_order"] is True  # v2 not measured after AWQ
     with pytest.raises(ValueError, match="v2"):
         quantize_model(copy.deepcopy(tiny[0]), "awq", QuantConfig(4, 32), calib, v2=True, progress=False)
     untouched = copy.deepcopy(tiny[0])
@@ -293,7 +295,7 @@ def test_v2_pipeline_fits_the_float_models_outputs(tiny, true_sequential):
 def test_v2_options_reach_the_layer_alpha_scales_and_v2_percdamp_dampens_the_target_only(tiny):
     """A layer quantized by the pipeline's quantizer with v2 is GPTQ (dampening percdamp) on the target
     ``asymmetric_target(W, H, dXXT, v2_percdamp, v2_alpha)``; v2_alpha 0 gives the plain layer."""
-    from minillm.quant.pipeline import LayerQuantizer, linear_of
+    from minillm.quant.pipeline import GPTQ_DEFAULTS, LayerQuantizer, linear_of
 
     g = torch.Generator().manual_seed(8)
     x_f = torch.randn(2, 16, tiny[0].config.ffn_dim, generator=g)
@@ -310,7 +312,8 @@ def test_v2_options_reach_the_layer_alpha_scales_and_v2_percdamp_dampens_the_tar
     h = Hessian(W.shape[1])
     h.add_batch(x, x_f)
     for alpha, damp in ((1.0, 0.1), (0.5, None)):
-        expected = gptq_quantize(asymmetric_target(W, h.H, h.dXXT, 0.001 if damp is None else damp, alpha), h.H,
+        expected = gptq_quantize(asymmetric_target(W, h.H, h.dXXT, GPTQ_DEFAULTS["v2_percdamp"] if damp is None else damp,
+                                                   alpha), h.H,
                                  cfg, percdamp=0.001, act_order=True).codes
         assert torch.equal(layer(v2=True, v2_alpha=alpha, v2_percdamp=damp), expected)
     plain = layer()

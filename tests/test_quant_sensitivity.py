@@ -67,3 +67,12 @@ def test_a_kl_table_is_optimized_with_its_own_power_and_no_block_norms(tiny, cal
     stripped = {**block, "layers": [{k: v for k, v in r.items() if k != "out_norm"} for r in block["layers"]]}
     with pytest.raises(KeyError):  # a block table without its norms is not silently read as end to end
         optimize(stripped, bpw)
+
+
+def test_bitrate_rows_refuses_an_unknown_quantizer_or_uniform_method(tiny):
+    from minillm.quant.sensitivity import bitrate_rows
+
+    with pytest.raises(ValueError, match="rtn or gptq"):
+        bitrate_rows(tiny, None, {}, [3.0], method="awq")
+    with pytest.raises(ValueError, match="smoothquant"):
+        bitrate_rows(tiny, None, {}, [3.0], uniform=["smoothquant"])

@@ -45,7 +45,8 @@ GREEDY = SamplingParams()
 class StepRecord:
     """One step, for the timeline: ``runs`` (request_id, index, tokens, "prefill"/"decode"/"recompute"), ``preempted``
     (request_id, index), the forward's (B, T), blocks in use and KV slots holding tokens after it,
-    blocks the running sequences would hold without sharing, and its start / end (perf_counter s)."""
+    blocks the running sequences would hold without sharing, its start / end (perf_counter s), and
+    ``sampled``: the sequences that sampled (the rows of the output layer)."""
 
     step: int
     runs: list[tuple[str, int, int, str]]
@@ -56,6 +57,7 @@ class StepRecord:
     unshared_blocks: int
     start: float
     end: float
+    sampled: int = 0
 
 
 @dataclass
@@ -262,6 +264,7 @@ class LLMEngine:
                 self.stats.cached_tokens += req.num_cached_tokens
             seq.num_computed_tokens += n
         self._record_memory(len(self.stats.records), kinds, preempted, rows.shape, start)
+        self.stats.records[-1].sampled = len(ready)
         touched = self._sample(ready, logits) if ready else []
         self.stats.records[-1].end = time.perf_counter()
         self.stats.steps += 1

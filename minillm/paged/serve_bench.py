@@ -151,8 +151,53 @@ def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blo
                                        "mean_blocks", "steps")})
     report.update({"lab_kv_utilization": lab, "num_blocks": engine.num_blocks,
                    "rows_per_step_mean": float(np.mean([len(rec.runs) for rec in engine.stats.records]))})
+    floor = linear_floor(model, engine.stats.records)  # after the wall clock: not part of the engine's time
+    report.update({"linear_s": floor["linear_s"], "linear_only_tokens_per_s": report["output_tokens"] / floor["linear_s"],
+                   "linear_grid": floor["grid"]})
     report["engine"] = engine  # for the notebook's timeline; removed before JSON
     return report
+
+
+#: rows at which ``linear_seconds`` times the linear layers; other counts are interpolated
+LINEAR_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@torch.inference_mode()
+def linear_seconds(model, rows, repeats: int = 3) -> dict[int, tuple[float, float]]:
+    """{M: (blocks, head)}: median seconds of one pass through every block's linear layers (wqkv, wo,
+    w_gate_up, w_down, through their own forward, the path a step takes) and of the output layer, on M
+    rows of random activations, for each M in ``rows``."""
+    blocks = [m for layer in model.layers for m in layer.modules() if hasattr(m, "in_features")]  # Linear, QuantLinear
+    gen = torch.Generator(device=model.device).manual_seed(0)
+
+    def median(layers, M):
+        xs = {n: torch.randn(1, M, n, generator=gen, device=model.device, dtype=model.dtype)
+              for n in {m.in_features for m in layers}}
+        times = []
+        for _ in range(repeats + 1):  # the first pass warms up (and packs oneDNN's copies)
+            t0 = time.perf_counter()
+            for m in layers:
+                m(xs[m.in_features])
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
+
+    return {M: (median(blocks, M), median([model.output], M)) for M in rows}
+
+
+def linear_floor(model, records) -> dict:
+    """What the engine's steps would take in the linear layers alone: for each step (``StepRecord``),
+    the blocks' linear layers on its tokens and the output layer on its sampled rows, timed at
+    ``LINEAR_GRID`` row counts (``linear_seconds``) and interpolated. The rest of a step (attention,
+    norms, RoPE, the scheduler, sampling) is what a faster engine could still cut; the linear layers'
+    time is what it cannot, with these kernels. Returns {"linear_s", "grid": {M: [blocks_s, head_s]}}."""
+    tokens = [sum(r[2] for r in rec.runs) for rec in records]
+    sampled = [rec.sampled for rec in records]
+    top = max(tokens + sampled, default=1)
+    grid = sorted({m for m in LINEAR_GRID if m < top} | {top})
+    t = linear_seconds(model, grid)
+    blocks = np.interp(tokens, grid, [t[m][0] for m in grid])
+    head = np.interp(sampled, grid, [t[m][1] for m in grid]) * (np.array(sampled) > 0)
+    return {"linear_s": float(blocks.sum() + head.sum()), "grid": {m: list(t[m]) for m in grid}}
 
 
 def load_peer(model_path=None, dtype=torch.float32):
@@ -329,6 +374,9 @@ def format_report(report: dict) -> str:
     lines.append(f"engine memory: peak {e['peak_blocks']} / mean {e['mean_blocks']:.1f} of {e['num_blocks']} blocks, "
                  f"kv_utilization {100 * e['kv_utilization']:.1f}% (lab predicts {100 * e['lab_kv_utilization']:.1f}%), "
                  f"{e['preemptions']} preemptions, prefix hit rate {100 * e['prefix_hit_rate']:.1f}%, {e['steps']} steps")
+    if "linear_s" in e:
+        lines.append(f"engine time in the linear layers alone (its step shapes, timed apart): {e['linear_s']:.1f} of "
+                     f"{e['wall_s']:.1f} s; with nothing else, {e['linear_only_tokens_per_s']:.0f} output tok/s")
     if "memory" in report:
         x = report["memory"]
         lines.append(f"full {x['trace']} lengths ({x['num_requests']} requests, mean {x['mean_prompt']:.0f} / "

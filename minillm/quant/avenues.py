@@ -30,14 +30,16 @@ from .rtn import QuantConfig
 
 # name -> (what changes, overrides of the default GPTQ); calib = (windows, tokens per window)
 AVENUES: dict[str, tuple[str, dict]] = {
-    "default": ("the defaults (GPTQ_DEFAULTS, 32 x 512 calibration)", {}),
+    "default": ("the defaults (GPTQ_DEFAULTS: asymmetric calibration, its correction dampened by 30%; "
+                "32 x 512 calibration)", {}),
+    "no_v2": ("without asymmetric calibration: each layer fitted on its own quantized inputs", {"v2": False}),
     "paper": ("the paper's settings: no act-order, min/max ranges, 1% dampening, all layers of a block "
               "on the float block's inputs", dict(GPTQ_PAPER)),
-    "v2": ("asymmetric calibration (GPTQv2), alpha 1", {"v2": True}),
-    "v2_alpha0.25": ("asymmetric calibration, alpha 0.25 (GPTQv2's code)", {"v2": True, "v2_alpha": 0.25}),
-    "v2_damp0.01": ("asymmetric calibration, its correction dampened by 1% (a ridge toward W)",
-                    {"v2": True, "v2_percdamp": 0.01}),
-    "v2_damp0.1": ("asymmetric calibration, its correction dampened by 10%", {"v2": True, "v2_percdamp": 0.1}),
+    "v2": ("asymmetric calibration (GPTQv2), alpha 1, its correction dampened like H (0.1%)", {"v2_percdamp": 0.001}),
+    "v2_alpha0.25": ("asymmetric calibration, alpha 0.25 (GPTQv2's code), dampened like H",
+                     {"v2_alpha": 0.25, "v2_percdamp": 0.001}),
+    "v2_damp0.01": ("asymmetric calibration, its correction dampened by 1% (a ridge toward W)", {"v2_percdamp": 0.01}),
+    "v2_damp0.1": ("asymmetric calibration, its correction dampened by 10%", {"v2_percdamp": 0.1}),
     "not_sequential": ("all layers of a block on the float block's inputs", {"true_sequential": False}),
     "calib_128x512": ("4x more calibration windows", {"calib": (128, 512)}),
     "calib_64x512": ("2x more calibration windows", {"calib": (64, 512)}),

@@ -311,8 +311,8 @@ class _PerLayerQuantizer(LayerQuantizer):
 def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor | None, *,
                       act_order: bool = GPTQ_DEFAULTS["act_order"], percdamp: float = GPTQ_DEFAULTS["percdamp"],
                       mse: bool = GPTQ_DEFAULTS["mse"], true_sequential: bool = GPTQ_DEFAULTS["true_sequential"],
-                      v2: bool = GPTQ_DEFAULTS["v2"], v2_alpha: float = 1.0, v2_percdamp: float | None = None,
-                      method: str = "gptq",
+                      v2: bool = GPTQ_DEFAULTS["v2"], v2_alpha: float = 1.0,
+                      v2_percdamp: float | None = GPTQ_DEFAULTS["v2_percdamp"], method: str = "gptq",
                       fast: bool = True, progress: bool = True) -> dict:
     """Quantize ``model`` in place with GPTQ (or, ``method="rtn"``, round to nearest, which needs no
     ``calib``), each layer with its own (bits, group_size) from ``choice`` (``optimize(...)["choice"]``),

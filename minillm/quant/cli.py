@@ -53,10 +53,10 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
                    "quantized (default: on; --no-true-sequential: all on the float block's inputs, the paper's)")
     p.add_argument("--v2", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ: asymmetric calibration (GPTQv2: fit each layer to the float model's outputs; "
-                   f"default: {'on' if d['v2'] else 'off'}; --no-v2: the paper's)")
+                   f"default: {'on' if d['v2'] else 'off'} for gptq, off for awq+gptq; --no-v2: the paper's)")
     p.add_argument("--v2-percdamp", type=float, default=None,
                    help="GPTQ --v2: dampening of the asymmetric correction's solve, a fraction of the mean diagonal "
-                   "of H (a ridge toward the float weight; default: the --percdamp value)")
+                   f"of H (a ridge toward the float weight; default {d['v2_percdamp']})")
     p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=None,
                    help="AWQ's clip search (default: on, except awq+gptq with the range search)")
     p.add_argument("--calib-samples", type=at_least(1), default=pipeline.CALIB_SAMPLES,

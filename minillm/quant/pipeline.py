@@ -38,8 +38,12 @@ METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 
 # GPTQ's settings: the measured best (the defaults of quantize_model and of the commands) and the paper's.
 # docs/quantization.md measures each on Hamlet ("GPTQ avenues"; figures/05_gptq_avenues.json).
-GPTQ_DEFAULTS = {"act_order": True, "mse": True, "percdamp": 0.001, "true_sequential": True, "v2": False}
-GPTQ_PAPER = {"act_order": False, "mse": False, "percdamp": 0.01, "true_sequential": False, "v2": False}
+GPTQ_DEFAULTS = {"act_order": True, "mse": True, "percdamp": 0.001, "true_sequential": True, "v2": True,
+                 "v2_percdamp": 0.3}
+GPTQ_PAPER = {"act_order": False, "mse": False, "percdamp": 0.01, "true_sequential": False, "v2": False,
+              "v2_percdamp": None}
+# AWQ+GPTQ: GPTQ's defaults without asymmetric calibration, which is not measured after AWQ's scaling
+AWQ_GPTQ_DEFAULTS = {**GPTQ_DEFAULTS, "v2": False, "v2_percdamp": None}
 CALIB_SAMPLES = 32  # calibration windows of 512 tokens (the measured best; the paper: 128 of 2048)
 LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")  # execution order within a block
 
@@ -122,7 +126,9 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
             already quantized (else all four on one pass of the float block, as the paper).
         v2, v2_alpha, v2_percdamp: GPTQ with asymmetric calibration (``gptq.asymmetric_target``): fit
             each layer to the float model's outputs on the float model's inputs; alpha scales the
-            correction, v2_percdamp dampens its solve (a ridge toward the float weight; None: percdamp).
+            correction, v2_percdamp dampens its solve (a ridge toward the float weight; None:
+            ``GPTQ_DEFAULTS["v2_percdamp"]``). On by default for "gptq"; off for "awq+gptq"
+            (``AWQ_GPTQ_DEFAULTS``: not measured after AWQ's scaling).
         awq_grid: alpha grid size; awq_tokens: tokens sampled for AWQ's searches.
         awq_clip: run AWQ's clip search (Lin et al. 2024, Sec. 3.3). Default: yes, except for
             "awq+gptq" with ``config.mse``: there clipping would replace the float weights GPTQ then
@@ -148,7 +154,8 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         raise ValueError(f"method: {method!r} is not one of {METHODS}")
     head_config(quant_head)  # an unknown kind is refused before the work
     awq, gptq = method.startswith("awq"), method.endswith("gptq")
-    best = GPTQ_DEFAULTS if gptq else {**GPTQ_PAPER, "true_sequential": GPTQ_DEFAULTS["true_sequential"]}
+    best = (GPTQ_DEFAULTS if method == "gptq" else AWQ_GPTQ_DEFAULTS if gptq
+            else {**GPTQ_PAPER, "true_sequential": GPTQ_DEFAULTS["true_sequential"]})
     act_order = best["act_order"] if act_order is None else act_order
     percdamp = best["percdamp"] if percdamp is None else percdamp
     true_sequential = best["true_sequential"] if true_sequential is None else true_sequential
@@ -161,6 +168,8 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
         raise ValueError(f"v2_percdamp: must be in [0, 1) (a fraction of the mean diagonal of H), got {v2_percdamp}")
     if v2_percdamp is not None and not v2:
         raise ValueError("v2_percdamp: dampens GPTQv2's correction, which is off; turn on v2 (--v2) or leave it out")
+    if v2 and v2_percdamp is None:
+        v2_percdamp = GPTQ_DEFAULTS["v2_percdamp"]
     if awq_clip is None:
         awq_clip = not (gptq and config.mse)
     if (awq or gptq) and calib is None:
@@ -179,7 +188,7 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
               "mse": config.mse, "act_order": gptq and act_order, "static_groups": gptq and static_groups,
               "percdamp": percdamp if gptq else None, "true_sequential": true_sequential, "v2": v2,
               "v2_alpha": v2_alpha if v2 else None,
-              "v2_percdamp": (percdamp if v2_percdamp is None else v2_percdamp) if v2 else None,
+              "v2_percdamp": v2_percdamp if v2 else None,
               "awq_clip": awq and awq_clip, "layers": quantizer.layers}
     if calib is None:  # RTN without calibration: no inputs needed
         for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
@@ -261,7 +270,7 @@ class LayerQuantizer:
         self.gptq_options = {"blocksize": blocksize, "percdamp": percdamp, "act_order": act_order,
                              "static_groups": static_groups}
         self.true_sequential, self.v2, self.v2_alpha = true_sequential, v2, v2_alpha
-        self.v2_percdamp = percdamp if v2_percdamp is None else v2_percdamp
+        self.v2_percdamp = GPTQ_DEFAULTS["v2_percdamp"] if v2_percdamp is None else v2_percdamp
         self.awq_tokens, self.fast = awq_tokens, fast
         self.layers: list[dict] = []
 

@@ -117,11 +117,18 @@ def measure_logits_naive(model, calib: torch.Tensor, options, *, progress: bool 
 
 
 def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib_samples: int = 2,
-                 calib_seqlen: int = 512, progress: bool = True) -> dict:
+                 calib_seqlen: int = 512, method: str = "rtn", uniform=(), save=None, progress: bool = True) -> dict:
     """notebook 05b's end-to-end rows, added to a ``bench quant --bpw`` ``result``: the KL measurement
-    (``measure_logits``, RTN), for every budget the allocation it gives quantized with RTN and scored as
-    the result's other rows (``bitrate.eval_setup`` with the result's protocol), and the goal against the
-    result's uniform rows. Returns the result with ``measurement_kl``, ``variable_kl`` and ``goals_kl``."""
+    (``measure_logits``, RTN; the result's own ``measurement_kl`` when it has one with these options), for
+    every budget the allocation it gives quantized with ``method`` ("rtn", or "gptq" with its range search)
+    and scored as the result's other rows (``bitrate.eval_setup`` with the result's protocol), the uniform
+    rows of every method in ``uniform`` at every option that the result lacks and some budget affords, and the goal against all of
+    the result's uniform rows. Returns the result with ``measurement_kl``, ``variable_kl`` (RTN) or
+    ``variable_kl_gptq``, and ``goals_kl`` or ``goals_kl_gptq``; ``save(result)`` is called after every row.
+
+    Raises:
+        ValueError: a method other than rtn / gptq, or a uniform method not in ``bitrate.UNIFORM_METHODS``.
+    """
     import datetime
     import os
     import time
@@ -129,16 +136,41 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
     from . import bitrate
     from .pipeline import calibration_tokens
 
+    if method not in ("rtn", "gptq"):
+        raise ValueError(f"method: the allocations are quantized with rtn or gptq, not {method!r}")
+    bad = [m for m in uniform if m not in bitrate.UNIFORM_METHODS]
+    if bad:
+        raise ValueError(f"uniform: {bad} are not among {bitrate.UNIFORM_METHODS}")
     options = options or [tuple(o) for o in result["measurement"]["options"]]
     s = result["setup"]
-    t0 = time.perf_counter()
-    table = measure_logits(model, calibration_tokens(tokenizer, calib_samples, calib_seqlen), options, progress=progress)
-    table["setup"].update(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                          duration_s=time.perf_counter() - t0, load=" ".join(f"{x:.1f}" for x in os.getloadavg()))
+    result = {**result, "uniform": list(result["uniform"])}
+    table = result.get("measurement_kl")
+    if table is None or [tuple(o) for o in table["options"]] != [tuple(o) for o in options]:
+        t0 = time.perf_counter()
+        table = measure_logits(model, calibration_tokens(tokenizer, calib_samples, calib_seqlen), options,
+                               progress=progress)
+        table["setup"].update(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                              duration_s=time.perf_counter() - t0, load=" ".join(f"{x:.1f}" for x in os.getloadavg()))
+        result["measurement_kl"] = table
     setup = bitrate.eval_setup(model, tokenizer, max_tokens=s["max_tokens"], seqlen=s["seqlen"],
                                calib_samples=s["calib_samples"], calib_seqlen=s["calib_seqlen"])
-    rows = [bitrate.variable_row(model, setup, table, bpw, method="rtn") for bpw in budgets]
-    return {**result, "measurement_kl": table, "variable_kl": rows, "goals_kl": bitrate.goals({**result, "variable": rows})}
+    suffix = "" if method == "rtn" else f"_{method}"
+    have = {(r["method"], r["bits"], r["group_size"]) for r in result["uniform"]}
+    # a uniform option above every budget is never the comparison (its bpw at the model's narrowest input)
+    narrowest = min(r["in_features"] for r in table["layers"])
+    fits = [o for o in options if QuantConfig(*o).bits_per_weight(narrowest) <= max(budgets) + 1e-9]
+    jobs = [("variable", b) for b in budgets] + [(m, o) for m in uniform for o in fits if (m, *o) not in have]
+    rows = []
+    for kind, arg in tqdm(jobs, desc=f"end-to-end rows ({method})", disable=not progress):
+        if kind == "variable":
+            rows.append(bitrate.variable_row(model, setup, table, arg, method=method, mse=method == "gptq"))
+        else:
+            result["uniform"].append(bitrate.uniform_row(model, setup, kind, *arg))
+        result[f"variable_kl{suffix}"] = rows
+        result[f"goals_kl{suffix}"] = bitrate.goals({**result, "variable": rows})
+        if save is not None:
+            save(result)
+    return result
 
 
 def main(argv=None) -> int:
@@ -154,14 +186,24 @@ def main(argv=None) -> int:
     p.add_argument("--result", required=True, help="a bench quant --bpw result (JSON) to add the end-to-end rows to")
     p.add_argument("--out", required=True, help="where to write the result with them (not --result itself)")
     p.add_argument("--budgets", default="2.5,3,3.5,4,4.5", help="bits per weight, comma-separated")
+    p.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
+                   help="how the allocations are quantized (default rtn; gptq: with its range search)")
+    p.add_argument("--uniform", default="", help="methods (rtn, gptq, awq) whose uniform rows to add at every option "
+                   "the result lacks, comma-separated (default: none)")
     args = p.parse_args(argv)
     check_output_path(args.out, "--out", sources=[args.result], suffix=".json")
     result = json.loads(open(args.result, encoding="utf-8").read())
     model, tokenizer = load_model()
-    out = bitrate_rows(model, tokenizer, result, [float(b) for b in args.budgets.split(",")])
-    with atomic_write(args.out) as tmp:
-        tmp.write_text(dumps_strict(out, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {args.out}: goal {'met' if out['goals_kl']['met'] else 'NOT met'}")
+
+    def save(res):
+        with atomic_write(args.out) as tmp:
+            tmp.write_text(dumps_strict(res, indent=1) + "\n", encoding="utf-8")
+
+    out = bitrate_rows(model, tokenizer, result, [float(b) for b in args.budgets.split(",")], method=args.method,
+                       uniform=[m.strip() for m in args.uniform.split(",") if m.strip()], save=save)
+    save(out)
+    key = "goals_kl" if args.method == "rtn" else f"goals_kl_{args.method}"
+    print(f"wrote {args.out}: goal {'met' if out[key]['met'] else 'NOT met'}")
     return 0
 
 
