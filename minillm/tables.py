@@ -333,6 +333,11 @@ def serve_bench(folder: Path = FIGURES) -> str:
         lines[-1] += (f" At the trace's full lengths ({x['num_requests']} requests, mean {x['mean_prompt']:.0f} / "
                       f"{x['mean_output']:.0f} tokens, a tiny random model): {x['kv_utilization']:.1%} (lab "
                       f"{x['lab_kv_utilization']:.1%}; the paper: {s['paper']['kv_utilization']:.1%}).")
+    if "linear_s" in e:
+        lines += ["", f"The engine's steps in the linear layers alone (each step's token count through the blocks' "
+                  f"layers and its sampled rows through the output layer, timed apart): {e['linear_s']:.1f} of its "
+                  f"{e['wall_s']:.1f} s; were the rest of each step free, {e['linear_only_tokens_per_s']:.0f} output "
+                  "tokens/s."]
     if "sharing" in s:
         x = s["sharing"]
         lines += ["", f"Sharing saves {x['parallel_sampling']:.1%} of KV blocks for n = {x['width']} parallel samples "
