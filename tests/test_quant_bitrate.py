@@ -3,6 +3,7 @@ search, the per-layer quantization and its checkpoint, on tiny random models."""
 
 import copy
 import itertools
+import json
 
 import pytest
 import torch
@@ -191,8 +192,6 @@ def run(*args, cwd=None):
 
 
 def strict(text):
-    import json
-
     def refuse(c):
         raise ValueError(f"{c} is not JSON")
     return json.loads(text, parse_constant=refuse)
@@ -216,9 +215,19 @@ def test_quantize_bpw_writes_a_mixed_model_that_loads(tiny_gguf, tmp_path):
     assert "achieved" in p2.stdout and "layers.1.mlp.w_down" in p2.stdout
     bad = run("quantize", "--quant", "awq", "--bpw", "3.4", "--model", str(tiny_gguf), "--out", str(tmp_path / "r.safetensors"))
     assert bad.returncode != 0 and "--quant gptq or --quant rtn" in bad.stderr
-    # the measurement holds GPTQ's errors: the RTN variant refuses it rather than mixing the two
-    other = run("quantize", "--quant", "rtn", "--bpw", "3.4", "--measurement", str(m), "--model", str(tiny_gguf),
-                "--out", str(tmp_path / "r.safetensors"))
+    # the default measurement is the end-to-end one (KL, RTN one layer at a time): any quantizer may read it
+    assert json.loads(m.read_text())["setup"]["end_to_end"] is True
+    rtn = run("quantize", "--quant", "rtn", "--bpw", "3.4", "--measurement", str(m), "--model", str(tiny_gguf),
+              "--out", str(tmp_path / "r.safetensors"))
+    assert rtn.returncode == 0, rtn.stderr
+    # a block measurement holds GPTQ's errors: the RTN variant refuses it rather than mixing the two
+    mb = tmp_path / "mb.json"
+    block = run("quantize", "--quant", "gptq", "--bpw", "3.4", "--measure", "block", "--calib-samples", "4",
+                "--calib-seqlen", "64", "--measurement", str(mb), "--model", str(tiny_gguf), "--out", str(tmp_path / "b.safetensors"))
+    assert block.returncode == 0, block.stderr
+    assert "end_to_end" not in json.loads(mb.read_text())["setup"]
+    other = run("quantize", "--quant", "rtn", "--bpw", "3.4", "--measurement", str(mb), "--model", str(tiny_gguf),
+                "--out", str(tmp_path / "r2.safetensors"))
     assert other.returncode != 0 and "measured with gptq" in other.stderr
 
 
@@ -250,3 +259,16 @@ def test_the_rtn_variant_measures_and_quantizes_with_round_to_nearest(tiny, cali
             assert torch.equal(linear_of(a.layers[i], n)[0].dequantize(), linear_of(b.layers[i], n)[0].dequantize())
     with pytest.raises(ValueError, match="method"):
         measure(tiny, calib, OPTIONS, method="awq", progress=False)
+
+
+def test_the_measurement_pass_of_a_bpw_command(tiny, calib):
+    """--measure kl is sensitivity.measure_logits on the first 2 windows; block is measure's; others are refused."""
+    from minillm.quant.bitrate import measure_pass
+    from minillm.quant.sensitivity import measure_logits
+
+    kl = measure_pass(tiny, calib, "gptq", "kl", OPTIONS, progress=False)
+    assert kl["setup"]["end_to_end"] and kl["layers"] == measure_logits(tiny, calib[:2], OPTIONS, progress=False)["layers"]
+    block = measure_pass(tiny, calib, "rtn", "block", OPTIONS, progress=False)
+    assert block["setup"]["method"] == "rtn" and not block["setup"].get("end_to_end")
+    with pytest.raises(ValueError, match="measure"):
+        measure_pass(tiny, calib, "rtn", "hessian", OPTIONS)

