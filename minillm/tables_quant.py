@@ -148,24 +148,39 @@ def bitrate(folder: Path = FIGURES) -> str:
         lines += ["", "Errors relative to the block's update instead (`relative_to=\"update\"`): " + "; ".join(
             f"budget {v['target_bpw']}: {v['bpw']:.3f} bpw, perplexity {v['perplexity']:,.2f}" for v in second) + "."]
     lines += ["", f"Goal (at every budget at least as good as the best uniform setting of no more bits per weight, "
-              f"strictly better at two budgets or more), with the block-output measurement: {MET[g['met']]}: strictly "
-              f"better at {g['strictly_better']} of {len(g['budgets'])} budgets, never worse: {g['never_worse']}."]
+              f"strictly better at two budgets or more), with the block-output measurement: {_goal(g)}."]
     lines += ["", f"{rep.get('run', _provenance(rep, '05b_bitrate.json'))}."]
     if rep.get("variable_kl"):
-        gk, kl = rep["goals_kl"], {v["target_bpw"]: v for v in rep["variable_kl"]}
-        rows = [[f"{b['target_bpw']}", f"{b['variable_bpw']:.3f}, {b['variable_ppl']:,.2f}, {kl[b['target_bpw']]['kl']:.3f}",
-                 "none of no more bpw" if b["uniform"] is None else f"{b['uniform']}: {b['uniform_bpw']:.3f}, {b['uniform_ppl']:,.2f}",
-                 "-" if b["better"] is None else ("yes" if b["better"] else "**no**")] for b in gk["budgets"]]
         m = rep["measurement_kl"]["setup"]
         lines += ["", "Measured end to end instead (`sensitivity.measure_logits`: each option's KL on the logits, one layer "
                   f"quantized with {m['method'].upper()} at a time, {m['calib_samples']} x {m['calib_seqlen']} calibration "
                   f"tokens; the optimizer sums the costs, power {m['power']:g}), scored the same way:", "",
-                  *_table(["budget", "variable (KL measurement): bpw, perplexity, KL", "best uniform of no more bpw: bpw, "
-                           "perplexity", "variable better"], ["r", "l", "l", "l"], rows),
-                  "", f"Goal with the end-to-end measurement: {MET[gk['met']]}: strictly better at {gk['strictly_better']} "
-                  f"of {len(gk['budgets'])} budgets, never worse: {gk['never_worse']} (against uniform RTN, the quantizer the "
-                  f"allocation used). Measurement: {m['date']}, load {m['load']}, {m['duration_s'] / 60:.0f} min."]
+                  *_kl_rows(rep["goals_kl"], rep["variable_kl"], "RTN"), "",
+                  f"Goal with the end-to-end measurement: {_goal(rep['goals_kl'])}. Measurement: {m['date']}, load "
+                  f"{m['load']}, {m['duration_s'] / 60:.0f} min."]
+    if rep.get("variable_kl_gptq"):
+        g = rep["goals_kl_gptq"]
+        lines += ["", "The same allocations quantized with GPTQ (the defaults, with the range search) instead, against "
+                  "the best uniform row of every method:", "", *_kl_rows(g, rep["variable_kl_gptq"], "GPTQ"), "",
+                  f"Goal, GPTQ's allocations: {_goal(g)}."]
+        if rep.get("gptq_rows_run"):
+            lines += ["", f"{rep['gptq_rows_run']}."]
     return "\n".join(lines)
+
+
+def _kl_rows(goals: dict, variable: list[dict], quantizer: str) -> list[str]:
+    kl = {v["target_bpw"]: v for v in variable}
+    rows = [[f"{b['target_bpw']}", f"{b['variable_bpw']:.3f}, {b['variable_ppl']:,.2f}, {kl[b['target_bpw']]['kl']:.3f}",
+             "none of no more bpw" if b["uniform"] is None else f"{b['uniform']}: {b['uniform_bpw']:.3f}, {b['uniform_ppl']:,.2f}",
+             "-" if b["better"] is None else ("yes" if b["better"] else "**no**")] for b in goals["budgets"]]
+    return _table(["budget", f"variable ({quantizer}, KL measurement): bpw, perplexity, KL",
+                   "best uniform of no more bpw: bpw, perplexity", "variable better"], ["r", "l", "l", "l"], rows)
+
+
+def _goal(g: dict) -> str:
+    against = ", ".join(m.upper() for m in g.get("against", ["rtn"]))
+    return (f"{MET[g['met']]}: strictly better at {g['strictly_better']} of {len(g['budgets'])} budgets, never worse: "
+            f"{g['never_worse']} (against uniform {against})")
 
 
 def gptq_avenues(folder: Path = FIGURES) -> str:

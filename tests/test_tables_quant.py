@@ -53,6 +53,15 @@ def test_bitrate_goal_needs_every_budget_no_worse(tmp_path):
     text = tables_quant.bitrate(tmp_path)
     assert "| 3.5 | 3.490, 80.00, 1.000 | rtn 3-bit g64: 3.300, 66.00 | **no** |" in text
     assert "**not met**: strictly better at 1 of 2 budgets" in text
+    # GPTQ's allocations are compared with every uniform method, and the goal line names them
+    gptq = [dict(b, better=True, variable_ppl=40.0, uniform="gptq 3-bit g64", uniform_ppl=45.0) for b in budgets]
+    report.update(variable_kl_gptq=[{"target_bpw": b["target_bpw"], "kl": 0.5} for b in budgets],
+                  goals_kl_gptq={"budgets": gptq, "met": True, "strictly_better": 2, "never_worse": True,
+                                 "against": ["awq", "gptq", "rtn"]})
+    _write(tmp_path, "05b_bitrate.json", report)
+    text = tables_quant.bitrate(tmp_path)
+    assert "| 3.5 | 3.490, 40.00, 0.500 | gptq 3-bit g64: 3.300, 45.00 | yes |" in text
+    assert "Goal, GPTQ's allocations: met: strictly better at 2 of 2 budgets, never worse: True (against uniform AWQ, GPTQ, RTN)" in text
 
 
 def test_avenues_goal_reads_the_defaults_row(tmp_path):

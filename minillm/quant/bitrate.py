@@ -418,18 +418,20 @@ def variable_row(model, setup: dict, table: dict, bpw: float, power: float | Non
             "objective": choice["objective"], "power": choice["power"], "relative_to": choice["relative_to"], "choice": choice["choice"], **_score(q, setup)}
 
 
-def best_uniform(rows: list[dict], bpw: float) -> dict | None:
-    """The uniform row of least perplexity whose bits per weight are at most ``bpw`` (None if none)."""
-    fit = [r for r in rows if r["method"] != "variable" and r["bpw"] <= bpw + 1e-9]
+def best_uniform(rows: list[dict], bpw: float, methods=None) -> dict | None:
+    """The uniform row of least perplexity whose bits per weight are at most ``bpw`` (of ``methods`` only,
+    when given; None if none)."""
+    fit = [r for r in rows if r["method"] != "variable" and r["bpw"] <= bpw + 1e-9
+           and (methods is None or r["method"] in methods)]
     return min(fit, key=lambda r: r["perplexity"]) if fit else None
 
 
-def goals(result: dict) -> dict:
-    """Per budget: the variable row's perplexity beside the best uniform one of no more bits per weight;
-    the issue's goal: never worse, strictly better at two budgets or more."""
+def goals(result: dict, methods=None) -> dict:
+    """Per budget: the variable row's perplexity beside the best uniform one of no more bits per weight
+    (of ``methods`` only, when given); the issue's goal: never worse, strictly better at two budgets or more."""
     out = []
     for v in result["variable"]:
-        u = best_uniform(result["uniform"], v["target_bpw"])
+        u = best_uniform(result["uniform"], v["target_bpw"], methods)
         out.append({"target_bpw": v["target_bpw"], "variable_bpw": v["bpw"], "variable_ppl": v["perplexity"],
                     "uniform": None if u is None else f"{u['method']} {u['bits']}-bit g{u['group_size']}",
                     "uniform_bpw": None if u is None else u["bpw"], "uniform_ppl": None if u is None else u["perplexity"],
@@ -438,7 +440,8 @@ def goals(result: dict) -> dict:
     compared = [g for g in out if g["uniform"] is not None]
     return {"budgets": out, "never_worse": all(g["at_least_as_good"] for g in compared),
             "strictly_better": sum(g["better"] for g in compared),
-            "met": bool(compared) and all(g["at_least_as_good"] for g in compared) and sum(g["better"] for g in compared) >= 2}
+            "met": bool(compared) and all(g["at_least_as_good"] for g in compared) and sum(g["better"] for g in compared) >= 2,
+            "against": sorted({r["method"] for r in result["uniform"] if methods is None or r["method"] in methods})}
 
 
 def bitrate_bench(model, tokenizer, budgets, *, options=DEFAULT_OPTIONS, table: dict | None = None,
@@ -544,13 +547,15 @@ def plot_ppl_vs_bpw(result: dict, path):
         rows = sorted((r for r in result["uniform"] if r["method"] == method), key=lambda r: r["bpw"])
         if rows:
             ax.plot([r["bpw"] for r in rows], [r["perplexity"] for r in rows], marker=marker, lw=1, label=f"uniform {method}")
-    rows = sorted(result["variable"], key=lambda r: r["bpw"])
-    ax.plot([r["bpw"] for r in rows], [r["perplexity"] for r in rows], marker="*", ms=10, color="k",
-            label=f"variable ({rows[0].get('quantizer', 'gptq').upper() if rows else ''}, block-output errors)")
-    kl = sorted(result.get("variable_kl", []), key=lambda r: r["bpw"])
-    if kl:  # the end-to-end measurement (sensitivity.measure_logits)
-        ax.plot([r["bpw"] for r in kl], [r["perplexity"] for r in kl], marker="*", ms=10, color="tab:red",
-                label=f"variable ({kl[0].get('quantizer', 'gptq').upper()}, KL on the logits)")
+    how = "KL on the logits" if result["measurement"].get("setup", {}).get("end_to_end") else "block-output errors"
+    # the bench's own allocations, then those of the end-to-end measurement added by quant.sensitivity
+    curves = [("variable", how, "k"), ("variable_kl", "KL on the logits", "tab:red"),
+              ("variable_kl_gptq", "KL on the logits", "tab:purple")]
+    for key, measured, color in curves:
+        rows = sorted(result.get(key, []), key=lambda r: r["bpw"])
+        if rows:
+            ax.plot([r["bpw"] for r in rows], [r["perplexity"] for r in rows], marker="*", ms=10, color=color,
+                    label=f"variable ({rows[0].get('quantizer', 'gptq').upper()}, {measured})")
     ax.axhline(result["float"]["perplexity"], color="gray", ls="--", lw=1, label="float")
     ax.set_xlabel("bits per weight (codes + float16 scales + zeros, block linear layers)")
     ax.set_ylabel(f"perplexity ({result['setup']['eval_text']})")

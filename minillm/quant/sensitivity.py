@@ -122,8 +122,8 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
     (``measure_logits``, RTN; the result's own ``measurement_kl`` when it has one with these options), for
     every budget the allocation it gives quantized with ``method`` ("rtn", or "gptq" with its range search)
     and scored as the result's other rows (``bitrate.eval_setup`` with the result's protocol), the uniform
-    rows of every method in ``uniform`` at every option that the result lacks and some budget affords, and the goal against all of
-    the result's uniform rows. Returns the result with ``measurement_kl``, ``variable_kl`` (RTN) or
+    rows of every method in ``uniform`` at every option that the result lacks and some budget affords, and the goal
+    (RTN's allocations against uniform RTN, GPTQ's against every uniform row of the result). Returns the result with ``measurement_kl``, ``variable_kl`` (RTN) or
     ``variable_kl_gptq``, and ``goals_kl`` or ``goals_kl_gptq``; ``save(result)`` is called after every row.
 
     Raises:
@@ -167,7 +167,8 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
         else:
             result["uniform"].append(bitrate.uniform_row(model, setup, kind, *arg))
         result[f"variable_kl{suffix}"] = rows
-        result[f"goals_kl{suffix}"] = bitrate.goals({**result, "variable": rows})
+        # RTN's allocations against uniform RTN (the same quantizer); GPTQ's against every uniform method
+        result[f"goals_kl{suffix}"] = bitrate.goals({**result, "variable": rows}, ("rtn",) if method == "rtn" else None)
         if save is not None:
             save(result)
     return result
