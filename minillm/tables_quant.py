@@ -136,7 +136,9 @@ def bitrate(folder: Path = FIGURES) -> str:
         rows.append([f"{b['target_bpw']}", f"{b['variable_bpw']:.3f}, {b['variable_ppl']:,.2f}, {v['kl']:.3f}", u, better])
     quantizer = rep["variable"][0].get("quantizer", "gptq").upper() if rep["variable"] else "?"
     relative = rep["variable"][0].get("relative_to", "output") if rep["variable"] else "?"
-    lines = _table(["budget", f"variable ({quantizer}, errors relative to the block {relative}): bpw, perplexity, KL",
+    end_to_end = rep["measurement"].get("setup", {}).get("end_to_end", False)
+    measured = "KL measurement" if end_to_end else f"errors relative to the block {relative}"
+    lines = _table(["budget", f"variable ({quantizer}, {measured}): bpw, perplexity, KL",
                     "best uniform of no more bpw: bpw, perplexity", "variable better"], ["r", "l", "l", "l"], rows)
     uniform = ", ".join(f"{u['method'].upper()} {u['bits']}-bit g{u['group_size']} {u['bpw']:.3f} bpw {u['perplexity']:,.2f}"
                         for u in sorted(rep["uniform"], key=lambda u: u["bpw"]))
@@ -148,7 +150,8 @@ def bitrate(folder: Path = FIGURES) -> str:
         lines += ["", "Errors relative to the block's update instead (`relative_to=\"update\"`): " + "; ".join(
             f"budget {v['target_bpw']}: {v['bpw']:.3f} bpw, perplexity {v['perplexity']:,.2f}" for v in second) + "."]
     lines += ["", f"Goal (at every budget at least as good as the best uniform setting of no more bits per weight, "
-              f"strictly better at two budgets or more), with the block-output measurement: {_goal(g)}."]
+              f"strictly better at two budgets or more), with the {'end-to-end' if end_to_end else 'block-output'} "
+              f"measurement: {_goal(g)}."]
     lines += ["", f"{rep.get('run', _provenance(rep, '05b_bitrate.json'))}."]
     if rep.get("variable_kl"):
         m = rep["measurement_kl"]["setup"]

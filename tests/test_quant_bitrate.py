@@ -217,6 +217,18 @@ def test_quantize_bpw_writes_a_mixed_model_that_loads(tiny_gguf, tmp_path):
     assert bad.returncode != 0 and "--quant gptq or --quant rtn" in bad.stderr
     # the default measurement is the end-to-end one (KL, RTN one layer at a time): any quantizer may read it
     assert json.loads(m.read_text())["setup"]["end_to_end"] is True
+    # the GPTQ and head flags reach the variable model and its file records them
+    flags = run("quantize", "--quant", "gptq", "--bpw", "3.4", "--no-v2", "--percdamp", "0.05", "--quant-head", "int8",
+                "--calib-samples", "4", "--calib-seqlen", "64", "--measurement", str(m), "--model", str(tiny_gguf),
+                "--out", str(tmp_path / "f.safetensors"))
+    assert flags.returncode == 0, flags.stderr
+    _, meta = load_quantized(tmp_path / "f.safetensors", fast=False)
+    q = meta["quant_config"]
+    assert (q["v2"], q["v2_percdamp"], q["percdamp"], meta["quant_head"]) == (False, None, 0.05, "int8")
+    assert q["calib_samples"] == 4 and q["true_sequential"] is True
+    mismatch = run("quantize", "--quant", "gptq", "--bpw", "3.4", "--measure", "block", "--measurement", str(m),
+                   "--model", str(tiny_gguf), "--out", str(tmp_path / "g.safetensors"))
+    assert mismatch.returncode != 0 and "holds a kl measurement" in mismatch.stderr
     rtn = run("quantize", "--quant", "rtn", "--bpw", "3.4", "--measurement", str(m), "--model", str(tiny_gguf),
               "--out", str(tmp_path / "r.safetensors"))
     assert rtn.returncode == 0, rtn.stderr

@@ -116,6 +116,25 @@ def test_gptq_only_flags_are_refused_for_other_methods():
             cli_quant._quant_config(args)
 
 
+def test_v2_options_that_cannot_apply_are_refused_before_the_model_loads():
+    """--v2-percdamp dampens GPTQv2's correction: refused where v2 is off (--no-v2, or awq+gptq's default)
+    and outside [0, 1), by _quant_config, which runs before the model is loaded; --measure and
+    --measurement without --bpw are refused rather than ignored."""
+    from minillm import cli
+    from minillm.quant import cli as cli_quant
+
+    for argv in (["--quant", "gptq", "--no-v2", "--v2-percdamp", "0.1"], ["--quant", "awq+gptq", "--v2-percdamp", "0.1"],
+                 ["--quant", "gptq", "--v2-percdamp", "1.5"]):
+        with pytest.raises(ValueError, match="v2-percdamp"):
+            cli_quant._quant_config(cli.build_parser().parse_args(["perplexity", *argv]))
+    cli_quant._quant_config(cli.build_parser().parse_args(["perplexity", "--quant", "awq+gptq", "--v2", "--v2-percdamp", "0.1"]))
+    for argv in (["quantize", "--quant", "gptq", "--out", "x.safetensors", "--measure", "kl"],
+                 ["bench", "quant", "--measurement", "m.json"]):
+        args = cli.build_parser().parse_args(argv)
+        with pytest.raises(ValueError, match="add --bpw"):
+            args.func(args)
+
+
 def test_help_states_the_defaults():
     p = run("perplexity", "--help")
     assert p.returncode == 0

@@ -62,6 +62,11 @@ def test_bitrate_goal_needs_every_budget_no_worse(tmp_path):
     text = tables_quant.bitrate(tmp_path)
     assert "| 3.5 | 3.490, 40.00, 0.500 | gptq 3-bit g64: 3.300, 45.00 | yes |" in text
     assert "Goal, GPTQ's allocations: met: strictly better at 2 of 2 budgets, never worse: True (against uniform AWQ, GPTQ, RTN)" in text
+    assert "errors relative to the block update" in text and "with the block-output measurement" in text
+    report["measurement"]["setup"]["end_to_end"] = True  # a bench run with --measure kl, the default
+    _write(tmp_path, "05b_bitrate.json", report)
+    text = tables_quant.bitrate(tmp_path)
+    assert "(RTN, KL measurement)" in text and "with the end-to-end measurement" in text and "block update" not in text
 
 
 def test_avenues_goal_reads_the_defaults_row(tmp_path):

@@ -312,13 +312,13 @@ def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor |
                       act_order: bool = GPTQ_DEFAULTS["act_order"], percdamp: float = GPTQ_DEFAULTS["percdamp"],
                       mse: bool = GPTQ_DEFAULTS["mse"], true_sequential: bool = GPTQ_DEFAULTS["true_sequential"],
                       v2: bool = GPTQ_DEFAULTS["v2"], v2_alpha: float = 1.0,
-                      v2_percdamp: float | None = GPTQ_DEFAULTS["v2_percdamp"], method: str = "gptq",
+                      v2_percdamp: float | None = None, method: str = "gptq",
                       fast: bool = True, progress: bool = True) -> dict:
     """Quantize ``model`` in place with GPTQ (or, ``method="rtn"``, round to nearest, which needs no
     ``calib``), each layer with its own (bits, group_size) from ``choice`` (``optimize(...)["choice"]``),
     through the pipeline's block loop (``pipeline.quantize_block``), with the pipeline's GPTQ options
     (``act_order``, ``percdamp``, ``mse``, ``true_sequential``, ``v2``/``v2_alpha``/``v2_percdamp``: see
-    ``quantize_model``; their defaults are ``pipeline.GPTQ_DEFAULTS``).
+    ``quantize_model``; their defaults are ``pipeline.GPTQ_DEFAULTS``, v2_percdamp None its 0.3).
 
     Returns the report ``save_quantized`` needs: method, bits / group_size None, and
     "layer_configs" {name: [bits, group_size]}, "layers" [{"name", "rel_error"}] (each layer's output
@@ -334,6 +334,8 @@ def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor |
                          f"unknown {extra[:3]}); measure the whole model")
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method: variable bitrate quantizes with 'gptq' or 'rtn', not {method!r}")
+    if v2_percdamp is not None and not (v2 and method == "gptq"):
+        raise ValueError("v2_percdamp: dampens GPTQv2's correction, which is off here (v2=False or RTN); leave it out")
     mse = mse and method == "gptq"
     v2 = v2 and method == "gptq"
     configs = {n: QuantConfig(int(choice[n][0]), int(choice[n][1]), mse=mse) for n in names}
@@ -456,6 +458,8 @@ def bitrate_bench(model, tokenizer, budgets, *, options=DEFAULT_OPTIONS, table: 
     Returns {"measurement", "variable": [rows], "uniform": [rows], "float", "goals", "setup"}.
     """
     budgets = [float(b) for b in budgets]
+    if how not in MEASURES:
+        raise ValueError(f"how: {how!r} is not one of {MEASURES}")
     setup = eval_setup(model, tokenizer, max_tokens=max_tokens, calib_samples=calib_samples)
     if table is None and how == "kl":
         table = measure_pass(model, setup["calib"], method, "kl", options, progress=progress)
@@ -606,13 +610,16 @@ def save_result(result: dict, path) -> Path:
 # ---- the commands: quantize --bpw and bench quant --bpw (registered by cli.py) ---------------------------
 
 #: the measurement passes of a --bpw command: "kl" (``sensitivity.measure_logits``: each layer's KL cost on the
-#: model's output, RTN, 2 windows; the default, because its allocations beat uniform RTN at every budget in
-#: notebook 05b where the block-output errors' did not) or "block" (``measure``: each block's output error
-#: with the command's quantizer)
+#: model's output, RTN, 2 windows; the default, because in notebook 05b its allocations beat uniform RTN at
+#: every budget where the block-output errors' did not) or "block" (``measure``: each block's output error
+#: with the command's quantizer, plain GPTQ for gptq)
 MEASURES = ("kl", "block")
-MEASURE_HELP = ("with --bpw: kl (default: each layer's KL cost on the model's output, one layer quantized by RTN "
-                "at a time, the measured better allocation) or block (each block's output error with the "
-                "--quant quantizer, ExLlamaV2's)")
+
+
+def _measure_help(quantizer_flag: str) -> str:
+    return (f"with --bpw: kl (default: each layer's KL cost on the model's output, one layer rounded by RTN at a "
+            f"time, on 2 windows, whatever {quantizer_flag} says) or block (ExLlamaV2's: each block's output error "
+            f"with the {quantizer_flag} quantizer; for gptq plain GPTQ, each layer on float inputs)")
 
 
 def add_quantize_args(p) -> None:
@@ -622,7 +629,7 @@ def add_quantize_args(p) -> None:
                    "for this average of bits per weight (codes + float16 scales + zeros); replaces --bits/--group-size")
     p.add_argument("--measurement", default=None,
                    help="with --bpw: a measurement JSON to read (it is written there when the file does not exist)")
-    p.add_argument("--measure", choices=MEASURES, default="kl", help=MEASURE_HELP)
+    p.add_argument("--measure", choices=MEASURES, default=None, help=_measure_help("--quant"))
 
 
 def add_bench_args(p) -> None:
@@ -633,7 +640,7 @@ def add_bench_args(p) -> None:
                    help="with --bpw: the uniform methods to run beside it (comma-separated, or 'none')")
     p.add_argument("--measurement", default=None,
                    help="with --bpw: a measurement JSON to read (written there when the file does not exist)")
-    p.add_argument("--measure", choices=MEASURES, default="kl", help=MEASURE_HELP)
+    p.add_argument("--measure", choices=MEASURES, default=None, help=_measure_help("--bpw-quant"))
     p.add_argument("--bpw-quant", choices=("gptq", "rtn"), default="gptq",
                    help="with --bpw: the quantizer of the measurement and of the variable rows (default gptq; rtn: "
                    "the cheap variant, measured on 2 windows)")
@@ -701,11 +708,15 @@ def _load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
             raise ValueError(f"measurement: cannot read {args.measurement!r} as JSON ({e})") from None
         table = table.get("measurement", table)  # a bench result holds its measurement
         check_table(table, model)
+        kind = "kl" if table["setup"].get("end_to_end") else "block"
+        if args.measure is not None and args.measure != kind:
+            raise ValueError(f"measurement: {args.measurement!r} holds a {kind} measurement, not --measure {args.measure}; "
+                             "drop --measure or give another file")
         if not table["setup"].get("end_to_end") and table["setup"].get("method", "gptq") != method:
             raise ValueError(f"measurement: {args.measurement!r} was measured with {table['setup'].get('method')}, "
                              f"not {method}; measure again (another file) or pick that method")
         return table
-    table = measure_pass(model, calib, method, getattr(args, "measure", "kl"), progress=progress)
+    table = measure_pass(model, calib, method, args.measure or "kl", progress=progress)
     if args.measurement:
         save_result(table, args.measurement)
     return table
@@ -719,11 +730,23 @@ def cmd_quantize_bpw(args, load, check_output_path, save_quantized, src: str) ->
                          f"(got --quant {args.quant})")
     if not math.isfinite(args.bpw) or args.bpw <= 0:
         raise ValueError(f"bpw: expected a positive number of bits per weight, got {args.bpw}")
+    unsupported = [flag for flag, on in (("--static-groups", args.static_groups), ("--sym", args.sym)) if on]
+    if unsupported:
+        raise ValueError(f"bpw: variable bitrate quantizes asymmetric codes with dynamic groups; drop {', '.join(unsupported)}")
+    # the GPTQ options given on the command line; the others keep quantize_variable's defaults (GPTQ_DEFAULTS)
+    options = {k: v for k, v in (("act_order", args.act_order), ("percdamp", args.percdamp), ("mse", args.mse),
+                                 ("true_sequential", args.true_sequential), ("v2", args.v2),
+                                 ("v2_percdamp", args.v2_percdamp)) if v is not None}
     model, tokenizer = load(args)
     calib = calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
     table = _load_or_measure(args, model, calib, args.quant, progress=not args.json)
     result = optimize(table, args.bpw)
-    report = quantize_variable(model, result["choice"], calib, method=args.quant, progress=not args.json)
+    report = quantize_variable(model, result["choice"], calib, method=args.quant, progress=not args.json, **options)
+    report["quant_head"] = args.quant_head
+    if args.quant_head != "none":
+        from .head import quantize_output
+
+        report["head"] = quantize_output(model, args.quant_head, True)
     out = save_quantized(model, args.out, report, tokenizer_source=src)
     if not args.json:
         print(format_measurement(table))
@@ -758,7 +781,7 @@ def cmd_bench_bitrate(args, load, check_output_path, print_json, provenance: dic
     rtn = args.bpw_quant == "rtn"
     result = bitrate_bench(model, tokenizer, budgets, table=table, uniform_methods=methods, method=args.bpw_quant,
                            max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
-                           measure_samples=2 if rtn else 16, error_windows=2 if rtn else 4, how=args.measure,
+                           measure_samples=2 if rtn else 16, error_windows=2 if rtn else 4, how=args.measure or "kl",
                            progress=not args.json)
     result = {**(provenance or {}), **result}
     path = save_result(result, out)

@@ -71,7 +71,10 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
     meta = {"format": "minillm-quantized-1", "model_config": json.dumps(asdict(model.config)),
             "quant_config": json.dumps({**{k: report[k] for k in ("method", "bits", "group_size", "sym", "mse",
                                                                   "act_order", "static_groups")},
-                                        "awq_clip": report.get("awq_clip"), "layer_configs": layer_configs}),
+                                        **{k: report.get(k) for k in ("awq_clip", "percdamp", "true_sequential", "v2",
+                                                                      "v2_alpha", "v2_percdamp", "calib_samples",
+                                                                      "calib_seqlen")},
+                                        "layer_configs": layer_configs}),
             "tokenizer_source": tokenizer_source or "",
             "quant_head": "none" if head is None else head_kind(head.config)}
     path = Path(path)

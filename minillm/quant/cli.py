@@ -82,6 +82,13 @@ def _quant_config(args) -> QuantConfig:
             raise ValueError(f"quant: {args.quant} does not use {', '.join(unused)}; drop it, or pick a method that "
                              "does (gptq and awq+gptq for --act-order/--static-groups/--percdamp/--v2/--v2-percdamp, awq and "
                              "awq+gptq for --awq-clip)")
+    if args.quant in ("gptq", "awq+gptq"):  # GPTQv2's options, as quantize_model checks them, before the load
+        v2 = args.v2 if args.v2 is not None else (args.quant == "gptq" and pipeline.GPTQ_DEFAULTS["v2"])
+        if args.v2_percdamp is not None and not v2:
+            raise ValueError(f"v2-percdamp: dampens GPTQv2's correction, which is off for {args.quant} here; add --v2 "
+                             "or drop --v2-percdamp")
+        if args.v2_percdamp is not None and not 0 <= args.v2_percdamp < 1:
+            raise ValueError(f"v2-percdamp: must be in [0, 1) (a fraction of the mean diagonal of H), got {args.v2_percdamp}")
     return QuantConfig(args.bits, args.group_size, args.sym, args.mse)
 
 
@@ -148,7 +155,14 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+def _bpw_only(args) -> None:
+    """--measure and --measurement belong to --bpw: refused without it rather than ignored."""
+    if not args.bpw and (args.measure is not None or args.measurement is not None):
+        raise ValueError("measure / measurement: they choose and keep variable bitrate's measurement; add --bpw or drop them")
+
+
 def cmd_quantize(args) -> int:
+    _bpw_only(args)
     if args.quant in GGUF_TYPES:
         if args.quant_head != "none":
             raise ValueError(f"quant-head: {args.quant} writes llama.cpp's block formats for every tensor; drop --quant-head")
@@ -188,6 +202,7 @@ def cmd_quantize(args) -> int:
 
 
 def cmd_bench_quant(args) -> int:
+    _bpw_only(args)
     if args.avenues:
         return cmd_gptq_avenues(args)
     if args.bpw:  # variable bitrate beside uniform settings (bitrate.py)

@@ -144,8 +144,12 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
     options = options or [tuple(o) for o in result["measurement"]["options"]]
     s = result["setup"]
     result = {**result, "uniform": list(result["uniform"])}
-    table = result.get("measurement_kl")
-    if table is None or [tuple(o) for o in table["options"]] != [tuple(o) for o in options]:
+    # an end-to-end measurement already in the result (added before, or the bench's own with --measure kl)
+    # is reused when it has these options and calibration
+    table = result.get("measurement_kl") or (result["measurement"] if result["measurement"].get("setup", {}).get("end_to_end")
+                                             else None)
+    if table is None or [tuple(o) for o in table["options"]] != [tuple(o) for o in options] or (
+            table["setup"].get("calib_samples"), table["setup"].get("calib_seqlen")) != (calib_samples, calib_seqlen):
         t0 = time.perf_counter()
         table = measure_logits(model, calibration_tokens(tokenizer, calib_samples, calib_seqlen), options,
                                progress=progress)
@@ -166,6 +170,8 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
             rows.append(bitrate.variable_row(model, setup, table, arg, method=method, mse=method == "gptq"))
         else:
             result["uniform"].append(bitrate.uniform_row(model, setup, kind, *arg))
+            bench = result["variable"][0].get("quantizer") if result["variable"] else None
+            result["goals"] = bitrate.goals(result, ("rtn",) if bench == "rtn" else None)  # the bench's own rows, again
         result[f"variable_kl{suffix}"] = rows
         # RTN's allocations against uniform RTN (the same quantizer); GPTQ's against every uniform method
         result[f"goals_kl{suffix}"] = bitrate.goals({**result, "variable": rows}, ("rtn",) if method == "rtn" else None)
@@ -175,33 +181,48 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
 
 
 def main(argv=None) -> int:
-    """``python -m minillm.quant.sensitivity --result R.json --out OUT.json [--budgets 2.5,3,3.5,4,4.5]``:
-    a ``bench quant --bpw`` result with the end-to-end rows added, written to a new file."""
+    """Add end-to-end variable-bitrate rows to a ``bench quant --bpw`` result: the KL measurement
+    (``measure_logits``), each budget's allocation quantized with --method and scored like the result's
+    rows, and uniform rows of the --uniform methods; written to --out after every row."""
     import argparse
     import json
 
     from ..files import atomic_write, check_output_path, dumps_strict
     from ..loading import load_model
+    from .bitrate import UNIFORM_METHODS, optimize, parse_budgets
 
-    p = argparse.ArgumentParser(prog="python -m minillm.quant.sensitivity", description=main.__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minillm.quant.sensitivity", description=main.__doc__.split("\n\n")[0])
     p.add_argument("--result", required=True, help="a bench quant --bpw result (JSON) to add the end-to-end rows to")
     p.add_argument("--out", required=True, help="where to write the result with them (not --result itself)")
-    p.add_argument("--budgets", default="2.5,3,3.5,4,4.5", help="bits per weight, comma-separated")
+    p.add_argument("--budgets", default="2.5,3,3.5,4,4.5", help="bits per weight, comma-separated (default 2.5,3,3.5,4,4.5)")
     p.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
-                   help="how the allocations are quantized (default rtn; gptq: with its range search)")
-    p.add_argument("--uniform", default="", help="methods (rtn, gptq, awq) whose uniform rows to add at every option "
-                   "the result lacks, comma-separated (default: none)")
+                   help="how the allocations are quantized (default rtn; gptq: the defaults, with the range search)")
+    p.add_argument("--uniform", default="", help=f"methods ({', '.join(UNIFORM_METHODS)}) whose uniform rows to add at "
+                   "every option the result lacks and some budget affords, comma-separated (default: none)")
     args = p.parse_args(argv)
-    check_output_path(args.out, "--out", sources=[args.result], suffix=".json")
-    result = json.loads(open(args.result, encoding="utf-8").read())
+    try:  # everything that can be refused is refused before the model loads
+        budgets = parse_budgets(args.budgets)
+        uniform = [m.strip() for m in args.uniform.split(",") if m.strip()]
+        bad = [m for m in uniform if m not in UNIFORM_METHODS]
+        if bad:
+            raise ValueError(f"uniform: {bad} are not among {', '.join(UNIFORM_METHODS)}")
+        check_output_path(args.out, "--out", sources=[args.result], suffix=".json")
+        try:
+            with open(args.result, encoding="utf-8") as f:
+                result = json.load(f)
+            for b in budgets:  # a budget below the cheapest options fails now, not after the measurement
+                optimize(result["measurement"], b)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"result: cannot read {args.result!r} as a bench quant --bpw result ({e!r})") from None
+    except ValueError as e:
+        p.error(str(e))
     model, tokenizer = load_model()
 
     def save(res):
         with atomic_write(args.out) as tmp:
             tmp.write_text(dumps_strict(res, indent=1) + "\n", encoding="utf-8")
 
-    out = bitrate_rows(model, tokenizer, result, [float(b) for b in args.budgets.split(",")], method=args.method,
-                       uniform=[m.strip() for m in args.uniform.split(",") if m.strip()], save=save)
+    out = bitrate_rows(model, tokenizer, result, budgets, method=args.method, uniform=uniform, save=save)
     save(out)
     key = "goals_kl" if args.method == "rtn" else f"goals_kl_{args.method}"
     print(f"wrote {args.out}: goal {'met' if out[key]['met'] else 'NOT met'}")
