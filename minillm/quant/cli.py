@@ -50,7 +50,8 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
                    f"{pipeline.GPTQ_PAPER['percdamp']})")
     p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=None,
                    help="calibrate each layer of a block on the outputs of the block's layers before it, already "
-                   "quantized (default: on; --no-true-sequential: all on the float block's inputs, the paper's)")
+                   "quantized (default: on; --no-true-sequential: all on the float block's inputs, the paper's; with "
+                   "v2 on it over-corrects, measured worse than RTN: add --no-v2)")
     p.add_argument("--v2", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ: asymmetric calibration (GPTQv2: fit each layer to the float model's outputs; "
                    f"default: {'on' if d['v2'] else 'off'} for gptq, off for awq+gptq; --no-v2: the paper's)")
