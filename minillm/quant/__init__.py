@@ -11,6 +11,8 @@
     kquants.py    llama.cpp's k-quants (Q4_K, Q6_K) and the Q4_K_M recipe; kquants_bench.py: ours vs llama.cpp's
     head.py       the output layer (and the tied embedding) in int8 or int4
     bitrate.py    variable bitrate as ExLlamaV2 does it: measure each layer's options, pick under a bpw budget
+    bitrate_cli.py  its commands: quantize --bpw, bench quant --bpw
+    sensitivity.py  its end-to-end measurement: each layer's KL cost on the model's output
     avenues.py    ``bench quant --avenues``: each GPTQ avenue's perplexity in one run
     bench.py      ``bench quant``: the table of methods x bits x group sizes
     cli.py        ``python -m minillm perplexity | quantize | bench quant``

@@ -15,7 +15,7 @@ from ..files import check_output_path, runs_folder
 from ..loading import default_model_path
 from ..options import add_model_args, at_least, load, print_json
 from ..tables import load_average
-from . import avenues, bitrate, pipeline
+from . import avenues, bitrate_cli, pipeline
 from .bench import TABLE_CONFIGS, format_table, plot_layer_errors, plot_ppl_vs_bits, quant_table, save_table
 from .checkpoint import save_quantized
 from .gguf_quant import write_gguf
@@ -185,8 +185,8 @@ def cmd_quantize(args) -> int:
         # an absolute path: the file is loaded later from any folder
         src = str(Path(args.model).resolve()) if (args.model or "").endswith(".gguf") else str(default_model_path())
         check_output_path(args.out, "--out", sources=[src] + ([args.model] if args.model else []))
-        if args.bpw is not None:  # variable bitrate: bitrate.py measures, chooses and saves
-            report = bitrate.cmd_quantize_bpw(args, load, check_output_path, save_quantized, src)
+        if args.bpw is not None:  # variable bitrate: bitrate_cli.py measures, chooses and saves
+            report = bitrate_cli.cmd_quantize_bpw(args, load, check_output_path, save_quantized, src)
             print_json(report) if args.json else print(f"wrote {report['out']}: {report['bytes'] / 1e6:.1f} MB")
             return 0
         model, tokenizer = load(args)
@@ -206,8 +206,8 @@ def cmd_bench_quant(args) -> int:
     _bpw_only(args)
     if args.avenues:
         return cmd_gptq_avenues(args)
-    if args.bpw:  # variable bitrate beside uniform settings (bitrate.py)
-        return bitrate.cmd_bench_bitrate(args, load, check_output_path, print_json, provenance())
+    if args.bpw:  # variable bitrate beside uniform settings (bitrate_cli.py)
+        return bitrate_cli.cmd_bench_bitrate(args, load, check_output_path, print_json, provenance())
     if args.out == args.default_out:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
     check_output_path(args.out, "--out", suffix=".json")
@@ -268,7 +268,7 @@ def register(sub, bench) -> None:
 
     q = sub.add_parser("quantize", help="quantize the model's weights and save them (safetensors or GGUF)")
     add_quant_args(q, required=True)
-    bitrate.add_quantize_args(q)
+    bitrate_cli.add_quantize_args(q)
     q.add_argument("--out", required=True, help="output file: .safetensors (rtn/gptq/awq/awq+gptq) or .gguf "
                    "(q8_0/q4_0/q4_1/q5_0/q4_k_m), in an existing folder; written beside itself and renamed when complete")
     add_model_args(q)
@@ -287,7 +287,7 @@ def register(sub, bench) -> None:
                     "dampening, column order, range search, true sequential, v2), float and RTN in the same run, "
                     "on the first 8192 held-out tokens; NAMES: comma-separated, default all of "
                     + ", ".join(avenues.AVENUES) + ". Writes 05_gptq_avenues.json beside --out")
-    bitrate.add_bench_args(bq)
+    bitrate_cli.add_bench_args(bq)
     bq.add_argument("--quick", action="store_true", help="only 4-bit group 64 and 3-bit group 64")
     bq.add_argument("--out", default=f"{runs}/05_quant_table.json",
                     help="the table (JSON; its figures go beside it). Default: $MINILLM_FIGURES/05_quant_table.json, "

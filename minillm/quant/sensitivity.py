@@ -189,7 +189,8 @@ def main(argv=None) -> int:
 
     from ..files import atomic_write, check_output_path, dumps_strict
     from ..loading import load_model
-    from .bitrate import UNIFORM_METHODS, optimize, parse_budgets
+    from .bitrate import UNIFORM_METHODS, optimize
+    from .bitrate_cli import parse_budgets
 
     p = argparse.ArgumentParser(prog="python -m minillm.quant.sensitivity", description=main.__doc__.split("\n\n")[0])
     p.add_argument("--result", required=True, help="a bench quant --bpw result (JSON) to add the end-to-end rows to")

@@ -1,0 +1,173 @@
+"""The variable-bitrate commands, registered by ``minillm.quant.cli``: ``quantize --bpw B`` (measure or
+read a measurement, optimize, quantize, save) and ``bench quant --bpw LIST`` (``bitrate.bitrate_bench`` and
+its figures). The technique itself is ``minillm.quant.bitrate``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .bitrate import (DEFAULT_OPTIONS, MEASURES, UNIFORM_METHODS, bitrate_bench, format_bench, format_choice,
+                      format_measurement, measure_pass, model_bpw, optimize, plot_bits_per_layer, plot_ppl_vs_bpw,
+                      quantize_variable, save_result)
+from .pipeline import LAYERS, calibration_tokens, linear_of
+
+def _measure_help(quantizer_flag: str) -> str:
+    return (f"with --bpw: kl (default: each layer's KL cost on the model's output, one layer rounded by RTN at a "
+            f"time, on 2 windows, whatever {quantizer_flag} says) or block (ExLlamaV2's: each block's output error "
+            f"with the {quantizer_flag} quantizer; for gptq plain GPTQ, each layer on float inputs)")
+
+
+def add_quantize_args(p) -> None:
+    p.add_argument("--bpw", type=float, default=None,
+                   help="variable bitrate (--quant gptq or rtn): measure every layer under each option of "
+                   f"{', '.join(f'{b}-bit g{g}' for b, g in DEFAULT_OPTIONS)}, then choose one option per layer "
+                   "for this average of bits per weight (codes + float16 scales + zeros); replaces --bits/--group-size")
+    p.add_argument("--measurement", default=None,
+                   help="with --bpw: a measurement JSON to read (it is written there when the file does not exist)")
+    p.add_argument("--measure", choices=MEASURES, default=None, help=_measure_help("--quant"))
+
+
+def add_bench_args(p) -> None:
+    p.add_argument("--bpw", default=None, metavar="LIST",
+                   help="instead of the table: variable bitrate at these budgets (e.g. 2.5,3,3.5,4,4.5) beside "
+                   "uniform RTN/GPTQ/AWQ at every measured option; writes 05b_bitrate.json and its figures beside --out")
+    p.add_argument("--uniform", default=",".join(UNIFORM_METHODS),
+                   help="with --bpw: the uniform methods to run beside it (comma-separated, or 'none')")
+    p.add_argument("--measurement", default=None,
+                   help="with --bpw: a measurement JSON to read (written there when the file does not exist)")
+    p.add_argument("--measure", choices=MEASURES, default=None, help=_measure_help("--bpw-quant"))
+    p.add_argument("--bpw-quant", choices=("gptq", "rtn"), default="gptq",
+                   help="with --bpw: the quantizer of the measurement and of the variable rows (default gptq; rtn: "
+                   "the cheap variant, measured on 2 windows)")
+
+
+def parse_budgets(text: str) -> list[float]:
+    """'2.5,3,4' -> [2.5, 3.0, 4.0]; ValueError naming --bpw for anything else."""
+    try:
+        budgets = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"bpw: expected comma-separated numbers such as 2.5,3,3.5, got {text!r}") from None
+    if not budgets or any(not math.isfinite(b) or b <= 0 for b in budgets):
+        raise ValueError(f"bpw: expected positive bits per weight such as 2.5,3,3.5, got {text!r}")
+    return budgets
+
+
+def check_table(table: dict, model) -> None:
+    """A measurement read from a file must describe this model's layers (names and shapes)."""
+    want = {f"layers.{i}.{n}": (linear_of(b, n)[0].out_features, linear_of(b, n)[0].in_features)
+            for i, b in enumerate(model.layers) for n in LAYERS}
+    try:
+        got = {r["name"]: (r["out_features"], r["in_features"]) for r in table["layers"]}
+        opts = [tuple(o) for o in table["options"]]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"measurement: not a measurement table (missing {e}); write one with --measurement") from None
+    if got != want:
+        raise ValueError("measurement: its layers are not this model's (another model, or only some blocks "
+                         "measured); measure this model, or give its own measurement")
+    if not opts or any(len(r["errors"]) != len(opts) or len(r["bits"]) != len(opts) for r in table["layers"]):
+        raise ValueError("measurement: every layer needs one error and one cost per option")
+    if not table.get("setup", {}).get("end_to_end") and any("update_norm" not in r for r in table["layers"]):
+        raise ValueError("measurement: it has no block norms (out_norm, update_norm), which measure records; "
+                         "measure again")
+
+
+def _load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
+    import json
+    import os
+
+    if args.measurement and os.path.exists(args.measurement):
+        try:
+            with open(args.measurement, encoding="utf-8") as f:
+                table = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"measurement: cannot read {args.measurement!r} as JSON ({e})") from None
+        table = table.get("measurement", table)  # a bench result holds its measurement
+        check_table(table, model)
+        kind = "kl" if table["setup"].get("end_to_end") else "block"
+        if args.measure is not None and args.measure != kind:
+            raise ValueError(f"measurement: {args.measurement!r} holds a {kind} measurement, not --measure {args.measure}; "
+                             "drop --measure or give another file")
+        if not table["setup"].get("end_to_end") and table["setup"].get("method", "gptq") != method:
+            raise ValueError(f"measurement: {args.measurement!r} was measured with {table['setup'].get('method')}, "
+                             f"not {method}; measure again (another file) or pick that method")
+        return table
+    table = measure_pass(model, calib, method, args.measure or "kl", progress=progress)
+    if args.measurement:
+        save_result(table, args.measurement)
+    return table
+
+
+def cmd_quantize_bpw(args, load, check_output_path, save_quantized, src: str) -> dict:
+    """``quantize --quant gptq --bpw B``: measure (or read --measurement), optimize, quantize, save.
+    Returns the command's report; prints the measured errors, the choice and the achieved bpw."""
+    if args.quant not in ("gptq", "rtn"):
+        raise ValueError(f"bpw: variable bitrate quantizes with GPTQ or RTN; use --quant gptq or --quant rtn "
+                         f"(got --quant {args.quant})")
+    if not math.isfinite(args.bpw) or args.bpw <= 0:
+        raise ValueError(f"bpw: expected a positive number of bits per weight, got {args.bpw}")
+    unsupported = [flag for flag, on in (("--static-groups", args.static_groups), ("--sym", args.sym)) if on]
+    if unsupported:
+        raise ValueError(f"bpw: variable bitrate quantizes asymmetric codes with dynamic groups; drop {', '.join(unsupported)}")
+    # the GPTQ options given on the command line; the others keep quantize_variable's defaults (GPTQ_DEFAULTS)
+    options = {k: v for k, v in (("act_order", args.act_order), ("percdamp", args.percdamp), ("mse", args.mse),
+                                 ("true_sequential", args.true_sequential), ("v2", args.v2),
+                                 ("v2_percdamp", args.v2_percdamp)) if v is not None}
+    model, tokenizer = load(args)
+    calib = calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
+    table = _load_or_measure(args, model, calib, args.quant, progress=not args.json)
+    result = optimize(table, args.bpw)
+    report = quantize_variable(model, result["choice"], calib, method=args.quant, progress=not args.json, **options)
+    report["quant_head"] = args.quant_head
+    if args.quant_head != "none":
+        from .head import quantize_output
+
+        report["head"] = quantize_output(model, args.quant_head, True)
+    out = save_quantized(model, args.out, report, tokenizer_source=src)
+    if not args.json:
+        print(format_measurement(table))
+        print(format_choice(result))
+    import os
+
+    return {"out": str(out), "format": "safetensors", "bytes": os.path.getsize(out), "float32_bytes": 4 * model.config.n_params,
+            "method": args.quant, "bits": None, "group_size": None, "target_bpw": args.bpw, "bpw": model_bpw(model),
+            "objective": result["objective"], "layer_configs": report["layer_configs"],
+            "measured_errors": {r["name"]: dict(zip([f"{b}b_g{g}" for b, g in table["options"]], r["errors"]))
+                                for r in table["layers"]}}
+
+
+def cmd_bench_bitrate(args, load, check_output_path, print_json, provenance: dict | None = None) -> int:
+    """``bench quant --bpw LIST``: the variable-bitrate table and its two figures (05b_bitrate_*.png);
+    ``provenance`` (command, date, load) heads the JSON."""
+    import os
+
+    budgets = parse_budgets(args.bpw)
+    methods = [] if args.uniform.strip() == "none" else [m.strip() for m in args.uniform.split(",") if m.strip()]
+    bad = [m for m in methods if m not in ("rtn", "gptq", "awq", "awq+gptq")]
+    if bad:
+        raise ValueError(f"uniform: {bad} are not methods; use rtn, gptq, awq, awq+gptq or 'none'")
+    out = args.out if args.out != args.default_out else str(Path(args.default_out).with_name("05b_bitrate.json"))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    check_output_path(out, "--out", suffix=".json")
+    model, tokenizer = load(args)
+    table = None
+    if args.measurement:
+        calib = calibration_tokens(tokenizer, args.calib_samples, 512)
+        table = _load_or_measure(args, model, calib, args.bpw_quant, progress=not args.json)
+    rtn = args.bpw_quant == "rtn"
+    result = bitrate_bench(model, tokenizer, budgets, table=table, uniform_methods=methods, method=args.bpw_quant,
+                           max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
+                           measure_samples=2 if rtn else 16, error_windows=2 if rtn else 4, how=args.measure or "kl",
+                           progress=not args.json)
+    result = {**(provenance or {}), **result}
+    path = save_result(result, out)
+    plot_ppl_vs_bpw(result, path.with_name("05b_bitrate_ppl.png"))
+    plot_bits_per_layer(result, path.with_name("05b_bitrate_bits.png"))
+    if args.json:
+        print_json(result)
+    else:
+        print(format_measurement(result["measurement"]))
+        for v in result["variable"]:
+            print(format_choice(v))
+        print(format_bench(result) + f"\nwrote {path} and its figures beside it")
+    return 0
