@@ -40,7 +40,8 @@ from ..evaluation import perplexity, reference_logprobs
 from ..files import atomic_write, dumps_strict, save_figure
 from ..timing import machine
 from .gptq import Hessian, gptq_quantize
-from .pipeline import GPTQ_DEFAULTS, LAYERS, LayerQuantizer, block_inputs, calibration_tokens, linear_of, quantize_block, quantize_model
+from .pipeline import (GPTQ_DEFAULTS, LAYERS, LayerQuantizer, block_inputs, calibration_tokens, linear_of, quantize_block,
+                       quantize_model, resolve_v2)
 from .qlinear import QuantLinear
 from .rtn import QuantConfig, rtn_quantize
 
@@ -334,10 +335,8 @@ def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor |
                          f"unknown {extra[:3]}); measure the whole model")
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method: variable bitrate quantizes with 'gptq' or 'rtn', not {method!r}")
-    if v2_percdamp is not None and not (v2 and method == "gptq"):
-        raise ValueError("v2_percdamp: dampens GPTQv2's correction, which is off here (v2=False or RTN); leave it out")
     mse = mse and method == "gptq"
-    v2 = v2 and method == "gptq"
+    v2, v2_percdamp = resolve_v2(method, v2 and method == "gptq", v2_percdamp)
     configs = {n: QuantConfig(int(choice[n][0]), int(choice[n][1]), mse=mse) for n in names}
     model._compiled_decode = None  # a compiled decode froze the float weights
     quantizer = _PerLayerQuantizer(model, configs, awq=False, gptq=method == "gptq", awq_clip=False, act_order=act_order,

@@ -83,13 +83,8 @@ def _quant_config(args) -> QuantConfig:
             raise ValueError(f"quant: {args.quant} does not use {', '.join(unused)}; drop it, or pick a method that "
                              "does (gptq and awq+gptq for --act-order/--static-groups/--percdamp/--v2/--v2-percdamp, awq and "
                              "awq+gptq for --awq-clip)")
-    if args.quant in ("gptq", "awq+gptq"):  # GPTQv2's options, as quantize_model checks them, before the load
-        v2 = args.v2 if args.v2 is not None else (args.quant == "gptq" and pipeline.GPTQ_DEFAULTS["v2"])
-        if args.v2_percdamp is not None and not v2:
-            raise ValueError(f"v2-percdamp: dampens GPTQv2's correction, which is off for {args.quant} here; add --v2 "
-                             "or drop --v2-percdamp")
-        if args.v2_percdamp is not None and not 0 <= args.v2_percdamp < 1:
-            raise ValueError(f"v2-percdamp: must be in [0, 1) (a fraction of the mean diagonal of H), got {args.v2_percdamp}")
+    if args.quant in ("gptq", "awq+gptq"):  # GPTQv2's options, checked as quantize_model checks them, before the load
+        pipeline.resolve_v2(args.quant, args.v2, args.v2_percdamp)
     return QuantConfig(args.bits, args.group_size, args.sym, args.mse)
 
 

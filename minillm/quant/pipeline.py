@@ -102,6 +102,27 @@ def _subsample(x: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
     return x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:n]]
 
 
+def resolve_v2(method: str, v2: bool | None, v2_percdamp: float | None) -> tuple[bool, float | None]:
+    """GPTQv2's options for ``method`` as they will run: v2 (None: on for "gptq", off for "awq+gptq", see
+    ``AWQ_GPTQ_DEFAULTS``) and its dampening (None with v2 on: ``GPTQ_DEFAULTS["v2_percdamp"]``; None
+    with it off). The one check of both, called before any work (the commands call it before loading).
+
+    Raises:
+        ValueError: v2 for a method without GPTQ, a dampening outside [0, 1), or one with v2 off.
+    """
+    gptq = method.endswith("gptq")
+    v2 = (GPTQ_DEFAULTS["v2"] if method == "gptq" else False) if v2 is None else v2
+    if v2 and not gptq:
+        raise ValueError(f"v2: asymmetric calibration is a GPTQ option; {method} does not use it")
+    if v2_percdamp is not None and not 0 <= v2_percdamp < 1:
+        raise ValueError(f"v2_percdamp: must be in [0, 1) (a fraction of the mean diagonal of H; --v2-percdamp), "
+                         f"got {v2_percdamp}")
+    if v2_percdamp is not None and not v2:
+        raise ValueError(f"v2_percdamp: dampens GPTQv2's correction, which is off for {method} here; turn on v2 "
+                         "(--v2) or drop --v2-percdamp")
+    return v2, (GPTQ_DEFAULTS["v2_percdamp"] if v2 and v2_percdamp is None else v2_percdamp)
+
+
 @torch.inference_mode()
 def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor | None = None, *,
                    act_order: bool | None = None, static_groups: bool = False, blocksize: int = 128,
@@ -159,17 +180,9 @@ def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor 
     act_order = best["act_order"] if act_order is None else act_order
     percdamp = best["percdamp"] if percdamp is None else percdamp
     true_sequential = best["true_sequential"] if true_sequential is None else true_sequential
-    v2 = best["v2"] if v2 is None else v2
+    v2, v2_percdamp = resolve_v2(method, v2, v2_percdamp)
     if config.mse is None:
         config = replace(config, mse=best["mse"])
-    if v2 and not gptq:
-        raise ValueError(f"v2: asymmetric calibration is a GPTQ option; {method} does not use it")
-    if v2_percdamp is not None and not 0 <= v2_percdamp < 1:
-        raise ValueError(f"v2_percdamp: must be in [0, 1) (a fraction of the mean diagonal of H), got {v2_percdamp}")
-    if v2_percdamp is not None and not v2:
-        raise ValueError("v2_percdamp: dampens GPTQv2's correction, which is off; turn on v2 (--v2) or leave it out")
-    if v2 and v2_percdamp is None:
-        v2_percdamp = GPTQ_DEFAULTS["v2_percdamp"]
     if awq_clip is None:
         awq_clip = not (gptq and config.mse)
     if (awq or gptq) and calib is None:

@@ -130,9 +130,9 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
         ValueError: a method other than rtn / gptq, or a uniform method not in ``bitrate.UNIFORM_METHODS``.
     """
     import datetime
-    import os
     import time
 
+    from ..tables import load_average
     from . import bitrate
     from .pipeline import calibration_tokens
 
@@ -154,7 +154,7 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
         table = measure_logits(model, calibration_tokens(tokenizer, calib_samples, calib_seqlen), options,
                                progress=progress)
         table["setup"].update(date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                              duration_s=time.perf_counter() - t0, load=" ".join(f"{x:.1f}" for x in os.getloadavg()))
+                              duration_s=time.perf_counter() - t0, load=load_average())
         result["measurement_kl"] = table
     setup = bitrate.eval_setup(model, tokenizer, max_tokens=s["max_tokens"], seqlen=s["seqlen"],
                                calib_samples=s["calib_samples"], calib_seqlen=s["calib_seqlen"])
