@@ -147,15 +147,21 @@ def headline(folder: Path = FIGURES) -> str:
     t, b = tour["report"], bench["report"]
     lines = _table(["technique", "its baseline", "baseline tokens/s", "tokens/s", "speedup", "check", "run"],
                    ["l", "l", "r", "r", "r", "l", "l"], rows)
-    lines += ["", f"{t['machine']}, {t['dtype']}, greedy. Each row's two numbers come from one run (the runs below);"
-              " the machine's bandwidth moves from minute to minute, so compare within a row.", "",
-              f"* tour: batch 1, {t['prompt_tokens']}-token prompt, {t['new_tokens']} new tokens; {_source(tour)}",
+    # sessions run on different CPUs: one machine line when every run shares it, else each run names its own
+    one_machine = len({r["machine"] for r in (t, b, p, s)}) == 1
+    where = (lambda r: "") if one_machine else (lambda r: f"{r['machine']}; ")
+    lines += ["", (f"{t['machine']}, " if one_machine else "") + f"{t['dtype']}, greedy. Each row's two numbers come "
+              "from one run (the runs below" + ("" if one_machine else ", each on the machine it names")
+              + "); the machine's bandwidth moves from minute to minute, so compare within a row.", "",
+              f"* tour: batch 1, {t['prompt_tokens']}-token prompt, {t['new_tokens']} new tokens; {where(t)}"
+              f"{_source(tour)}",
               f"* bench decode: batch 1, {b['prompt_tokens']}-token prompt, {b['new_tokens']} new tokens, median of "
-              f"{b['repeats']}; {_source(bench)}",
+              f"{b['repeats']}; {where(b)}{_source(bench)}",
               f"* bench decode --peer llamacpp: {p['threads']} threads each, {p['new_tokens']} new tokens, the median "
-              f"of {p['repeats']} interleaved repeats; speedup = median of the per-repeat ratios; {_source(peer)}",
+              f"of {p['repeats']} interleaved repeats; speedup = median of the per-repeat ratios; {where(p)}"
+              f"{_source(peer)}",
               f"* serve-bench: {n} requests at once, {_trace(s['trace'])}-like lengths x {s['scale']}, output tokens/s "
-              f"over the wall time; {_source(serve)}"]
+              f"over the wall time; {where(s)}{_source(serve)}"]
     return "\n".join(lines)
 
 
