@@ -6,6 +6,8 @@ import re
 import pytest
 
 from minillm import tables
+from minillm.tables import decode as decode_tables
+from minillm.tables import paged as paged_tables
 
 
 def test_committed_tables_are_rebuilt_from_the_committed_json():
@@ -134,7 +136,7 @@ def _write(folder, *names):
 
 def test_kv_table_computes_its_ratios_and_states_its_source(tmp_path):
     tables.record(_kv_report(), tmp_path / "02_kv_cache.json", "jupyter nbconvert --execute notebooks/02_kv_cache.ipynb")
-    text = tables.kv_cache(tmp_path)
+    text = decode_tables.kv_cache(tmp_path)
     assert "**20.0x**" in text  # 250 / 12.5
     assert "none 70.0 → 1000.0 ms" in text and "contiguous 31.0 → 31.5 ms" in text
     assert "(1.25x)" in text and "(+1.00%)" in text and "53% of float16" in text
@@ -156,13 +158,13 @@ def test_unknown_marker_and_missing_json_are_named(tmp_path):
     with pytest.raises(KeyError, match="table:nosuch"):
         tables.rebuild_text("<!-- table:nosuch -->\n<!-- /table -->", tmp_path, "README.md")
     with pytest.raises(FileNotFoundError, match="notebooks/02_kv_cache.ipynb writes it"):
-        tables.kv_cache(tmp_path)
+        decode_tables.kv_cache(tmp_path)
     (tmp_path / "02_kv_cache.json").write_text('{"rows": []}')
     with pytest.raises(ValueError, match="not a record"):
-        tables.kv_cache(tmp_path)
+        decode_tables.kv_cache(tmp_path)
     (tmp_path / "02_kv_cache.json").write_text('{"command": "c", "date": ')  # cut short
     with pytest.raises(ValueError, match="not valid JSON.*notebooks/02_kv_cache.ipynb"):
-        tables.kv_cache(tmp_path)
+        decode_tables.kv_cache(tmp_path)
     tables.record({"machine": "m"}, tmp_path / "02_kv_cache.json", "cmd")  # a record from another version
     with pytest.raises(ValueError, match="table kv_cache: a record it reads lacks the key 'step_ms'.*02_kv_cache.ipynb"):
         tables.rebuild_text("<!-- table:kv_cache -->\n<!-- /table -->", tmp_path, "docs/kv_cache.md")
@@ -211,11 +213,21 @@ def test_headline_pairs_each_technique_with_its_baseline_from_one_run(tmp_path):
     assert "| transformers' continuous batching | 50.0 | 100.0 | 2.00x | 64/64 requests' greedy tokens equal one at a time's (transformers: 63/64) |" in text
     for name in ("tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json"):
         assert f"`cmd for {name}`" in text
+    assert "\nm, float32, greedy." in text  # one machine: named once, above the runs
+
+
+def test_headline_names_each_runs_machine_when_the_runs_differ(tmp_path):
+    _write(tmp_path, "tour.json", "bench_decode.json", "bench_decode_llamacpp.json")
+    tables.record({**_serve_report(), "machine": "AMD EPYC, 2 cores"}, tmp_path / "serve_bench.json", "cmd for serve")
+    text = tables.headline(tmp_path)
+    assert "\nfloat32, greedy." in text and "each on the machine it names" in text
+    assert "; AMD EPYC, 2 cores; `cmd for serve`" in text
+    assert "; m; `cmd for tour.json`" in text and "; m; `cmd for bench_decode.json`" in text
 
 
 def test_roofline_table_states_goals_and_ceilings(tmp_path):
     _write(tmp_path, "01_roofline.json")
-    text = tables.roofline(tmp_path)
+    text = decode_tables.roofline(tmp_path)
     assert "| decode B=1 | 0.5 | memory | 50.0 | 40.0 | 1.25 |" in text and "| prefill T=64 |" in text
     assert "the roofline's bandwidth is the larger, 25.0 GB/s" in text
     assert "| F.linear | 28.0 | 11.0 |" in text and "Fastest: at 1 row `F.linear`; at 8 rows `shards`. Above the ceiling at 1 row: `F.linear`." in text
@@ -228,10 +240,10 @@ def test_roofline_table_states_goals_and_ceilings(tmp_path):
 
 def test_decode_tables_compute_ratios_from_the_runs(tmp_path):
     _write(tmp_path, "bench_decode.json", "bench_decode_llamacpp.json")
-    text = tables.decode(tmp_path)
+    text = decode_tables.decode(tmp_path)
     assert "| transformers (same GGUF) | 15.0 | 0.050 | 7.5 | **no** |" in text
     assert "Contiguous cache / transformers: **2.00x** (goal 1.5x: met)" in text and "500.0 MB" in text
-    text = tables.decode_llamacpp(tmp_path)
+    text = decode_tables.decode_llamacpp(tmp_path)
     assert "| llama.cpp (same GGUF) | 120.0 | 120.0, 120.0, 120.0 | 96.6 |" in text
     assert "**1.20x**" in text and "(1.17, 1.20, 0.95: ahead in 2 of 3)" in text
     # 62 / 31, 72 / 62, 144 / 72
@@ -241,24 +253,24 @@ def test_decode_tables_compute_ratios_from_the_runs(tmp_path):
 
 def test_paged_tables_from_serve_bench_fragmentation_and_bench_decode(tmp_path):
     _write(tmp_path, "serve_bench.json", "fragmentation.json", "bench_decode.json")
-    text = tables.serve_bench(tmp_path)
+    text = paged_tables.serve_bench(tmp_path)
     assert "| the engine (continuous batching) | 100.0 | 150.0 | 1.00 / 2.00 | 0.100 / 0.200 | 100.0 | 64/64 |" in text
     assert "| transformers' continuous batching (paged\\|sdpa) | 50.0 |" in text and "| 63/64 |" in text
     assert "engine / one at a time 5.00x (goal 4.0x: met)" in text and "engine / transformers 2.00x (goal 3.0x: **not met**)" in text
     assert "kv_utilization at full lengths 98.3% (goal 96%: met)" in text
     assert "16.0% of KV blocks for n = 4" in text and "52.0% for beam width 4" in text
-    text = tables.fragmentation(tmp_path)
+    text = paged_tables.fragmentation(tmp_path)
     assert "| paging, block size 16 | **98.5%** | 96.3% |  |" in text and "| paging, block size 1 / 256 | 100.0 / 79.7% |" in text
     assert "Paging wastes 1.5% at block size 16" in text and "(goal: under 4%: met)" in text
     assert "within 2.6 points of the paper's without external fragmentation" in text  # 25.0 vs 22.4
-    text = tables.paged_decode(tmp_path)
+    text = paged_tables.paged_decode(tmp_path)
     assert "| paged KV cache, block size 16 (`minillm.paged.generate_paged`) | 28.5 | yes |" in text
     assert "Paged is 5.0% slower (goal: at most 10% slower: met)" in text
 
 
 def test_speculative_tables_from_notebook_04(tmp_path):
     _write(tmp_path, "04_speculative.json")
-    text = tables.speculative(tmp_path)
+    text = decode_tables.speculative(tmp_path)
     assert "| rewrite | 48 | 30.0 | 78.0 | 0.95 | 8% | 4.00 | 4.50x | 2.80x | 2.70x | 2.50x | **2.60x** | yes |" in text
     assert "| story | 48 | 30.0 | 27.0 |" in text and "| 0.90x | yes |" in text
     assert "verify(5) = 1.60, verify(17) = 2.10 decode steps" in text and "-10% to +4%" in text

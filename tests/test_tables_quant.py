@@ -1,10 +1,10 @@
-"""docs/quantization.md's tables are built from the quantization commands' reports (minillm.tables_quant)."""
+"""docs/quantization.md's tables are built from the quantization commands' reports (minillm.tables.quant)."""
 
 import json
 
 import pytest
 
-from minillm import tables_quant
+from minillm.tables import quant as tables_quant
 
 
 def _row(method, bits, group, ppl, **kw):

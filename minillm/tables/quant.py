@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .tables import FIGURES, MET, _table
+from . import FIGURES, MET, _table
 
 WRITERS = {"05_quant_table.json": "`python -m minillm bench quant --out figures/05_quant_table.json`",
            "05_kquants.json": "`python -m minillm.quant.kquants_bench --out figures/05_kquants.json`",

@@ -1,0 +1,248 @@
+"""The README's and docs' result tables, rebuilt from the JSON that the benchmark commands and the
+notebooks write (``figures/*.json``), so that a table never drifts from the run that produced it.
+
+    python -m minillm.tables                 rewrite every table between its markers
+    python -m minillm.tables --check         exit 1 (and name the table) where a file is out of date
+    python -m minillm.tables record OUT -- CMD ...
+                                             run ``python -m minillm CMD ... --json`` and keep its report
+                                             in OUT with the command, the date and the machine's load
+
+A table lives in a Markdown file between ``<!-- table:NAME -->`` and ``<!-- /table -->``; ``TABLES`` says
+which builder fills it from which JSON: the README's headline here, the decode tables in ``tables.decode``
+(docs/kv_cache.md, roofline.md, decode.md, speculative.md), the engine's in ``tables.paged``
+(docs/paged.md), and the quantization tables in ``tables.quant`` (docs/quantization.md, built from the
+commands' own reports, not records). Each builder ends its table with the command and date that
+produced the JSON, so a reader can tell what was measured when. A record is
+``{"command", "date", "load", "report"}``: ``report`` is what the command printed with ``--json``, or
+what a notebook measured (``record`` below).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from ..files import atomic_write, dumps_strict
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+FIGURES = ROOT / "figures"
+
+
+# ---------------------------------------------------------------------------------------------- records
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages, as ``uptime`` prints them (``"n/a"`` where the OS has none)."""
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def record(report: dict, path: str | os.PathLike, command: str) -> Path:
+    """Write ``report`` to ``path`` as a record: the command that measured it, today's UTC date and the
+    machine's load average beside it. Notebooks call this with their measurements."""
+    rec = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+           "load": load_average(), "report": report}
+    with atomic_write(path) as tmp:
+        tmp.write_text(dumps_strict(rec, indent=1) + "\n", encoding="utf-8")
+    return Path(path)
+
+
+def record_command(out: str | os.PathLike, argv: list[str]) -> Path:
+    """Run ``python -m minillm ARGV --json`` and record its report in ``out``.
+
+    Raises:
+        RuntimeError: the command failed (its exit status and the end of its error output are named).
+    """
+    argv = [a for a in argv if a != "--json"] + ["--json"]
+    proc = subprocess.run([sys.executable, "-m", "minillm", *argv], capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"python -m minillm {' '.join(argv)} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return record(json.loads(proc.stdout), out, "python -m minillm " + " ".join(argv))
+
+
+def read_record(name: str, folder: Path = FIGURES) -> dict:
+    """The record ``folder/name``.
+
+    Raises:
+        FileNotFoundError: the JSON is not there (the error names the command or notebook that writes it).
+        ValueError: it is not valid JSON, or not a record (the error names what rewrites it).
+    """
+    path = folder / name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not found; {WRITERS.get(name, 'its benchmark')} writes it")
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); rewrite it with {WRITERS.get(name)}") from None
+    if not isinstance(rec, dict) or not {"command", "date", "report"} <= set(rec):
+        raise ValueError(f"{path}: not a record (needs command, date, report); rewrite it with {WRITERS.get(name)}")
+    return rec
+
+
+def _source(rec: dict) -> str:
+    load = f", load average {rec['load']} (1/5/15 min) when it finished" if rec.get("load") else ""
+    return f"`{rec['command']}`, {rec['date']}{load}"
+
+
+def _table(header: list[str], align: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" if a == "r" else "---" for a in align) + "|"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return lines
+
+
+MET = {True: "met", False: "**not met**", None: "not measured"}
+TRACE_NAMES = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
+
+
+def _trace(name: str) -> str:
+    return TRACE_NAMES.get(name, name)
+
+
+def _first_equal(n: int, total: int, of: str) -> str:
+    return f"all {total} greedy tokens equal {of}" if n == total else f"first {n}/{total} greedy tokens equal {of}"
+
+
+# ---------------------------------------------------------------------------------------------- builders
+
+def headline(folder: Path = FIGURES) -> str:
+    """The README's table: each technique against its baseline, each pair from one run: the tour, ``bench
+    decode`` (transformers), ``bench decode --peer llamacpp`` (llama.cpp) and ``serve-bench`` (the engine)."""
+    tour, bench = read_record("tour.json", folder), read_record("bench_decode.json", folder)
+    peer, serve = read_record("bench_decode_llamacpp.json", folder), read_record("serve_bench.json", folder)
+    rows = []
+
+    def row(technique, baseline, base, tps, speedup, check, run):
+        rows.append([technique, baseline, f"{base:.1f}", f"{tps:.1f}", f"{speedup:.2f}x", check, run])
+
+    for r in tour["report"]["rows"]:
+        row(r["technique"], r["baseline"], r["baseline_tokens_per_s"], r["tokens_per_s"], r["speedup"], r["check"],
+            "tour")
+    res = bench["report"]["results"]
+    if "transformers (same GGUF)" in res:
+        ours, hf = res["ours cached (contiguous KV)"], res["transformers (same GGUF)"]
+        row("KV cache (contiguous)", "transformers on the same GGUF weights", hf["decode_tokens_per_s"],
+            ours["decode_tokens_per_s"], res["cached_over_transformers"],
+            "greedy tokens identical" if hf["same_tokens_as_cached"] else "tokens differ", "bench decode")
+    p = peer["report"]
+    best, cpp = p["results"][p["best_ours"]], p["results"]["llama.cpp (same GGUF)"]
+    row(p["best_ours"].removeprefix("ours "), "llama.cpp's Q4_1 on the same GGUF", cpp["decode_tokens_per_s"],
+        best["decode_tokens_per_s"], p["best_over_llamacpp"],
+        _first_equal(best["tokens_equal_to_float"], p["new_tokens"], "float32's")
+        + f" (llama.cpp: first {cpp['tokens_equal_to_float']})", "bench decode --peer llamacpp")
+    s = serve["report"]
+    modes, n = s["modes"], s["num_requests"]
+    engine = modes["engine"]
+    for name, baseline in (("sequential", "one request at a time"), ("static", f"static batches of {s['max_num_seqs']}"),
+                           ("transformers", "transformers' continuous batching")):
+        if name in modes:
+            row(f"paged engine, continuous batching, {n} requests", baseline, modes[name]["output_tokens_per_s"],
+                engine["output_tokens_per_s"], engine["output_tokens_per_s"] / modes[name]["output_tokens_per_s"],
+                f"{engine['same_tokens_as_sequential']}/{n} requests' greedy tokens equal one at a time's"
+                + ("" if name == "sequential" else f" ({name}: {modes[name]['same_tokens_as_sequential']}/{n})"),
+                "serve-bench")
+    t, b = tour["report"], bench["report"]
+    lines = _table(["technique", "its baseline", "baseline tokens/s", "tokens/s", "speedup", "check", "run"],
+                   ["l", "l", "r", "r", "r", "l", "l"], rows)
+    # sessions run on different CPUs: one machine line when every run shares it, else each run names its own
+    one_machine = len({r["machine"] for r in (t, b, p, s)}) == 1
+    where = (lambda r: "") if one_machine else (lambda r: f"{r['machine']}; ")
+    lines += ["", (f"{t['machine']}, " if one_machine else "") + f"{t['dtype']}, greedy. Each row's two numbers come "
+              "from one run (the runs below" + ("" if one_machine else ", each on the machine it names")
+              + "); the machine's bandwidth moves from minute to minute, so compare within a row.", "",
+              f"* tour: batch 1, {t['prompt_tokens']}-token prompt, {t['new_tokens']} new tokens; {where(t)}"
+              f"{_source(tour)}",
+              f"* bench decode: batch 1, {b['prompt_tokens']}-token prompt, {b['new_tokens']} new tokens, median of "
+              f"{b['repeats']}; {where(b)}{_source(bench)}",
+              f"* bench decode --peer llamacpp: {p['threads']} threads each, {p['new_tokens']} new tokens, the median "
+              f"of {p['repeats']} interleaved repeats; speedup = median of the per-repeat ratios; {where(p)}"
+              f"{_source(peer)}",
+              f"* serve-bench: {n} requests at once, {_trace(s['trace'])}-like lengths x {s['scale']}, output tokens/s "
+              f"over the wall time; {where(s)}{_source(serve)}"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+# the builders of the submodules read the helpers above, so they are imported once those exist
+from . import decode as _decode  # noqa: E402
+from . import paged as _paged  # noqa: E402
+from . import quant as tables_quant  # noqa: E402
+
+# which builder fills which table, and which files hold it (each checked by tests/test_tables.py)
+TABLES = {"headline": headline, **_decode.TABLES, **_paged.TABLES}
+FILES = {"README.md": ["headline"], **_decode.FILES, **_paged.FILES}
+READS = {"headline": ["tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json"],
+         **_decode.READS, **_paged.READS}
+WRITERS = {name: f"`python -m minillm.tables record figures/{name} -- {cmd}`" for name, cmd in (
+    ("tour.json", "tour"), ("bench_decode.json", "bench decode"),
+    ("bench_decode_llamacpp.json", "bench decode --peer llamacpp"), ("serve_bench.json", "serve-bench --peer"),
+    ("fragmentation.json", "fragmentation"))}
+WRITERS.update({"02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.json": "notebooks/01_roofline.ipynb",
+                "04_speculative.json": "notebooks/04_speculative_decoding.ipynb"})
+
+MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+
+
+def rebuild_text(text: str, folder: Path = FIGURES, where: str = "") -> str:
+    """``text`` with every marked table rebuilt from the JSON in ``folder``.
+
+    Raises:
+        KeyError: a marker names a table that ``TABLES`` does not know.
+        ValueError: a record lacks a key its table needs (written by another version of its command).
+    """
+    builders, reads = {**TABLES, **tables_quant.TABLES}, {**READS, **tables_quant.READS}
+    writers = {**WRITERS, **tables_quant.WRITERS}
+
+    def fill(m: re.Match) -> str:
+        name = m["name"]
+        if name not in builders:
+            raise KeyError(f"{where}: <!-- table:{name} --> names no table; known: {', '.join(builders)}")
+        try:
+            table = builders[name](folder)
+        except KeyError as e:
+            raise ValueError(f"{where}: table {name}: a record it reads lacks the key {e}; re-record it with the "
+                             f"command that writes it ({'; '.join(writers[r] for r in reads[name])})") from None
+        return m.group(1) + table + "\n" + m.group(4)
+    return MARKER.sub(fill, text)
+
+
+def rebuild(root: Path = ROOT, folder: Path | None = None, check: bool = False) -> list[str]:
+    """Rebuild the tables in ``FILES`` under ``root``; returns the files that changed (with ``check``,
+    the files that would change, untouched)."""
+    folder = folder or root / "figures"
+    changed = []
+    for rel in {**FILES, **tables_quant.FILES}:
+        path = root / rel
+        old = path.read_text(encoding="utf-8")
+        new = rebuild_text(old, folder, rel)
+        if new != old:
+            changed.append(rel)
+            if not check:
+                with atomic_write(path) as tmp:
+                    tmp.write_text(new, encoding="utf-8")
+    return changed
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["record"]:
+        if len(argv) < 4 or argv[2] != "--":
+            print("usage: python -m minillm.tables record OUT.json -- COMMAND [ARGS...]", file=sys.stderr)
+            return 2
+        print(record_command(argv[1], argv[3:]))
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m minillm.tables", description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date")
+    args = parser.parse_args(argv)
+    changed = rebuild(check=args.check)
+    for rel in changed:
+        print(f"{rel}: {'out of date' if args.check else 'rebuilt'}")
+    return 1 if args.check and changed else 0
+
