@@ -222,7 +222,16 @@ def test_headline_names_each_runs_machine_when_the_runs_differ(tmp_path):
     text = tables.headline(tmp_path)
     assert "\nfloat32, greedy." in text and "each on the machine it names" in text
     assert "; AMD EPYC, 2 cores; `cmd for serve`" in text
-    assert "; m; `cmd for tour.json`" in text and "; m; `cmd for bench_decode.json`" in text
+    for name in ("tour.json", "bench_decode.json", "bench_decode_llamacpp.json"):
+        assert f"; m; `cmd for {name}`" in text
+
+
+@pytest.mark.parametrize("other", ["tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json"])
+def test_headline_tells_apart_a_machine_that_differs_in_any_one_run(tmp_path, other):
+    _write(tmp_path)
+    tables.record({**REPORTS[other](), "machine": "other cpu"}, tmp_path / other, f"cmd for {other}")
+    text = tables.headline(tmp_path)
+    assert f"; other cpu; `cmd for {other}`" in text and "each on the machine it names" in text
 
 
 def test_roofline_table_states_goals_and_ceilings(tmp_path):
