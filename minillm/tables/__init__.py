@@ -173,7 +173,7 @@ def headline(folder: Path = FIGURES) -> str:
 # the builders of the submodules read the helpers above, so they are imported once those exist
 from . import decode as _decode  # noqa: E402
 from . import paged as _paged  # noqa: E402
-from . import quant as tables_quant  # noqa: E402
+from . import quant as _quant  # noqa: E402
 
 # which builder fills which table, and which files hold it (each checked by tests/test_tables.py)
 TABLES = {"headline": headline, **_decode.TABLES, **_paged.TABLES}
@@ -197,8 +197,8 @@ def rebuild_text(text: str, folder: Path = FIGURES, where: str = "") -> str:
         KeyError: a marker names a table that ``TABLES`` does not know.
         ValueError: a record lacks a key its table needs (written by another version of its command).
     """
-    builders, reads = {**TABLES, **tables_quant.TABLES}, {**READS, **tables_quant.READS}
-    writers = {**WRITERS, **tables_quant.WRITERS}
+    builders, reads = {**TABLES, **_quant.TABLES}, {**READS, **_quant.READS}
+    writers = {**WRITERS, **_quant.WRITERS}
 
     def fill(m: re.Match) -> str:
         name = m["name"]
@@ -218,7 +218,7 @@ def rebuild(root: Path = ROOT, folder: Path | None = None, check: bool = False) 
     the files that would change, untouched)."""
     folder = folder or root / "figures"
     changed = []
-    for rel in {**FILES, **tables_quant.FILES}:
+    for rel in {**FILES, **_quant.FILES}:
         path = root / rel
         old = path.read_text(encoding="utf-8")
         new = rebuild_text(old, folder, rel)
