@@ -92,12 +92,17 @@ def select_beams(cum_logprobs: list[float], logprobs: torch.Tensor, beam_width: 
     """
     K, V = logprobs.shape
     top = torch.topk(logprobs.float(), min(2 * beam_width, V), dim=-1)  # (K, 2k) each
-    scores = top.values + torch.tensor(cum_logprobs, dtype=torch.float32)[:, None]
+    scores = top.values + torch.tensor(cum_logprobs, dtype=torch.float32, device=logprobs.device)[:, None]
     order = torch.argsort(scores.reshape(-1), descending=True, stable=True)
+    # one copy to the host (float64 holds every token id and float32 score exactly)
+    n = order.numel()
+    host = torch.cat([order.double(), top.indices.reshape(-1).double(), scores.reshape(-1).double()]).tolist()
+    order, indices, flat_scores = host[:n], host[n:2 * n], host[2 * n:]
     live, closed = [], []
-    for rank, flat in enumerate(order.tolist()):
-        parent, j = divmod(flat, top.indices.shape[1])
-        token, total = int(top.indices[parent, j]), float(scores[parent, j])
+    for rank, flat in enumerate(order):
+        flat = int(flat)
+        parent = flat // top.indices.shape[1]
+        token, total = int(indices[flat]), flat_scores[flat]
         if token in eos_ids and not ignore_eos:
             if rank < beam_width:
                 closed.append((parent, token, total))

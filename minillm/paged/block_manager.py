@@ -23,6 +23,10 @@ Prefix caching, as vLLM does it, with two choices of ours:
   content is worth nothing); freed cached blocks go to the back in reverse order (a sequence's last
   block is evicted before its first, which more prompts share). Taking a cached block from the free
   queue evicts it: it is no longer found under its old hash.
+* A block is named when its slots are reserved for a forward that writes it, so that identical prompts
+  admitted in the same step share it; until ``commit`` (the forward succeeded) only that step can find
+  it. ``rollback`` (the forward failed) forgets those names, and a block released before its forward
+  loses its name at once: no block stays findable without its keys and values.
 """
 
 from __future__ import annotations
@@ -121,6 +125,8 @@ class BlockManager:
         self._token_ids: dict[int, list[int]] = {}
         self._block_hashes: dict[int, list[int]] = {}  # hashes of the leading full blocks with known tokens
         self._freed: set[int] = set()
+        self._uncommitted: set[int] = set()  # named since ``begin``: their K/V is not written yet
+        self._in_step = False  # between begin and commit / rollback
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------------
@@ -136,6 +142,10 @@ class BlockManager:
     def free_block_ids(self) -> list[int]:
         """The free blocks in eviction order (the first is taken next)."""
         return list(self._free)
+
+    def holds(self, seq_id: int) -> bool:
+        """Whether the sequence is allocated (holds a block table)."""
+        return seq_id in self._tables
 
     def seq_ids(self) -> list[int]:
         return list(self._tables)
@@ -248,9 +258,10 @@ class BlockManager:
         self._cache_full_blocks(seq_id)
         return copies
 
-    def truncate(self, seq_id: int, n: int) -> None:
+    def truncate(self, seq_id: int, n: int, keep_token_ids: bool = False) -> None:
         """Keep positions ``0..n-1`` (and the known tokens before n); the blocks past
         ``blocks_for(n)`` go back to the free queue (speculative rollback, overwriting).
+        ``keep_token_ids``: give back slots only; the known tokens stay (a reservation undone).
 
         Raises:
             ValueError: n negative or above the sequence's ``num_tokens``.
@@ -263,8 +274,28 @@ class BlockManager:
             self._release(block)
         del table[keep:]
         self._num_tokens[seq_id] = n
-        del self._token_ids[seq_id][n:]
+        if not keep_token_ids:
+            del self._token_ids[seq_id][n:]
         del self._block_hashes[seq_id][n // self.block_size:]
+
+    def begin(self) -> None:
+        """A step starts: blocks named from now on wait for ``commit`` (outside a step, a name holds at once)."""
+        self._uncommitted.clear()
+        self._in_step = True
+
+    def commit(self) -> None:
+        """The forward that writes the blocks named since ``begin`` succeeded: they stay findable."""
+        self._uncommitted.clear()
+        self._in_step = False
+
+    def rollback(self) -> None:
+        """The forward failed: the blocks named since ``begin`` hold no keys and values, so they are no
+        longer findable (the sequences that reserved them are rolled back by their scheduler)."""
+        for block in self._uncommitted:
+            if block in self._cached:
+                self._uncache(block)
+        self._uncommitted.clear()
+        self._in_step = False
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (parallel sampling, beam search): each
@@ -320,6 +351,9 @@ class BlockManager:
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
+            if block in self._uncommitted:  # named for a forward that will not write it now
+                self._uncommitted.discard(block)
+                self._uncache(block)
             self._free[block] = None  # at the back: evicted last
             if block not in self._cached:
                 self._free.move_to_end(block, last=False)  # holds nothing reusable: taken first
@@ -362,3 +396,5 @@ class BlockManager:
                 parent = (table[i - 1], self._times_taken[table[i - 1]]) if i else None
                 self._cached[block] = _CachedBlock(h, block_tokens, parent)
                 self._hash_to_block[h] = block
+                if self._in_step:
+                    self._uncommitted.add(block)

@@ -125,6 +125,7 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.n_layers)]
         self.rows: list[int] = []
         self.widths: list[int] | None = None  # set_rows: segment widths of a flat row, or None for (B, T)
+        self.reserved = False  # set_rows: whether the rows' slots were reserved before the forward (the engine)
         self._buf_k = self._buf_v = None  # the "indexed" path's (B * S, Hkv, D) buffers, grown as needed
 
     @property
@@ -163,8 +164,11 @@ class PagedKVCache:
             self.widths = [w for s, w in zip(self.rows, self.widths) if s != seq_id]
         self.rows = [s for s in self.rows if s != seq_id]
 
-    def set_rows(self, seq_ids, widths=None) -> None:
+    def set_rows(self, seq_ids, widths=None, reserved: bool = False) -> None:
         """Row b of the next forwards belongs to sequence ``seq_ids[b]`` (ids may repeat).
+
+        ``reserved``: the rows' positions already have slots (the engine's scheduler reserved them with
+        ``BlockManager.grow``), so ``prepare`` takes no block and truncates nothing.
 
         ``widths``: None for rectangular (B, T) forwards; or the forwards are one flat row of
         sum(widths) tokens (vLLM V1's flat batch: (1, N) tokens), whose first widths[0] tokens are
@@ -185,7 +189,7 @@ class PagedKVCache:
                 raise ValueError(f"widths: a flat row of segments needs attention='bucketed', not {self.attention!r}")
             if len(widths) != len(seq_ids) or min(widths, default=1) < 1:
                 raise ValueError(f"widths: need one width >= 1 per sequence ({len(seq_ids)}), got {widths}")
-        self.rows, self.widths = seq_ids, widths
+        self.rows, self.widths, self.reserved = seq_ids, widths, reserved
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy each (source, destination) block in every layer (copy-on-write)."""
@@ -239,6 +243,12 @@ class PagedKVCache:
                     raise ValueError(f"input_pos: row {b} starts at {start} but sequence {seq} holds only "
                                      f"{self.manager.num_tokens(seq)} positions; write the positions in between first")
                 spans[seq] = (start, end)
+        if self.reserved:
+            short = [s for s, (_, e) in spans.items() if e > self.manager.num_tokens(s)]
+            if short:
+                raise ValueError(f"input_pos: sequence {short[0]} writes past the slots reserved for it "
+                                 f"({self.manager.num_tokens(short[0])}); reserve them with BlockManager.grow")
+            spans = {}
         needed = sum(self.manager.blocks_needed(s, a, e) for s, (a, e) in spans.items())
         if needed > self.manager.num_free_blocks:
             raise NoFreeBlocksError(needed, self.manager.num_free_blocks, self.num_blocks)

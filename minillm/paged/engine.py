@@ -2,17 +2,19 @@
 
 Yu et al. 2022 (Orca, Sec. 4: iteration-level scheduling) and Kwon et al. 2023 (vLLM, arXiv
 2309.06180, Sec. 4.3-4.5: many sequences decode together over one block pool; parallel samples and
-beams share blocks; preemption by recompute). One ``step()``: schedule (``Scheduler``), run one forward
-over every scheduled token (``batching.pack_flat``: decode tokens and prefill chunks side by side in
-one (1, N) row, as vLLM V1 batches them; or ``batching.pack_rows``' (B, T) rows; one ``Decoder.forward``
-on the ``PagedKVCache``), sample each sequence whose computed tokens
-caught up with its known tokens (one generator per sequence: sample 0 seeded with the request's seed,
-so a seeded request draws the same tokens alone as in any batch), append, stop.
+beams share blocks; preemption by recompute). One ``step()``: schedule and reserve blocks
+(``Scheduler``), pack every scheduled token into one forward (``batching.pack_flat``: decode tokens and
+prefill chunks side by side in one (1, N) row, as vLLM V1 batches them; or ``batching.pack_rows``'
+(B, T) rows), run ``Decoder.forward`` on the ``PagedKVCache``, sample each sequence whose computed
+tokens caught up with its known tokens (one generator per sample: sample 0 seeded with the request's
+seed, so a seeded request draws the same tokens alone as in any batch), append, stop.
 
-Room for speculative decoding: a sequence may be given several known-but-uncomputed tokens (a draft);
-the forward computes them in one span, and rejected ones are rolled back by writing again from the
-first rejected position (``PagedKVCache.prepare`` truncates there, ``BlockManager.truncate``).
-Today the engine samples at the last position of each span only.
+A step is all or nothing. Until its tokens are drawn, a failure (an interrupt, an out-of-memory error)
+undoes the step: blocks named for it leave the prefix cache, the sequences it admitted wait again,
+reserved slots go back and the generators are restored, so a retry computes the same tokens. Appending
+is done request by request: a request whose append fails is aborted, says so (``finish_reason``
+"abort", returned by the next ``step``), and the others keep their tokens. One thread drives an engine
+at a time (``driving``): another thread gets a clear error instead of a corrupted pool.
 
 ``n > 1``: the prompt runs once; at its first sample the sequence forks into n (blocks shared,
 copy-on-write of the partly filled last block). Beam search: ``beam.select_beams`` each time every live
@@ -21,9 +23,12 @@ beam has its logits; a beam kept twice is forked, a beam kept by no candidate is
 
 from __future__ import annotations
 
+import numbers
+import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from contextlib import contextmanager
 
 import torch
 
@@ -35,62 +40,34 @@ from .beam import BeamSearchParams, finalize, search_done, select_beams
 from .block_manager import blocks_for
 from .cache import PagedKVCache
 from .scheduler import Scheduler
-from .sequence import (CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence)
+from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+from .stats import EngineStats, StepRecord, runs_of
+
+__all__ = ["LLMEngine", "EngineStats", "StepRecord", "check_engine_args"]
 
 DEFAULT_KV_BYTES = 512 * 2 ** 20  # the pool when neither num_blocks nor kv_cache_bytes is given (at most)
 GREEDY = SamplingParams()
 
 
-@dataclass
-class StepRecord:
-    """One step, for the timeline: ``runs`` (request_id, index, tokens, "prefill"/"decode"/"recompute"), ``preempted``
-    (request_id, index), the forward's (B, T), blocks in use and KV slots holding tokens after it,
-    blocks the running sequences would hold without sharing, its start / end (perf_counter s), and
-    ``sampled``: the sequences that sampled (the rows of the output layer)."""
+def check_engine_args(block_size=16, num_blocks=None, kv_cache_bytes=None, max_num_seqs=64,
+                      max_num_batched_tokens=256, max_seq_len=None) -> None:
+    """Refuse an engine setting before any memory is taken or model loaded, naming the setting.
 
-    step: int
-    runs: list[tuple[str, int, int, str]]
-    preempted: list[tuple[str, int]]
-    rows: tuple[int, int]
-    used_blocks: int
-    held_slots: int
-    unshared_blocks: int
-    start: float
-    end: float
-    sampled: int = 0
-
-
-@dataclass
-class EngineStats:
-    """Counters over the engine's life: steps, preemptions, prompt tokens, prefix-cached prompt tokens,
-    and the per-step records (``StepRecord``)."""
-
-    steps: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    records: list[StepRecord] = field(default_factory=list)
-
-    def summary(self, block_size: int) -> dict:
-        """peak_blocks, mean_blocks (per step), kv_utilization (slots holding tokens / slots of used
-        blocks, summed over steps), sharing_saved (1 - used / unshared blocks, summed over steps),
-        preemptions, prefix_hit_rate (cached / prompt tokens), steps."""
-        used = [r.used_blocks for r in self.records]
-        total_used = sum(used)
-        unshared = sum(r.unshared_blocks for r in self.records)
-        return {"steps": self.steps, "preemptions": self.preemptions,
-                "peak_blocks": max(used, default=0), "mean_blocks": total_used / len(used) if used else 0.0,
-                "kv_utilization": sum(r.held_slots for r in self.records) / (block_size * total_used) if total_used else 0.0,
-                "sharing_saved": 1 - total_used / unshared if unshared else 0.0,
-                "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0}
-
-
-def _kind(seq: Sequence, n: int) -> str:
-    """What a step does for a sequence: "recompute" (tokens computed before a preemption), "prefill"
-    (prompt tokens) or "decode" (its newest token)."""
-    if seq.num_output_tokens > 1 and seq.num_computed_tokens < seq.num_tokens - 1:
-        return "recompute"
-    return "prefill" if seq.is_prefill else "decode"
+    Raises:
+        ValueError: a size that is not a positive integer (num_blocks, max_seq_len: or None), a
+            kv_cache_bytes that is not a positive number.
+    """
+    for name, value, optional in (("block_size", block_size, False), ("num_blocks", num_blocks, True),
+                                  ("max_num_seqs", max_num_seqs, False),
+                                  ("max_num_batched_tokens", max_num_batched_tokens, False),
+                                  ("max_seq_len", max_seq_len, True)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1{' (or None)' if optional else ''}, got {value!r}")
+    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real)
+                                       or not 0 < kv_cache_bytes < float("inf")):
+        raise ValueError(f"kv_cache_bytes: must be a positive number of bytes (or None), got {kv_cache_bytes!r}")
 
 
 class LLMEngine:
@@ -101,9 +78,9 @@ class LLMEngine:
         block_size, num_blocks, kv_cache_bytes: the pool (``PagedKVCache``); without either size,
             ``DEFAULT_KV_BYTES`` or what max_num_seqs full-context sequences take, whichever is less.
         enable_prefix_caching: reuse full blocks across requests (``num_cached_tokens``).
-        max_num_seqs, max_num_batched_tokens: the scheduler's limits.
+        max_num_seqs, max_num_batched_tokens: the scheduler's limits (forks and beams take seats too).
         eos_ids: ids that end a sequence (default: the tokenizer's EOS).
-        max_seq_len: context to use (default: the model's).
+        max_seq_len: context to use (default and at most: the model's).
         layout: "flat" (default with the "bucketed" path: every scheduled token in one (1, N) row,
             ``batching.pack_flat``) or "rows" (``batching.pack_rows``: (B, T) rows, the only layout of the
             "indexed" and "gather" paths).
@@ -113,8 +90,8 @@ class LLMEngine:
             cache attends), or "indexed" / "gather" (every row padded to the longest; the references).
 
     Raises:
-        ValueError: from the pool and scheduler (sizes below 1); an unknown layout, or "flat" with
-            another attention path than "bucketed" or with a row_width.
+        ValueError: a size that is not a positive integer (``check_engine_args``); an unknown layout, or
+            "flat" with another attention path than "bucketed" or with a row_width.
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
@@ -123,6 +100,7 @@ class LLMEngine:
                  row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed",
                  layout: str | None = None):
         # refused before the KV pool is allocated
+        check_engine_args(block_size, num_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_seq_len)
         if layout is None:
             layout = "flat" if attention == "bucketed" and row_width is None else "rows"
         if layout not in ("flat", "rows") or (layout == "flat" and (attention != "bucketed" or row_width)):
@@ -144,15 +122,34 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.logits: dict[tuple[str, int], list[torch.Tensor]] = {}  # record_logits: (request, index) -> (V,) per sample
-        self._generators: dict[tuple[str, int], torch.Generator] = {}  # (request, sample index)
+        self._generators: dict[tuple[str, int], torch.Generator] = {}  # (request, sample index), made at first use
         self._stoppers: dict[str, Stopper] = {}
-        self.beam_outputs: dict[str, object] = {}  # request_id -> BeamSearchOutput of a finished beam search
         self._beam_logprobs: dict[int, torch.Tensor] = {}  # seq_id -> (V,) of a beam waiting for its siblings
+        self._failed: list[RequestOutput] = []  # requests a failed step aborted: the next step returns them
+        self._driver = threading.RLock()
         self._next_seq_id = self._arrivals = 0
 
     @property
     def num_blocks(self) -> int:
         return self.manager.num_blocks
+
+    @contextmanager
+    def driving(self):
+        """Hold the engine for the calling thread (re-entrant). Every public call holds it, and
+        ``LLM.generate`` holds it for its whole loop.
+
+        Raises:
+            RuntimeError: another thread holds it (the engine is not thread-safe: a server funnels its
+                connections' requests through one thread, as ``minillm.server`` does).
+        """
+        if not self._driver.acquire(blocking=False):
+            raise RuntimeError("LLMEngine: another thread is driving this engine (step, add_request, abort_request "
+                               "or LLM.generate is running there); drive an engine from one thread at a time, or "
+                               "give each thread its own LLM")
+        try:
+            yield
+        finally:
+            self._driver.release()
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None,
@@ -163,19 +160,43 @@ class LLMEngine:
 
         Raises:
             ValueError: a request_id in use, a prompt that is empty or does not fit the context, stop
-                strings without a tokenizer, params of another type, or a request that could never fit
-                the pool (prompt + max_tokens blocks, for each beam, above num_blocks; both sizes named).
+                strings without a tokenizer, params of another type, more samples or beams than
+                max_num_seqs or the pool can run together, or a request that could never fit the pool
+                (prompt + max_tokens blocks, for each beam, above num_blocks; both sizes named).
+            RuntimeError: another thread is driving the engine (``driving``).
         """
-        params = GREEDY if params is None else params
-        if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already running; give each request its own id")
-        if not isinstance(params, (SamplingParams, BeamSearchParams)):
-            raise ValueError(f"params: must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
-        text, ids = self._prompt_ids(prompt)
+        with self.driving():
+            params = GREEDY if params is None else params
+            if request_id in self.requests:
+                raise ValueError(f"request_id: {request_id!r} is already running; give each request its own id")
+            if not isinstance(params, (SamplingParams, BeamSearchParams)):
+                raise ValueError(f"params: must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
+            text, ids = self._prompt_ids(prompt)
+            beam = isinstance(params, BeamSearchParams)
+            stopper = None if beam else Stopper(params, self.tokenizer, self.eos_ids)
+            self._check_fits(request_id, ids, params)
+            arrival = time.perf_counter() if arrival_time is None else arrival_time
+            req = Request(request_id, text, ids, params, self._arrivals, RequestMetrics(arrival))
+            seq = self._new_sequence(req, 0, list(ids))
+            seq.seats = params.beam_width if beam else params.n  # what it forks into, reserved at admission
+            req.seqs.append(seq)
+            self._arrivals += 1
+            if stopper is not None:
+                self._stoppers[request_id] = stopper
+            self.requests[request_id] = req
+            self.scheduler.add(seq)
+
+    def _check_fits(self, request_id, ids: list[int], params) -> None:
+        """Refuse a request the engine could never run: past the context, more samples or beams than run
+        together, more blocks than the pool holds."""
         ctx = check_prompt(self.model, ids, self.max_seq_len)
         beam = isinstance(params, BeamSearchParams)
-        if not beam:
-            self._stoppers[request_id] = Stopper(params, self.tokenizer, self.eos_ids)
+        width, name = (params.beam_width, "beam_width") if beam else (params.n, "n")
+        most = self.scheduler.max_num_seqs if beam else min(self.scheduler.max_num_seqs, self.num_blocks)
+        if width > most:
+            raise ValueError(f"{name}: {width} {'beams' if beam else 'samples'} must run together, but at most {most} "
+                             f"can (max_num_seqs={self.scheduler.max_num_seqs}, a pool of {self.num_blocks} blocks); "
+                             f"lower {name} or raise max_num_seqs / the pool")
         copies = params.beam_width if beam else 1
         per_seq = blocks_for(min(ctx, len(ids) + params.max_new_tokens), self.block_size)
         need = copies * per_seq
@@ -184,26 +205,19 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r}: its prompt ({len(ids)} tokens) and max_tokens "
                              f"({params.max_new_tokens}) need {need} blocks of {self.block_size} tokens{each}, but "
                              f"the pool has {self.num_blocks} blocks; lower max_tokens or give more blocks")
-        arrival = time.perf_counter() if arrival_time is None else arrival_time
-        req = Request(request_id, text, ids, params, self._arrivals, RequestMetrics(arrival))
-        self._arrivals += 1
-        for k in range(1 if beam else params.n):
-            self._generators[(request_id, k)] = self._generator(params, k)
-        req.seqs.append(self._new_sequence(req, 0, list(ids)))
-        self.requests[request_id] = req
-        self.scheduler.add(req.seqs[0])
 
     def abort_request(self, request_id) -> None:
-        """Stop a request (or an iterable of them) now and return its blocks; unknown ids are ignored (as vLLM)."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            req = self.requests.pop(rid, None)
-            if req is None:
-                continue
-            req.aborted = True
-            for seq in req.seqs:
-                if not seq.is_finished:
-                    self._finish_seq(seq, "abort")
+        """Stop a request (or an iterable of them) now and return its blocks; unknown ids are ignored (as vLLM).
+
+        Raises:
+            RuntimeError: another thread is driving the engine (``driving``).
+        """
+        ids = list(request_id) if isinstance(request_id, Iterable) and not isinstance(request_id, str) else [request_id]
+        with self.driving():
+            for rid in ids:
+                req = self.requests.get(rid) if _hashable(rid) else None
+                if req is not None:
+                    self._abort(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -220,13 +234,37 @@ class LLMEngine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Schedule, run one forward, sample, append, stop; returns a ``RequestOutput`` (cumulative, as
-        vLLM's default) for every request that got a token or finished in this step.
+        vLLM's default) for every request that got a token or finished in this step (and for the
+        requests a failed step aborted).
 
         Raises:
-            RuntimeError: nothing could be scheduled although requests wait (a bug: the add-time
-                check guarantees that the oldest request fits the pool alone).
+            whatever the forward or sampling raised, after undoing the step (module docstring);
+            RuntimeError: another thread is driving the engine, or nothing could be scheduled although
+                requests wait (a bug: the add-time check guarantees that the oldest request fits alone).
         """
-        start = time.perf_counter()
+        with self.driving():
+            outputs, self._failed = self._failed, []
+            start = time.perf_counter()
+            try:
+                plan = self._schedule()
+                if not plan.scheduled:
+                    return outputs
+                runs = runs_of(plan.scheduled)
+                ready, logits = self._forward(plan)
+                draws = self._draw(ready, logits)
+            except BaseException:
+                self._rollback()
+                raise
+            self._commit(plan, start)
+            record = self.stats.record_step(runs, plan.preempted, self._shape, len(ready), self.manager,
+                                            self.scheduler.running, start)
+            outputs += self._append_all(ready, draws)
+            record.end = time.perf_counter()
+            return outputs
+
+    def _schedule(self):
+        """The scheduler's plan (blocks reserved, copy-on-write done); when nothing fits although
+        requests wait, preempt idle sequences (beams waiting for siblings) and plan again."""
         out = self.scheduler.schedule()
         preempted = list(out.preempted)
         while not out.scheduled and self.scheduler.has_unfinished():
@@ -238,77 +276,131 @@ class LLMEngine:
             preempted.append(victim)
             out = self.scheduler.schedule()
             preempted += out.preempted
+        out.preempted = preempted
         for seq in preempted:
             self._beam_logprobs.pop(seq.seq_id, None)
-        self.stats.preemptions += len(preempted)
-        if not out.scheduled:
-            return []
-        kinds = [(s.request_id, s.index, n, _kind(s, n)) for s, n in out.scheduled]
+        self.cache.copy_blocks(out.copies)
+        return out
+
+    def _forward(self, plan) -> tuple[list[Sequence], torch.Tensor]:
+        """One forward over every scheduled token; returns the sequences that caught up with their known
+        tokens (they sample) and their next-token logits (R, V): the output layer runs at those rows only."""
         spans = [(s.seq_id, s.num_computed_tokens, s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
-                 for s, n in out.scheduled]
+                 for s, n in plan.scheduled]
         if self.layout == "flat":
             rows = pack_flat(spans, self.model.device)
         else:
             rows = pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width)
-        self.cache.set_rows(rows.seq_ids, rows.widths)
-        computed = {s.seq_id: s.num_computed_tokens + n for s, n in out.scheduled}
-        ready = [s for s, _ in out.scheduled if computed[s.seq_id] == s.num_tokens]  # caught up: they sample
-        # logits only at the ready sequences' last tokens: (R, V), one output projection per sampled token
+        self.cache.set_rows(rows.seq_ids, rows.widths, reserved=True)
+        ready = [s for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens]
+        self._shape = rows.shape
         logits = self.model(rows.tokens, rows.input_pos, self.cache,
                             logits_indices=rows.logits_indices([s.seq_id for s in ready]))
-        for seq, n in out.scheduled:
+        return ready, logits
+
+    def _draw(self, ready: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
+        """The tokens each ready sequence draws from its logits ``logits`` (R, V), with their logprobs:
+        one per sample it becomes (a request's first sample draws for all n), None for a beam. One
+        gather and one copy to the host for the whole step. Changes nothing if it raises (the
+        generators are restored)."""
+        # one logsumexp gives every chosen token's logprob (logit - lse) and check_logits' verdict: it is
+        # finite exactly when a row has no NaN, no +inf and not only -inf (the error is check_logits')
+        lse = torch.logsumexp(logits, dim=-1)  # (R,)
+        if not torch.isfinite(lse).all():
+            check_logits(logits)
+        reqs = [self.requests[s.request_id] for s in ready]
+        greedy = [i for i, r in enumerate(reqs) if not r.is_beam_search and r.params.greedy]
+        picked = logits if len(greedy) == len(ready) else logits[greedy]  # every row greedy: no (R, V) copy
+        greedy_tokens = dict(zip(greedy, picked.argmax(-1))) if greedy else {}
+        saved, rows, parts, counts = [], [], [], []
+        try:
+            for i, (seq, req) in enumerate(zip(ready, reqs)):
+                if self.record_logits:
+                    self.logits.setdefault((req.request_id, seq.index), []).append(logits[i].float().cpu())
+                if req.is_beam_search:
+                    self._beam_logprobs[seq.seq_id] = torch.log_softmax(logits[i], dim=-1)  # (V,), as the naive search
+                    counts.append(0)
+                    continue
+                ks = range(req.params.n) if not req.forked else [seq.index]  # the first sample draws for every fork
+                for k in ks:
+                    if i in greedy_tokens:
+                        parts.append(greedy_tokens[i].view(1))
+                    else:
+                        g = self._generator(req, k)
+                        saved.append((g, g.get_state()))
+                        parts.append(sample(logits[i:i + 1], req.params, g))
+                    rows.append(i)
+                counts.append(len(ks))
+            if not parts:
+                return [None] * len(ready)
+            tokens = torch.cat(parts)  # (K,) on the model's device
+            index = torch.tensor(rows, device=logits.device)
+            chosen = logits[index, tokens].double() - lse[index].double()
+            host = torch.stack([tokens.double(), chosen.double()]).tolist()  # token ids < 2**53: exact in float64
+        except BaseException:
+            for g, state in reversed(saved):
+                g.set_state(state)
+            for seq in ready:
+                self._beam_logprobs.pop(seq.seq_id, None)
+            raise
+        draws, j = [], 0
+        for c in counts:
+            draws.append([(int(t), lp) for t, lp in zip(host[0][j:j + c], host[1][j:j + c])] if c else None)
+            j += c
+        return draws
+
+    def _commit(self, plan, start: float) -> None:
+        """The forward wrote every scheduled token: they count as computed, and the blocks named for them
+        stay in the prefix cache."""
+        self.manager.commit()
+        for seq, n in plan.scheduled:
             req = self.requests[seq.request_id]
             if req.num_cached_tokens is None:  # its first admission: what the prefix cache served
                 req.num_cached_tokens, req.metrics.first_scheduled_time = seq.num_computed_tokens, start
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
                 self.stats.cached_tokens += req.num_cached_tokens
             seq.num_computed_tokens += n
-        self._record_memory(len(self.stats.records), kinds, preempted, rows.shape, start)
-        self.stats.records[-1].sampled = len(ready)
-        touched = self._sample(ready, logits) if ready else []
-        self.stats.records[-1].end = time.perf_counter()
-        self.stats.steps += 1
-        outputs = [self._output(req) for req in touched]
-        for req in touched:
-            if req.is_finished:
-                self.requests.pop(req.request_id, None)
-                self._stoppers.pop(req.request_id, None)
-        return outputs
 
-    def _sample(self, ready: list[Sequence], last: torch.Tensor) -> list[Request]:
-        """Next tokens for the sequences that caught up, from their logits ``last`` (R, V); returns the
-        requests touched (in first-seen order)."""
-        # one logsumexp gives every chosen token's logprob (logit - lse) and check_logits' verdict: it is
-        # finite exactly when a row has no NaN, no +inf and not only -inf (the error is check_logits')
-        lse = torch.logsumexp(last, dim=-1)  # (R,)
-        if not torch.isfinite(lse).all():
-            check_logits(last)
-        touched: dict[str, Request] = {}
-        greedy = [i for i, s in enumerate(ready)
-                  if not self.requests[s.request_id].is_beam_search and self.requests[s.request_id].params.greedy]
-        picked = last if len(greedy) == len(ready) else last[greedy]  # every row greedy: no (R, V) copy
-        greedy_tokens = dict(zip(greedy, picked.argmax(-1).tolist())) if greedy else {}
-        lse = lse.tolist()
-        for i, seq in enumerate(ready):
-            req = self.requests[seq.request_id]
-            touched[req.request_id] = req
-            if self.record_logits:
-                self.logits.setdefault((req.request_id, seq.index), []).append(last[i].float().cpu())
-            if req.is_beam_search:
-                self._beam_logprobs[seq.seq_id] = torch.log_softmax(last[i], dim=-1)  # (V,), as the naive beam search
+    def _rollback(self) -> None:
+        """Undo the step that just failed (module docstring): copy-on-write made again, since a
+        reservation that stays keeps its copy, then the scheduler's plan undone."""
+        plan = self.scheduler.plan
+        held = {b for s in self.scheduler.running if self.manager.holds(s.seq_id)
+                for b in self.manager.block_table(s.seq_id)}
+        self.cache.copy_blocks([(src, dst) for src, dst in plan.copies if dst in held])
+        self.scheduler.rollback()
+
+    def _append_all(self, ready: list[Sequence], draws) -> list[RequestOutput]:
+        """Append each ready sequence's draws (forking a request's first sample into n), run the beam
+        steps, finish what stopped; returns the touched requests' outputs. A request whose append raises
+        is aborted (its output says so), the others keep their tokens, and the first error is raised."""
+        touched: dict[str, list] = {}
+        for seq, drawn in zip(ready, draws):
+            touched.setdefault(seq.request_id, []).append((seq, drawn))
+        outputs, error = [], None
+        for rid, items in touched.items():
+            req = self.requests[rid]
+            try:
+                for seq, drawn in items:
+                    if drawn is None:
+                        continue
+                    targets = [seq] + [self._fork(req, seq, k) for k in range(1, len(drawn))]
+                    req.forked = True
+                    for target, (token, logprob) in zip(targets, drawn):
+                        self._append(req, target, token, logprob)
+                if req.is_beam_search:
+                    self._beam_step(req)
+                outputs.append(self._output(req))
+            except BaseException as e:  # noqa: B036  (an interrupt too: this request's state may be half-appended)
+                error = error or e
+                self._abort(req)
+                self._failed.append(self._output(req))
                 continue
-            ks = range(req.params.n) if not req.forked else [seq.index]  # the first sample draws for every fork
-            draws = [greedy_tokens[i] if i in greedy_tokens else
-                     int(sample(last[i:i + 1], req.params, self._generators[(req.request_id, k)])) for k in ks]
-            n = len(draws)
-            targets = [seq] + [self._fork(req, seq, k) for k in range(1, n)]
-            req.forked = True
-            for target, token in zip(targets, draws):
-                self._append(req, target, token, float(last[i, token]) - lse[i])
-        for req in touched.values():
-            if req.is_beam_search:
-                self._beam_step(req)
-        return list(touched.values())
+            if req.is_finished:
+                self._forget(req)
+        if error is not None:
+            raise error
+        return outputs
 
     # ---- sequences -----------------------------------------------------------------------------
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:
@@ -318,16 +410,19 @@ class LLMEngine:
         return seq
 
     def _fork(self, req: Request, parent: Sequence, index: int) -> Sequence:
-        """A child sharing every block of ``parent`` (Kwon et al., Sec. 4.4), running from its state."""
+        """A child sharing every block of ``parent`` (Kwon et al., Sec. 4.4), running from its state; it
+        takes one of the parent's seats."""
         child = self._new_sequence(req, index, list(parent.token_ids))
         child.num_computed_tokens, child.cumulative_logprob = parent.num_computed_tokens, parent.cumulative_logprob
+        req.seqs.append(child)  # first: an abort from here on finds it (and frees what it holds)
         self.manager.fork(parent.seq_id, child.seq_id)
+        parent.seats -= 1
         self.scheduler.add_running(child)
-        req.seqs.append(child)
         return child
 
     def _append(self, req: Request, seq: Sequence, token: int, logprob: float) -> None:
-        """A sampled token joins the known tokens; then EOS, stop strings, max_tokens and the context."""
+        """A sampled token joins the known tokens; then EOS, stop strings, stop token ids, max_tokens
+        and the context."""
         now = time.perf_counter()
         seq.token_ids.append(token)
         seq.cumulative_logprob += logprob
@@ -335,7 +430,8 @@ class LLMEngine:
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.last_token_time = now
         result = GenerationResult(req.prompt_token_ids, tokens=seq.output_token_ids)
-        if self._stoppers[req.request_id].check(result):
+        stopper = self._stoppers[req.request_id]
+        if stopper.check(result):
             text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else ""
             seq.stop_reason = (next(s for s in req.params.stop if text[len(result.text):].startswith(s))
                                if result.finish_reason == "stop" else None)
@@ -354,21 +450,44 @@ class LLMEngine:
         if req is not None and req.is_finished:
             req.metrics.finished_time = time.perf_counter()
 
+    def _abort(self, req: Request) -> None:
+        """End every sequence of the request ("abort"), free its blocks, forget it."""
+        req.aborted = True
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self._finish_seq(seq, "abort")
+        req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()
+        self._forget(req)
+
+    def _forget(self, req: Request) -> None:
+        """Drop a finished request's entries (its stopper, generators of samples never forked)."""
+        self.requests.pop(req.request_id, None)
+        self._stoppers.pop(req.request_id, None)
+        n = req.params.beam_width if req.is_beam_search else req.params.n
+        for k in range(n):
+            self._generators.pop((req.request_id, k), None)
+
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
-    def _generator(self, params, k: int) -> torch.Generator | None:
-        """Sample k's generator: seeded with ``params.seed`` for k = 0 (as ``generate_cached``), with a
-        seed derived from (seed, k) for the others; None for greedy and beam search."""
-        if isinstance(params, BeamSearchParams) or params.greedy:
-            return None
-        if params.seed is None or k == 0:
-            return make_generator(params, self.model.device)
-        return make_generator(SamplingParams(seed=hash((params.seed, k)) % 2 ** 63), self.model.device)
+    def _generator(self, req: Request, k: int) -> torch.Generator:
+        """Sample k's generator, made at its first draw: seeded with ``params.seed`` for k = 0 (as
+        ``generate_cached``), with a seed derived from (seed, k) for the others."""
+        key = (req.request_id, k)
+        g = self._generators.get(key)
+        if g is None:
+            params = req.params
+            if params.seed is None or k == 0:
+                g = make_generator(params, self.model.device)
+            else:
+                g = make_generator(SamplingParams(seed=hash((params.seed, k)) % 2 ** 63), self.model.device)
+            self._generators[key] = g
+        return g
 
     def _beam_step(self, req: Request) -> None:
         """Once every live beam has its logits: select (``beam.select_beams``), fork beams kept more than
-        once (before any token is appended, so a fork copies its parent's state), free dropped beams."""
+        once (before any token is appended, so a fork copies its parent's state), free dropped beams.
+        The live beams share the request's beam_width seats."""
         beams = [s for s in req.seqs if not s.is_finished]
         if not all(s.seq_id in self._beam_logprobs for s in beams):
             return
@@ -382,8 +501,7 @@ class LLMEngine:
         if stop or n_out >= p.max_tokens or beams[0].num_tokens + 1 >= self.max_seq_len:
             if not stop:
                 req.completed += [(beams[i].output_token_ids + [t], c) for i, t, c in live]
-            req.beam_output = self.beam_outputs[req.request_id] = finalize(req.prompt_token_ids, req.completed, p,
-                                                                           self.tokenizer)
+            req.beam_output = finalize(req.prompt_token_ids, req.completed, p, self.tokenizer)
             for s in beams:
                 self._finish_seq(s, "length")
             now = time.perf_counter()
@@ -397,6 +515,8 @@ class LLMEngine:
         for i, s in enumerate(beams):
             if not kept[i]:
                 self._finish_seq(s, "stop")
+        for j, (seq, _, _) in enumerate(targets):
+            seq.seats = 1 if j else p.beam_width - (len(targets) - 1)  # the live beams hold beam_width seats
         req.seqs = [t for t, _, _ in targets] + [s for s in req.seqs if s.is_finished]
         for seq, token, c in targets:
             seq.token_ids.append(token)
@@ -404,7 +524,7 @@ class LLMEngine:
             self.manager.add_token_ids(seq.seq_id, [token])
         req.metrics.first_token_time = req.metrics.first_token_time or time.perf_counter()
 
-    # ---- outputs and accounting ----------------------------------------------------------------
+    # ---- outputs -------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -421,30 +541,25 @@ class LLMEngine:
 
     def _output(self, req: Request) -> RequestOutput:
         """The request's ``RequestOutput``: its samples by index, or its live beams (best first), or, once
-        a beam search ends, its best hypotheses."""
+        a beam search ends, its best hypotheses (also as ``beam_search_output``)."""
         if req.beam_output is not None:
             outs = [CompletionOutput(i, h.text, h.tokens[len(req.prompt_token_ids):], h.cum_logprob, "length")
                     for i, h in enumerate(req.beam_output.sequences)]
         else:
-            seqs = [s for s in req.seqs if not s.is_finished] if req.is_beam_search else sorted(req.seqs, key=lambda s: s.index)
+            seqs = ([s for s in req.seqs if not s.is_finished or req.aborted] if req.is_beam_search
+                    else sorted(req.seqs, key=lambda s: s.index))
             outs = [CompletionOutput(i if req.is_beam_search else s.index,
-                                     s.text if s.is_finished else self._decode(s.output_token_ids),
+                                     s.text if s.is_finished and s.finish_reason != "abort" else
+                                     self._decode(s.output_token_ids),
                                      s.output_token_ids, s.cumulative_logprob, s.finish_reason, s.stop_reason)
                     for i, s in enumerate(seqs)]
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
-                             req.num_cached_tokens or 0, req.metrics)
+                             req.num_cached_tokens or 0, req.metrics, req.beam_output)
 
-    def _record_memory(self, step, kinds, preempted, shape, start) -> None:
-        """After the forward: blocks in use, slots of them holding tokens (shared blocks once), blocks
-        the running sequences would hold unshared."""
-        filled: dict[int, int] = {}
-        unshared = 0
-        for seq in self.scheduler.running:
-            n = self.manager.num_tokens(seq.seq_id)
-            table = self.manager.block_table(seq.seq_id)
-            unshared += len(table)
-            for j, block in enumerate(table):
-                filled[block] = max(filled.get(block, 0), min(self.block_size, n - j * self.block_size))
-        self.stats.records.append(StepRecord(step, kinds, [(s.request_id, s.index) for s in preempted], shape,
-                                             self.manager.num_used_blocks, sum(filled.values()), unshared,
-                                             start, start))
+
+def _hashable(x) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True

@@ -12,6 +12,7 @@ a loop over the engine's steps). A notebook cell written for vLLM runs here by c
 from __future__ import annotations
 
 import itertools
+import uuid
 from pathlib import Path
 
 from tqdm.auto import tqdm
@@ -19,7 +20,7 @@ from tqdm.auto import tqdm
 from ..loading import load_model
 from ..sampling import SamplingParams
 from .beam import BeamSearchOutput, BeamSearchParams
-from .engine import LLMEngine
+from .engine import LLMEngine, check_engine_args
 from .sequence import RequestOutput
 
 
@@ -34,14 +35,21 @@ class LLM:
         dtype, device, n_shards: how ``load_model`` loads a path (ignored for a loaded model).
         **engine_kwargs: more ``LLMEngine`` arguments (eos_ids, max_seq_len, layout, row_width, record_logits).
 
+    ``generate``, ``chat`` and ``beam_search`` own the requests they add: an interrupt or error aborts
+    them (the next call starts clean and gives correct text), and they refuse to run while the engine
+    holds requests someone added through ``llm_engine.add_request``. One thread at a time: a call
+    from another thread while one runs raises ``RuntimeError`` (``LLMEngine.driving``).
+
     Raises:
-        ValueError / ModelFileError: from ``load_model`` and ``LLMEngine``.
+        ValueError / ModelFileError: from ``check_engine_args`` (before loading), ``load_model`` and ``LLMEngine``.
     """
 
     def __init__(self, model=None, *, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 256, dtype="float32", device="cpu", n_shards: int | None = None,
                  **engine_kwargs):
+        check_engine_args(block_size, num_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens,
+                          engine_kwargs.get("max_seq_len"))
         if model is None or isinstance(model, (str, Path)):
             model, tokenizer = load_model(model, dtype=dtype, device=device, n_shards=n_shards)
         self.model, self.tokenizer = model, tokenizer
@@ -49,7 +57,8 @@ class LLM:
                                     kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                     **engine_kwargs)
-        self._ids = itertools.count()
+        # ids of the form "<this LLM>-<n>": never equal to an id a caller picks for llm_engine.add_request
+        self._ids = (f"llm-{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -89,35 +98,35 @@ class LLM:
         prompts = self._as_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: beam_search takes BeamSearchParams, got {type(params).__name__}")
-        ids = self._add_all(prompts, [params] * len(prompts))
-        beams = {}
-        for out in self._loop(ids, use_tqdm):
-            beams[out.request_id] = self.llm_engine.beam_outputs.pop(out.request_id)
-        return [beams[i] for i in ids]
+        return [out.beam_search_output for out in self._run(prompts, [params] * len(prompts), use_tqdm)]
 
     # ---- internals -----------------------------------------------------------------------------
     @staticmethod
     def _as_list(prompts) -> list:
         return [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
 
-    def _add_all(self, prompts: list, params: list) -> list[str]:
-        ids = []
-        try:
-            for prompt, p in zip(prompts, params):
-                ids.append(str(next(self._ids)))
-                self.llm_engine.add_request(ids[-1], prompt, p)
-        except ValueError:
-            self.llm_engine.abort_request(ids)
-            raise
-        return ids
-
     def _run(self, prompts: list, params, use_tqdm: bool) -> list[RequestOutput]:
+        """Add the call's requests, step until they finish, return their outputs in order; whatever
+        interrupts it aborts them (and only them)."""
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} params for {len(prompts)} prompts; give one, or one "
                              "per prompt")
-        ids = self._add_all(prompts, params)
-        finished = {out.request_id: out for out in self._loop(ids, use_tqdm)}
+        engine = self.llm_engine
+        with engine.driving():
+            if engine.has_unfinished_requests():
+                raise RuntimeError(f"LLM.generate: the engine holds {engine.get_num_unfinished_requests()} requests "
+                                   "added through llm_engine.add_request; generate would run them and drop their "
+                                   "outputs, so step them to the end with llm_engine.step() or abort them first")
+            ids = []
+            try:
+                for prompt, p in zip(prompts, params):
+                    ids.append(next(self._ids))
+                    engine.add_request(ids[-1], prompt, p)
+                finished = {out.request_id: out for out in self._loop(ids, use_tqdm)}
+            except BaseException:
+                engine.abort_request(ids)
+                raise
         return [finished[i] for i in ids]
 
     def _loop(self, ids: list[str], use_tqdm: bool):

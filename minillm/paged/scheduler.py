@@ -17,10 +17,13 @@ One step (``Scheduler.schedule``), as the paper and vLLM V1 do it:
    the first that does not fit stops admission (no overtaking, so no starvation). Admission looks up
    the prefix cache (``BlockManager.allocate``): cached blocks count as computed.
 A request is never dropped or truncated for memory: the engine refuses, when it is added, one that
-could not fit the whole pool, and a preempted one runs again once blocks free up.
+could not fit the whole pool, and a preempted one runs again once blocks free up. ``max_num_seqs``
+counts seats: a request that will fork into n samples (or beam_width beams) takes n seats when admitted.
 
-Blocks are checked here (``BlockManager.blocks_needed``, copy-on-write included) and taken by the
-forward (``PagedKVCache.prepare``), so the scheduler reserves what it has checked for the step.
+Blocks are reserved here, as each sequence is planned (``BlockManager.grow``): the forward only
+writes to slots it was given. A prompt admitted after an identical one in the same step finds the
+blocks that this step's forward writes for the first (``allocate``), so identical prompts share them.
+When the step fails, ``rollback`` undoes this plan (the engine calls it).
 """
 
 from __future__ import annotations
@@ -28,17 +31,20 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, NoFreeBlocksError
 from .sequence import Sequence, SequenceStatus
 
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan: ``scheduled`` (sequence, new tokens) in row order, ``preempted`` sequences,
-    and the token count of the forward."""
+    """One step's plan: ``scheduled`` (sequence, new tokens) in row order, ``preempted`` and ``admitted``
+    sequences, and the (source, destination) block ``copies`` to make before the forward (copy-on-write)."""
 
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    planned: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens, while planning
 
     @property
     def num_batched_tokens(self) -> int:
@@ -50,7 +56,7 @@ class Scheduler:
 
     Args:
         manager: the pool's block manager.
-        max_num_seqs: running sequences at most (the batch's rows of decode tokens).
+        max_num_seqs: seats for running sequences (the batch's rows of decode tokens; ``Sequence.seats``).
         max_num_batched_tokens: tokens per step at most (the budget shared by prefill chunks and decodes).
 
     Raises:
@@ -64,6 +70,7 @@ class Scheduler:
         self.manager, self.max_num_seqs, self.max_num_batched_tokens = manager, max_num_seqs, max_num_batched_tokens
         self.waiting: list[Sequence] = []  # sorted by priority
         self.running: list[Sequence] = []  # sorted by priority: the last is preempted first
+        self.plan = SchedulerOutput()  # the last step's plan
 
     def add(self, seq: Sequence) -> None:
         """Queue a new (or preempted) sequence; it holds no blocks."""
@@ -82,9 +89,10 @@ class Scheduler:
         """Remove a finished or aborted sequence and free its blocks (if it holds any)."""
         if seq in self.running:
             self.running.remove(seq)
-            self.manager.free(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        if self.manager.holds(seq.seq_id):  # also a fork caught between its blocks and the running list
+            self.manager.free(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
 
     def preempt(self, seq: Sequence) -> None:
@@ -95,11 +103,11 @@ class Scheduler:
         self.add(seq)
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step (the module docstring's two phases). Sequences with nothing to compute
-        (a beam waiting for its siblings) hold their blocks and get no tokens."""
-        out, budget, reserved = SchedulerOutput(), self.max_num_batched_tokens, 0
-        planned: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens, blocks reserved)
-        free = lambda: self.manager.num_free_blocks - reserved  # noqa: E731  (blocks not yet promised)
+        """Plan the next step (the module docstring's two phases) and reserve its blocks. Sequences with
+        nothing to compute (a beam waiting for its siblings) hold their blocks and get no tokens."""
+        out = self.plan = SchedulerOutput()  # kept while the step runs: ``rollback`` undoes it
+        self.manager.begin()
+        budget = self.max_num_batched_tokens
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -107,37 +115,65 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            need = self.manager.blocks_needed(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            while need > free() and self.running[-1] is not seq:
+            while not self._reserve(seq, n, out) and self.running[-1] is not seq:
                 victim = self.running[-1]
-                n_victim, blocks_victim = planned.pop(victim.seq_id, (0, 0))
-                budget, reserved = budget + n_victim, reserved - blocks_victim
+                budget += out.planned.pop(victim.seq_id, 0)
                 self.preempt(victim)
                 out.preempted.append(victim)
-                need = self.manager.blocks_needed(seq.seq_id, seq.num_computed_tokens, seq.num_computed_tokens + n)
-            if need > free():  # it is the newest itself: it waits, recomputed later
+            if seq.seq_id not in out.planned:  # it is the newest itself: it waits, recomputed later
                 self.preempt(seq)
                 out.preempted.append(seq)
                 break
-            planned[seq.seq_id] = (n, need)
-            budget, reserved = budget - n, reserved + need
+            budget -= n
             i += 1
         if not out.preempted:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while (self.waiting and budget > 0
+                   and sum(s.seats for s in self.running) + self.waiting[0].seats <= self.max_num_seqs):
                 seq = self.waiting[0]
                 cached = self.manager.allocate(seq.seq_id, seq.token_ids)
-                n = min(seq.num_tokens - cached, budget)
-                need = self.manager.blocks_needed(seq.seq_id, cached, cached + n)
-                if need > free():
-                    self.manager.free(seq.seq_id)  # cached blocks go back to the free queue, still cached
+                try:
+                    seq.num_computed_tokens = cached
+                    reserved = self._reserve(seq, min(seq.num_tokens - cached, budget), out)
+                finally:
+                    if seq.seq_id not in out.planned:  # not admitted (or an error): it holds nothing while waiting
+                        self.manager.free(seq.seq_id)  # cached blocks go back to the free queue, still cached
+                        seq.num_computed_tokens = 0
+                if not reserved:
                     break
                 self.waiting.pop(0)
-                seq.num_computed_tokens = cached
                 self.add_running(seq)
-                planned[seq.seq_id] = (n, need)
-                budget, reserved = budget - n, reserved + need
-        out.scheduled = [(s, planned[s.seq_id][0]) for s in self.running if s.seq_id in planned]
+                out.admitted.append(seq)
+                budget -= out.planned[seq.seq_id]
+        out.scheduled = [(s, out.planned[s.seq_id]) for s in self.running if s.seq_id in out.planned]
+        held = {b for s, _ in out.scheduled for b in self.manager.block_table(s.seq_id)}
+        out.copies = [(src, dst) for src, dst in out.copies if dst in held]  # a preempted victim's copies go
         return out
+
+    def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        """Slots for the sequence's next n tokens (and its copy-on-write); False, changing nothing, when
+        the pool cannot give them."""
+        try:
+            out.copies += self.manager.grow(seq.seq_id, seq.num_computed_tokens + n)
+        except NoFreeBlocksError:
+            return False
+        out.planned[seq.seq_id] = n
+        return True
+
+    def rollback(self) -> None:
+        """Undo the last plan, whose forward did not complete: the blocks named for it are forgotten
+        (``BlockManager.rollback``), the sequences it admitted wait again (they may have found those
+        blocks), and every running sequence gives back the slots past its computed tokens."""
+        self.manager.rollback()
+        for seq in self.plan.admitted:
+            if seq in self.running:
+                self.preempt(seq)
+        for seq in self.waiting:  # interrupted between its admission's lookup and joining the running ones
+            if self.manager.holds(seq.seq_id):
+                self.manager.free(seq.seq_id)
+                seq.num_computed_tokens = 0
+        for seq in self.running:
+            if self.manager.num_tokens(seq.seq_id) > seq.num_computed_tokens:
+                self.manager.truncate(seq.seq_id, seq.num_computed_tokens, keep_token_ids=True)
 
     def preempt_idle(self) -> Sequence | None:
         """When nothing could be scheduled: preempt the newest running sequence that is newer than the

@@ -24,7 +24,7 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"  # blocks returned
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the scheduler's lists find a sequence without comparing its tokens
 class Sequence:
     """One sequence of a request (a sample or a beam).
 
@@ -42,6 +42,8 @@ class Sequence:
         finish_reason: None while running; "stop" (EOS or a stop string), "length" or "abort".
         stop_reason: the stop string that ended it (None for EOS, as vLLM).
         text: the decoded output, cut before a stop string (filled when it finishes).
+        seats: places among the scheduler's ``max_num_seqs`` it holds: what it may fork into (n for
+            a request's first sample before it forks, the beam width shared by a search's beams), else 1.
     """
 
     seq_id: int
@@ -56,6 +58,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: str | None = None
     text: str = ""
+    seats: int = 1
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +99,7 @@ class RequestMetrics:
         return None if self.first_token_time is None else self.first_token_time - self.arrival_time
 
 
-@dataclass
+@dataclass(eq=False)  # by identity, as Sequence
 class Request:
     """A request: its prompt, its parameters (``SamplingParams`` or ``BeamSearchParams``), its sequences.
 
@@ -162,3 +165,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics
+    beam_search_output: object = None  # a finished beam search's ``BeamSearchOutput`` (best first)

@@ -59,19 +59,31 @@ def make_requests(tokenizer, num_requests: int = 64, trace: str = "sharegpt", sc
     Raises:
         ValueError: an unknown trace, num_requests below 1, scale not in (0, 1].
     """
+    lengths = request_lengths(num_requests, trace, scale, seed)  # checks the arguments first
+    text = tokenizer.encode(play_text(play))
+    rng = np.random.default_rng(seed)
+    reqs = []
+    for p, o in lengths:
+        start = int(rng.integers(0, len(text) - p))
+        reqs.append(BenchRequest(text[start:start + p], o))
+    return reqs
+
+
+def request_lengths(num_requests: int = 64, trace: str = "sharegpt", scale: float = 0.25,
+                    seed: int = 0) -> list[tuple[int, int]]:
+    """(prompt tokens, output tokens) of each request ``make_requests`` builds, without a tokenizer: the
+    trace's lengths times ``scale``, at least 4 and 1. The command checks its options against them before
+    it loads a model.
+
+    Raises:
+        ValueError: an unknown trace, num_requests below 1, scale not in (0, 1].
+    """
     if trace not in TRACES:
         raise ValueError(f"trace: {trace!r} is not one of {sorted(TRACES)}")
     if num_requests < 1 or not 0 < scale <= 1:
         raise ValueError(f"num_requests / scale: need >= 1 and (0, 1], got {num_requests} / {scale}")
     prompt, output = make_trace(replace(TRACES[trace], num_requests=num_requests, seed=seed))
-    text = tokenizer.encode(play_text(play))
-    rng = np.random.default_rng(seed)
-    reqs = []
-    for p, o in zip(prompt.tolist(), output.tolist()):
-        p, o = max(4, round(p * scale)), max(1, round(o * scale))
-        start = int(rng.integers(0, len(text) - p))
-        reqs.append(BenchRequest(text[start:start + p], o))
-    return reqs
+    return [(max(4, round(p * scale)), max(1, round(o * scale))) for p, o in zip(prompt.tolist(), output.tolist())]
 
 
 def _pct(values, q) -> float:

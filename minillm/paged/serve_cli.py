@@ -4,27 +4,96 @@ Kwon et al. 2023, Sec. 6)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 import torch
 
+from ..kv_cache import kv_cache_bytes
 from ..options import add_model_args, at_least, load, print_json
-from .fragmentation import TRACES
-from .serve_bench import format_report, serve_bench
+from ..timing import available_memory
+from .block_manager import blocks_for
+from .engine import DEFAULT_KV_BYTES
+from .fragmentation import MAX_SEQ_LEN, TRACES
+from .serve_bench import format_report, request_lengths, serve_bench
 
+# --quick's defaults; an explicit --requests or --scale still wins (the report says what ran)
 QUICK = dict(num_requests=4, scale=1 / 32, sharing_requests=1, memory_requests=2)
+DEFAULTS = dict(num_requests=64, scale=0.25)
+
+
+def share(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:  # NaN included
+        raise argparse.ArgumentTypeError(f"must be in (0, 1] (it multiplies the trace's lengths), got {text}")
+    return value
+
+
+def serve_bench_kwargs(args) -> tuple[dict, list[tuple[int, int]]]:
+    """``serve_bench``'s arguments from the options, and each request's (prompt, output) lengths; refuses,
+    before a model is loaded, options that could not run (ValueError naming the option)."""
+    kwargs = dict(DEFAULTS, **(QUICK if args.quick else {}))
+    kwargs.update({k: v for k, v in (("num_requests", args.requests), ("scale", args.scale)) if v is not None})
+    kwargs.update(trace=args.trace, block_size=args.block_size, num_blocks=args.num_blocks,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  peer=args.peer, progress=not args.json)
+    if args.block_size > MAX_SEQ_LEN:
+        # the memory run replays the traces' full lengths with this block size, and no sequence is longer
+        raise ValueError(f"--block-size: {args.block_size} tokens per block is more than the longest sequence "
+                         f"serve-bench runs ({MAX_SEQ_LEN} tokens, the traces' cap), so every block would stand "
+                         f"mostly empty; use at most {MAX_SEQ_LEN} (16, the default, is vLLM's)")
+    lengths = request_lengths(kwargs["num_requests"], args.trace, kwargs["scale"])
+    p, o = max(lengths, key=sum)
+    need = blocks_for(p + o, args.block_size)
+    if args.num_blocks is not None and args.num_blocks < need:
+        blocks = f"{args.num_blocks} block{'s' * (args.num_blocks != 1)}"
+        raise ValueError(f"--num-blocks: {blocks} of {args.block_size} tokens cannot hold the longest request ({p} "
+                         f"prompt + {o} output tokens: {need} blocks); give at least {need}, or leave --num-blocks "
+                         "out (the default pool)")
+    return kwargs, lengths
+
+
+def check_against_model(args, model, tokenizer, lengths: list[tuple[int, int]]) -> None:
+    """Refuse, right after the model loads and before any work, what needs the model to check: prompts
+    past its context, a KV pool (--num-blocks, or the default's) that cannot hold the longest request or
+    does not fit in memory, a model without a tokenizer."""
+    if tokenizer is None:
+        raise ValueError(f"--model: {args.model} has no tokenizer, and serve-bench cuts its prompts from a play's "
+                         "text; give a model with its tokenizer")
+    ctx = model.config.max_seq_len
+    longest_prompt = max(p for p, _ in lengths)
+    if longest_prompt >= ctx:
+        raise ValueError(f"--scale: the longest prompt ({longest_prompt} tokens) leaves no room for a new token in "
+                         f"the model's context of {ctx}; lower --scale")
+    element = torch.empty((), dtype=model.dtype).element_size()
+    block_bytes = kv_cache_bytes(model.config, 1, args.block_size, element)
+    need = max(blocks_for(min(ctx, p + o), args.block_size) for p, o in lengths)
+    if args.num_blocks is None:  # the engine's default pool (LLMEngine)
+        pool = min(DEFAULT_KV_BYTES, kv_cache_bytes(model.config, args.max_num_seqs, ctx, element))
+        if pool // block_bytes < need:
+            raise ValueError(f"--block-size: the default KV pool ({pool / 2**20:.0f} MiB) holds "
+                             f"{int(pool // block_bytes)} blocks of {args.block_size} tokens "
+                             f"({block_bytes / 2**20:.1f} MiB each) and the longest request needs {need}; use a "
+                             "smaller --block-size, or give --num-blocks")
+        return
+    free = available_memory()
+    if free is not None and args.num_blocks * block_bytes > 0.8 * free:
+        raise ValueError(f"--num-blocks: {args.num_blocks} blocks of {args.block_size} tokens take "
+                         f"{args.num_blocks * block_bytes / 2**30:.1f} GiB and {free / 2**30:.1f} GiB are free; "
+                         "give fewer, or leave --num-blocks out (the default pool)")
 
 
 def cmd_serve_bench(args) -> int:
     """Run the modes, print the table (``--json``: one line of strict JSON); returns the exit code (0)."""
+    kwargs, lengths = serve_bench_kwargs(args)  # bad options cost nothing: no model is loaded yet
     if args.threads:
         torch.set_num_threads(args.threads)  # on a shared machine one thread avoids waiting at every op's barrier
     model, tokenizer = load(args)
-    kwargs = dict(num_requests=args.requests, trace=args.trace, scale=args.scale, block_size=args.block_size,
-                  num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, peer=args.peer, progress=not args.json)
-    if args.quick:
-        kwargs.update(QUICK)
+    check_against_model(args, model, tokenizer, lengths)
     report = serve_bench(model, tokenizer, **kwargs)
     report.pop("_engine")
     if args.json:
@@ -40,12 +109,14 @@ def register(sub) -> None:
     p = sub.add_parser("serve-bench", help="offline throughput: continuous batching vs sequential, static batches "
                                            "and transformers' continuous batching")
     add_model_args(p)
-    p.add_argument("--requests", type=at_least(1), default=64, help="requests, all arriving at once (default 64)")
+    p.add_argument("--requests", type=at_least(1), default=None, help="requests, all arriving at once (default 64; "
+                   "4 with --quick)")
     p.add_argument("--trace", choices=sorted(TRACES), default="sharegpt", help="length distribution (the "
                    "fragmentation lab's log-normal traces)")
-    p.add_argument("--scale", type=float, default=0.25, help="multiply every prompt and output length by this "
-                   "(default 0.25, so the sequential mode fits minutes on a 2-core CPU)")
-    p.add_argument("--block-size", type=at_least(1), default=16)
+    p.add_argument("--scale", type=share, default=None, help="multiply every prompt and output length by this, in "
+                   "(0, 1] (default 0.25, so the sequential mode fits minutes on a 2-core CPU; 1/32 with --quick)")
+    p.add_argument("--block-size", type=at_least(1), default=16, help=f"tokens per KV block, at most {MAX_SEQ_LEN} "
+                   "(default 16)")
     p.add_argument("--num-blocks", type=at_least(1), default=None, help="KV pool in blocks (default: 512 MiB)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=64, help="running sequences at most; also the "
                    "static batch size")
@@ -54,5 +125,6 @@ def register(sub) -> None:
                    "(generate_batch's manager, attn_implementation='paged|sdpa')")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's; 1 on a "
                    "machine shared with other work, with --shards 1)")
-    p.add_argument("--quick", action="store_true", help="a smoke run (4 short requests) for CI")
+    p.add_argument("--quick", action="store_true", help="a smoke run for CI: 4 short requests (scale 1/32) unless "
+                   "--requests / --scale say otherwise, and small sharing and memory runs")
     p.set_defaults(func=cmd_serve_bench, measures_speed=True)

@@ -1,0 +1,82 @@
+"""What the engine records about its steps, for the timeline of notebook 03 and serve-bench's memory
+figures: one ``StepRecord`` per step, summed by ``EngineStats.summary``. The engine calls one hook
+(``EngineStats.record_step``) after each forward; nothing here changes what the engine computes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepRecord:
+    """One step, for the timeline: ``runs`` (request_id, index, tokens, "prefill"/"decode"/"recompute"), ``preempted``
+    (request_id, index), the forward's (B, T), blocks in use and KV slots holding tokens after it,
+    blocks the running sequences would hold without sharing, its start / end (perf_counter s), and
+    ``sampled``: the sequences that sampled (the rows of the output layer)."""
+
+    step: int
+    runs: list[tuple[str, int, int, str]]
+    preempted: list[tuple[str, int]]
+    rows: tuple[int, int]
+    used_blocks: int
+    held_slots: int
+    unshared_blocks: int
+    start: float
+    end: float
+    sampled: int = 0
+
+
+@dataclass
+class EngineStats:
+    """Counters over the engine's life: steps, preemptions, prompt tokens, prefix-cached prompt tokens,
+    and the per-step records (``StepRecord``)."""
+
+    steps: int = 0
+    preemptions: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    records: list[StepRecord] = field(default_factory=list)
+
+    def record_step(self, runs, preempted, shape, sampled, manager, running, start) -> StepRecord:
+        """After a step's forward, before its tokens are appended: what ran (``runs``, from ``runs_of``),
+        what was preempted, the blocks in use, the slots of them holding tokens (shared blocks once) and
+        the blocks the running sequences would hold unshared. Returns the record (its ``end`` is the
+        start until the engine sets it)."""
+        filled: dict[int, int] = {}
+        unshared = 0
+        for seq in running:
+            n = manager.num_tokens(seq.seq_id)
+            table = manager.block_table(seq.seq_id)
+            unshared += len(table)
+            for j, block in enumerate(table):
+                filled[block] = max(filled.get(block, 0), min(manager.block_size, n - j * manager.block_size))
+        rec = StepRecord(len(self.records), runs, [(s.request_id, s.index) for s in preempted], shape,
+                         manager.num_used_blocks, sum(filled.values()), unshared, start, start, sampled)
+        self.records.append(rec)
+        self.steps += 1
+        self.preemptions += len(preempted)
+        return rec
+
+    def summary(self, block_size: int) -> dict:
+        """peak_blocks, mean_blocks (per step), kv_utilization (slots holding tokens / slots of used
+        blocks, summed over steps), sharing_saved (1 - used / unshared blocks, summed over steps),
+        preemptions, prefix_hit_rate (cached / prompt tokens), steps."""
+        used = [r.used_blocks for r in self.records]
+        total_used = sum(used)
+        unshared = sum(r.unshared_blocks for r in self.records)
+        return {"steps": self.steps, "preemptions": self.preemptions,
+                "peak_blocks": max(used, default=0), "mean_blocks": total_used / len(used) if used else 0.0,
+                "kv_utilization": sum(r.held_slots for r in self.records) / (block_size * total_used) if total_used else 0.0,
+                "sharing_saved": 1 - total_used / unshared if unshared else 0.0,
+                "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0}
+
+
+def runs_of(scheduled) -> list[tuple[str, int, int, str]]:
+    """(request_id, index, tokens, kind) of each scheduled (sequence, tokens), judged before the tokens
+    are computed: "recompute" (tokens computed before a preemption), "prefill" (prompt tokens) or
+    "decode" (its newest token)."""
+    def kind(seq):
+        if seq.num_output_tokens > 1 and seq.num_computed_tokens < seq.num_tokens - 1:
+            return "recompute"
+        return "prefill" if seq.is_prefill else "decode"
+    return [(s.request_id, s.index, n, kind(s)) for s, n in scheduled]
