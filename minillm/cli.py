@@ -1,7 +1,7 @@
 """Command line: ``python -m minillm <command>``.
 
 Commands: generate, bench decode | spec | quant, distill-draft, roofline, perplexity, quantize, tour,
-fragmentation, serve-bench, exercises. Each technique folder registers its own (``quant.cli``, ``speculative.cli``,
+fragmentation, serve-bench, serve, exercises. Each technique folder registers its own (``quant.cli``, ``speculative.cli``,
 ``roofline.cli``, ``paged.cli``, ``exercises.cli``) with ``set_defaults(func=...)``; the options they
 share are in ``minillm.options``. Bad input exits with status 2 and a message naming the option.
 
@@ -23,6 +23,7 @@ from .paged import serve_cli
 from .options import add_model_args, at_least, is_quantized_file, load, print_json
 from .quant import cli as quant_cli
 from .roofline import cli as roofline_cli
+from .server import cli as server_cli  # FastAPI loads only when `serve` runs
 from .sampling import SamplingParams
 from .speculative import cli as speculative_cli
 from .speculative import speculative_generate
@@ -220,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant_cli.register(sub, bench)
     paged_cli.register(sub)
     serve_cli.register(sub)
+    server_cli.register(sub)
     exercises_cli.register(sub)
     return parser
 

@@ -1,0 +1,249 @@
+"""The HTTP routes: an OpenAI-compatible server over one engine thread (FastAPI, served by uvicorn).
+
+``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or one JSON body),
+``GET /v1/models``, ``/health`` and ``/metrics``. A handler checks and tokenizes the request, hands it
+to the engine thread (``loop.EngineLoop``) and relays what comes back; every connection's requests meet
+in the engine's steps (continuous batching, Kwon et al. 2023, Sec. 4.5). A client that goes away, with
+a stream open or while waiting for a whole response, aborts its request, which frees its blocks before
+the next step. Refusals carry OpenAI's error body with a 4xx (503 when the queue is full).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from .loop import EngineLoop, Overloaded, RequestFailed, RequestRefused
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, chunk, chunk_choice,
+                       completion_prompt, completion_response, error_body, new_id, param_of, sampling_params,
+                       usage, TextStream)
+
+
+class EngineStreamingResponse(StreamingResponse):
+    """A StreamingResponse that runs ``on_close`` however it ends: finished, failed, or the client gone
+    (Starlette then cancels the body and returns)."""
+
+    def __init__(self, content, on_close):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None = None,
+               stop_loop_on_shutdown: bool = True) -> FastAPI:
+    """The app over a started or unstarted ``EngineLoop`` (started in the app's lifespan if needed, and
+    stopped when the server shuts down, after uvicorn has let running requests finish or cancelled them).
+
+    ``model_name``: what /v1/models lists and requests must name (or leave out).
+    """
+    metrics = metrics or ServerMetrics(model_name)
+    if loop.on_finish is None:
+        loop.on_finish = metrics.observe
+    metrics.attach(loop)
+    pool_tokens = loop.num_blocks * loop.block_size
+
+    @asynccontextmanager
+    async def lifespan(app):
+        if not loop.started:
+            loop.start()
+        yield
+        if stop_loop_on_shutdown:
+            await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+
+    app = FastAPI(title="minillm", lifespan=lifespan)
+    app.state.loop, app.state.metrics = loop, metrics
+
+    # ---- errors in OpenAI's shape ------------------------------------------------------------------
+    @app.exception_handler(APIError)
+    async def api_error(request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        err = exc.errors()[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            message = f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}"
+            return JSONResponse(error_body(400, message, None, "invalid_json"), status_code=400)
+        param = loc[0] if loc else None
+        where = ".".join(loc) if loc else "body"
+        return JSONResponse(error_body(400, f"{where}: {err.get('msg')} (got {_short(err.get('input'))})", param),
+                            status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    # ---- routes ------------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not loop.running:
+            return JSONResponse(error_body(503, "the engine is not running"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "minillm",
+                                            "max_model_len": loop.max_seq_len}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        _check_model(req.model, model_name)
+        text, ids = completion_prompt(req, loop.tokenizer)
+        return await _serve(request, req, text, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        _check_model(req.model, model_name)
+        text, ids = chat_prompt(req, loop.tokenizer)
+        return await _serve(request, req, text, ids, chat=True)
+
+    async def _serve(request: Request, req, text, ids, chat: bool):
+        params = sampling_params(req, len(ids), loop.max_seq_len, pool_tokens)
+        rid = new_id("chatcmpl" if chat else "cmpl")
+        try:
+            stream = loop.submit(rid, {"prompt_token_ids": ids, "prompt": text}, params)
+        except Overloaded as e:
+            metrics.rejected.labels(model_name).inc()
+            raise APIError(503, str(e)) from None
+        try:
+            await stream.accepted()
+        except RequestRefused as e:
+            raise APIError(400, str(e), param_of(str(e))) from None
+        except RequestFailed as e:
+            raise APIError(503, str(e)) from None
+        except BaseException:
+            stream.close()
+            raise
+        finally:
+            if stream.finished:
+                stream.close()
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return EngineStreamingResponse(_events(stream, rid, params, chat, include_usage), stream.close)
+        try:
+            out = await _unless_disconnected(request, stream.final())
+        except RequestFailed as e:
+            raise APIError(500, str(e)) from None
+        finally:
+            stream.close()
+        if out is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        return completion_response(rid, model_name, out, chat)
+
+    async def _events(stream, rid: str, params, chat: bool, include_usage: bool):
+        created = int(time.time())
+        texts = {i: TextStream(params.stop) for i in range(params.n)}
+        done: set[int] = set()
+        last = None
+        try:
+            if chat:  # the first chunk gives the role, as OpenAI's does
+                yield _sse(chunk(rid, model_name, created, [chunk_choice(i, "", None, True, first=True)
+                                                            for i in range(params.n)], True))
+            async for last in stream.outputs():
+                choices = []
+                for c in last.outputs:
+                    if c.index in done:
+                        continue
+                    finished = c.finish_reason is not None
+                    delta = texts[c.index].delta(c.text, finished)
+                    if delta or finished:
+                        choices.append(chunk_choice(c.index, delta, c.finish_reason, chat))
+                    if finished:
+                        done.add(c.index)
+                if choices:
+                    yield _sse(chunk(rid, model_name, created, choices, chat))
+            if include_usage and last is not None:
+                yield _sse(chunk(rid, model_name, created, [], chat, usage(last)))
+        except RequestFailed as e:
+            yield _sse(error_body(500, str(e)))
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _sse(body: dict) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _check_model(name: str | None, served: str) -> None:
+    if name is not None and name != served:
+        raise APIError(404, f"model: {name!r} is not served here; this server serves {served!r} (GET /v1/models)",
+                       "model", "model_not_found")
+
+
+async def _unless_disconnected(request: Request, work):
+    """``await work``, unless the client disconnects first (then None; the work is cancelled). After the
+    body is read, the ASGI receive channel yields only ``http.disconnect``, which is what is awaited."""
+    task = asyncio.ensure_future(work)
+
+    async def gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(gone())
+    try:
+        finished, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    return task.result() if task in finished else None
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a thread of this process, on a free port (tests and the online benchmark):
+    ``with ServerThread(app) as server: httpx.get(server.url + "/health")``. Leaving the block shuts the
+    server down as Ctrl-C would (the app's lifespan then stops its engine thread).
+
+    Raises:
+        RuntimeError: the server did not start within ``timeout`` seconds.
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 shutdown_timeout: float | None = 5.0, timeout: float = 30.0):
+        import uvicorn
+
+        self.host, self.timeout = host, timeout
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    timeout_graceful_shutdown=shutdown_timeout))
+        self.thread = threading.Thread(target=self.server.run, name="minillm-http", daemon=True)
+        self.url = None
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        deadline = time.monotonic() + self.timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start (see its log)")
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://{self.host}:{port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(self.timeout)

@@ -1,0 +1,105 @@
+"""``python -m minillm serve``: the OpenAI-compatible server (``minillm.server.app``) on uvicorn.
+
+Ctrl-C or SIGTERM: uvicorn stops accepting connections, lets running requests finish for
+``--shutdown-timeout`` seconds and cancels the rest (each cancelled request is aborted), then the engine
+thread stops and the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import torch
+
+from ..options import add_model_args, at_least, load, print_json
+
+
+def model_name(path: str | None) -> str:
+    """The name the server answers to: the model file's stem (the embedded model's by default)."""
+    if path is None:
+        from ..loading import default_model_path
+
+        path = default_model_path()
+    return Path(path).stem if Path(path).suffix else Path(path).name
+
+
+def build_engine(model, tokenizer, args):
+    from ..paged import LLMEngine
+
+    return LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
+                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                     max_seq_len=args.max_seq_len, enable_prefix_caching=not args.no_prefix_caching)
+
+
+def cmd_serve(args) -> int:
+    """Load the model, start the engine thread and serve until interrupted; returns the exit code (0)."""
+    import uvicorn
+
+    from .app import create_app
+    from .loop import EngineLoop
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = load(args)
+    engine = build_engine(model, tokenizer, args)
+    name = args.served_model_name or model_name(args.model)
+    loop = EngineLoop(engine, max_pending=args.max_num_seqs + args.max_queue)
+    app = create_app(loop, name)
+    info = {"url": f"http://{args.host}:{args.port}/v1", "model": name, "num_blocks": engine.num_blocks,
+            "block_size": engine.block_size, "max_seq_len": engine.max_seq_len, "max_num_seqs": args.max_num_seqs,
+            "max_queue": args.max_queue}
+    if args.json:
+        print_json(info)
+    else:
+        print(f"serving {name} at {info['url']} ({engine.num_blocks} KV blocks of {engine.block_size} tokens, "
+              f"context {engine.max_seq_len}, {args.max_num_seqs} sequences a step, {args.max_queue} more may "
+              "wait); Ctrl-C stops", file=sys.stderr)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it
+    # found; this one (and KeyboardInterrupt's) turns that into a clean exit
+    previous = signal.signal(signal.SIGTERM, _stopped)
+    try:
+        uvicorn.Server(config).run()
+    except (KeyboardInterrupt, _Stopped):
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        loop.stop()
+    print("server stopped", file=sys.stderr)
+    return 0
+
+
+class _Stopped(Exception):
+    """SIGTERM, after uvicorn's graceful shutdown."""
+
+
+def _stopped(signum, frame):
+    raise _Stopped
+
+
+def register(sub) -> None:
+    """Add the ``serve`` subcommand to an argparse subparsers object."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the engine (completions, chat, "
+                                     "streaming, /metrics)")
+    add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=at_least(0), default=8000)
+    p.add_argument("--served-model-name", default=None, help="the model name requests give (default: the model "
+                   "file's stem)")
+    p.add_argument("--block-size", type=at_least(1), default=16)
+    p.add_argument("--num-blocks", type=at_least(1), default=None, help="KV pool in blocks (default: what "
+                   "max-num-seqs full-context sequences take, at most 512 MiB)")
+    p.add_argument("--max-num-seqs", type=at_least(1), default=64, help="sequences in a step at most")
+    p.add_argument("--max-num-batched-tokens", type=at_least(1), default=256, help="tokens per engine step")
+    p.add_argument("--max-seq-len", type=at_least(2), default=None, help="context to use (default: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse prompt blocks across requests")
+    p.add_argument("--max-queue", type=at_least(0), default=256, help="requests that may wait beyond "
+                   "--max-num-seqs; past them new requests get 503 (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests may take to "
+                   "finish after Ctrl-C / SIGTERM before they are aborted (default 30)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
