@@ -89,6 +89,10 @@ def check_against_model(args, model, tokenizer, lengths: list[tuple[int, int]]) 
 
 def cmd_serve_bench(args) -> int:
     """Run the modes, print the table (``--json``: one line of strict JSON); returns the exit code (0)."""
+    if args.online:  # latency against request rate: the lab's harness, reached only from this command
+        from ..lab.online import cmd_online
+
+        return cmd_online(args)
     kwargs, lengths = serve_bench_kwargs(args)  # bad options cost nothing: no model is loaded yet
     if args.threads:
         torch.set_num_threads(args.threads)  # on a shared machine one thread avoids waiting at every op's barrier
@@ -127,4 +131,18 @@ def register(sub) -> None:
                    "machine shared with other work, with --shards 1)")
     p.add_argument("--quick", action="store_true", help="a smoke run for CI: 4 short requests (scale 1/32) unless "
                    "--requests / --scale say otherwise, and small sharing and memory runs")
+    o = p.add_argument_group("online (--online: requests arrive over time; minillm.lab.online)")
+    o.add_argument("--online", action="store_true", help="normalised latency, TTFT, TPOT and goodput against "
+                   "request rate: the engine vs static batching on the same arrivals (Kwon et al. 2023, Fig. 12)")
+    o.add_argument("--rate", default="1,2,4", help="request rates per second, comma-separated (default 1,2,4)")
+    o.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps between arrivals, as "
+                   "vLLM's benchmark (1: Poisson; below 1 burstier)")
+    o.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals per rate: rate x duration "
+                   "requests (default 10)")
+    o.add_argument("--http", action="store_true", help="also through the server's app on 127.0.0.1 (streaming "
+                   "httpx clients)")
+    o.add_argument("--ttft-slo", type=float, default=2.0, help="goodput's TTFT target in seconds (default 2)")
+    o.add_argument("--tpot-slo", type=float, default=0.25, help="goodput's TPOT target in seconds (default 0.25)")
+    o.add_argument("--out", default=None, help="folder for the figure and record (default: $MINILLM_FIGURES, "
+                   "else figures/runs, which git ignores)")
     p.set_defaults(func=cmd_serve_bench, measures_speed=True)

@@ -273,8 +273,10 @@ class EngineLoop:
         try:
             outputs = self.engine.step()
         except Exception as e:
-            # the engine aborts the requests a failed step touched; if it named none, end them all (a
-            # step that keeps failing must not spin)
+            # A step that fails in its forward or sampling is undone (the requests stay, and a retry would
+            # compute the same, or fail the same); one that fails appending aborts the requests it could not
+            # append to. The clients of those that vanished are told; if none vanished, every request is
+            # aborted and told, so that a step that keeps failing cannot spin.
             self._failures += 1
             log.exception("engine step failed")
             lost = [rid for rid in self._streams if rid not in self.engine.requests] or list(self._streams)
@@ -284,12 +286,15 @@ class EngineLoop:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted meanwhile
+            reasons = {c.finish_reason for c in out.outputs}
+            if out.finished and "abort" in reasons:  # the engine aborted it (a failed append)
+                self._fail([out.request_id], "the engine aborted the request (see the server log)")
+                continue
             tokens = sum(len(c.token_ids) for c in out.outputs)
             self._generated += tokens - self._tokens[out.request_id]
             self._tokens[out.request_id] = tokens
             stream._put(out)
             if out.finished:
-                reasons = {c.finish_reason for c in out.outputs}
                 self._forget(out.request_id, "stop" if reasons == {"stop"} else "length")
                 if self.on_finish is not None:
                     self.on_finish(out)
