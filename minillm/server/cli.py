@@ -17,11 +17,12 @@ from ..options import add_model_args, at_least, load, print_json
 
 
 def model_name(path: str | None) -> str:
-    """The name the server answers to: the model file's stem (the embedded model's by default)."""
+    """The name the server answers to: the model file's stem, or the folder's name; for the embedded
+    model, SmolLM2-135M-Instruct (its file's stem without the format)."""
     if path is None:
         from ..loading import default_model_path
 
-        path = default_model_path()
+        return default_model_path().stem.split(".")[0]
     return Path(path).stem if Path(path).suffix else Path(path).name
 
 
