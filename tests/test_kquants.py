@@ -13,9 +13,8 @@ from helpers import rel_err, tiny_llama_weights, write_tiny_gguf
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minillm.formats import gguf_blocks
-from minillm.quant import kquants
-from minillm.quant.gguf_quant import (
+from minillm.formats import gguf_blocks, kquants
+from minillm.formats.gguf_quant import (
     quantize_q4_1,
     quantize_q5_0,
     tensor_types,

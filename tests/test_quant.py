@@ -2,6 +2,7 @@
 
 import copy
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -12,12 +13,13 @@ from gguf import GGUFReader, quants
 from minillm.evaluation import perplexity, reference_logprobs
 from minillm.quant import QuantConfig, rtn_quantize
 from minillm.quant.awq import fold_scales, search_clip, search_scales
-from minillm.quant.gguf_quant import quantize_q4_0, quantize_q4_1, quantize_q8_0, write_gguf
+from minillm.formats.gguf_quant import quantize_q4_0, quantize_q4_1, quantize_q8_0, write_gguf
 from minillm.quant.gptq import Hessian, asymmetric_target, gptq_quantize, gptq_quantize_naive, inverse_hessian_cholesky
 from minillm.quant.pack import pack_weight, pack_zeros, unpack_weight, unpack_zeros
 from minillm.quant.checkpoint import load_quantized, save_quantized
 from minillm.quant.pipeline import awq_scale_block, calibration_tokens, quantize_model
 from minillm.quant.qlinear import QuantLinear, quant_linear_naive
+from minillm.quant.recipe import AWQ_GPTQ, BEST, PAPER, Recipe
 
 from helpers import write_tiny_gguf
 
@@ -253,15 +255,25 @@ def test_save_refuses_scales_float16_cannot_hold(tiny, tmp_path):
     assert not (tmp_path / "q.safetensors").exists()
 
 
-def test_quantize_model_defaults_are_the_measured_best_and_the_paper_is_one_call_away(tiny):
-    from minillm.quant.pipeline import GPTQ_DEFAULTS, GPTQ_PAPER
+def test_quantize_model_defaults_are_the_measured_best_and_the_paper_is_one_recipe_away(tiny):
+    """The method's defaults (``Recipe.of``, and the older call) are BEST for gptq, AWQ_GPTQ for awq+gptq and
+    the plain fields for rtn / awq; PAPER and BEST differ in exactly the fields recipe.py's docstring names."""
+    from dataclasses import fields
+
+    import minillm.quant.recipe as recipe_module
 
     calib = tiny_inputs(tiny[0])[0]
     rep = quantize_model(copy.deepcopy(tiny[0]), "gptq", QuantConfig(4, 32), calib, progress=False)
-    assert {k: rep[k] for k in GPTQ_DEFAULTS} == GPTQ_DEFAULTS
-    rep = quantize_model(copy.deepcopy(tiny[0]), "gptq", QuantConfig(4, 32, mse=GPTQ_PAPER["mse"]), calib,
-                         progress=False, **{k: v for k, v in GPTQ_PAPER.items() if k != "mse"})
-    assert {k: rep[k] for k in GPTQ_PAPER} == GPTQ_PAPER
+    assert {k: rep[k] for k in BEST.preset_fields()} == BEST.preset_fields()
+    assert Recipe.of("gptq", bits=4, group_size=32) == replace(BEST, group_size=32)
+    assert Recipe.of("gptq", "paper") == PAPER and Recipe.of("awq+gptq") == AWQ_GPTQ == replace(BEST, method="awq+gptq", v2=False, v2_percdamp=None)
+    rep = quantize_model(copy.deepcopy(tiny[0]), replace(PAPER, group_size=32), calib, progress=False)
+    assert {k: rep[k] for k in PAPER.preset_fields()} == PAPER.preset_fields()
+    assert (rep["act_order"], rep["mse"], rep["percdamp"], rep["true_sequential"], rep["v2"]) == (False, False, 0.01, False, False)
+    differ = {f.name for f in fields(Recipe) if getattr(PAPER, f.name) != getattr(BEST, f.name)}
+    assert differ == set(recipe_module.PRESET_FIELDS) == {"act_order", "mse", "percdamp", "true_sequential", "v2", "v2_percdamp"}
+    assert all(f"``{name}``" in recipe_module.__doc__ for name in differ)  # the docstring names each
+    assert recipe_module.GPTQ_DEFAULTS == BEST.preset_fields() and recipe_module.GPTQ_PAPER == PAPER.preset_fields()
     assert quantize_model(copy.deepcopy(tiny[0]), "rtn", QuantConfig(4, 32), progress=False)["mse"] is False
     both = quantize_model(copy.deepcopy(tiny[0]), "awq+gptq", QuantConfig(4, 32), calib, progress=False)
     assert both["v2"] is False and both["v2_percdamp"] is None and both["act_order"] is True  # v2 not measured after AWQ
@@ -271,6 +283,75 @@ def test_quantize_model_defaults_are_the_measured_best_and_the_paper_is_one_call
     with pytest.raises(ValueError, match=r"v2_percdamp: must be in \[0, 1\)"):
         quantize_model(untouched, "gptq", QuantConfig(4, 32), calib, v2=True, v2_percdamp=1.0, progress=False)
     assert not any(isinstance(m, QuantLinear) for m in untouched.modules())  # refused before any layer changed
+    with pytest.raises(TypeError, match="recipe holds every option"):
+        quantize_model(untouched, BEST, calib, act_order=False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"method": "smoothquant"}, "method: 'smoothquant'"),
+    ({"method": "gptq", "bits": 9}, "bits: must be an integer in 2..8"),
+    ({"method": "gptq", "group_size": 0}, "group_size: must be -1"),
+    ({"method": "gptq", "percdamp": 1.0}, r"percdamp: must be in \[0, 1\)"),
+    ({"method": "rtn", "act_order": True}, "act_order: the column order is a GPTQ option; rtn does not use it"),
+    ({"method": "awq", "static_groups": True}, "static_groups: .* awq does not use it"),
+    ({"method": "awq", "v2": True, "v2_percdamp": 0.3}, "v2: asymmetric calibration is a GPTQ option"),
+    ({"method": "gptq", "awq_clip": True}, "awq_clip: AWQ's clip search; gptq does not use it"),
+    ({"method": "gptq", "v2": True}, "v2_percdamp: v2 needs"),
+    ({"method": "gptq", "v2_percdamp": 0.1}, "v2_percdamp: dampens GPTQv2's correction, which is off"),
+    ({"method": "gptq", "v2": True, "v2_percdamp": -0.1}, r"v2_percdamp: must be in \[0, 1\)"),
+    ({"method": "awq", "awq_tokens": 0}, "awq_tokens: must be a positive integer"),
+    ({"method": "rtn", "quant_head": "int2"}, "quant_head: 'int2'"),
+])
+def test_a_recipe_is_checked_in_one_place_and_the_error_names_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Recipe(**kwargs)
+
+
+def test_recipe_of_applies_options_over_the_methods_start_and_refuses_the_unused_ones():
+    assert Recipe.of("gptq") == BEST and Recipe.of("rtn") == Recipe("rtn") and Recipe.of("awq", mse=None) == Recipe("awq")
+    assert Recipe.of("gptq", v2=False) == replace(BEST, v2=False, v2_percdamp=None)  # v2 off drops its dampening
+    assert Recipe.of("gptq", "paper", v2=True).v2_percdamp == BEST.v2_percdamp  # v2 on takes BEST's
+    assert Recipe.of("awq+gptq", "paper") == replace(PAPER, method="awq+gptq")
+    assert Recipe.of("gptq", config=QuantConfig(3, -1, mse=None)) == replace(BEST, bits=3, group_size=-1)
+    for method, options, flags in (("rtn", {"act_order": False}, "--act-order"), ("awq", {"percdamp": 0.01}, "--percdamp"),
+                                   ("gptq", {"awq_clip": False}, "--awq-clip"), ("rtn", {"recipe": "paper"}, "--recipe")):
+        preset = options.pop("recipe", None)
+        with pytest.raises(ValueError, match=f"quant: {method} does not use {flags}"):
+            Recipe.of(method, preset, **options)
+    with pytest.raises(ValueError, match="recipe: 'exact' is not one of"):
+        Recipe.of("gptq", "exact")
+
+
+# what the code before recipes (commit 6b082c1) gave on this tiny model and calibration: sha256 of every
+# QuantLinear's qweight, qzeros, scales and g_idx, in module order (each recipe's weights are unchanged)
+BEFORE_RECIPES = {
+    "best": "0bb8374d12ebb165ac28106c14ed0a7bc7f0f27025a607a22e066e66111d0cfb",
+    "paper": "b34ddb9771e33b941c2a9c10ea802b1efa896f504718ad5bd305cbfe9cf56300",
+    "awq+gptq": "3c2c8061734ad6a5a7edd6aeaa11e79250eae3cdb1a8188e777c4c50024b45e2",
+    "awq": "33c933897e5ddec090cdedcd6f25c0d68864969920e2c664ee16b3a8539be140",
+}
+
+
+def _digest(model) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            for t in (m.qweight, m.qzeros, m.scales, m.g_idx):
+                h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@pytest.mark.parametrize("name", list(BEFORE_RECIPES))
+def test_each_recipe_gives_the_weights_the_code_before_recipes_gave(tiny, name):
+    """``BEST`` is the old default of ``quantize_model(model, "gptq", ...)`` bit for bit, ``PAPER`` the old
+    GPTQ_PAPER options, AWQ_GPTQ and AWQ the old defaults of their methods (digests computed with the code
+    before ``Recipe``)."""
+    recipe = {"best": BEST, "paper": PAPER, "awq+gptq": AWQ_GPTQ, "awq": Recipe("awq")}[name]
+    model = copy.deepcopy(tiny[0])
+    quantize_model(model, replace(recipe, bits=4, group_size=32), tiny_inputs(model)[0], progress=False)
+    assert _digest(model) == BEFORE_RECIPES[name]
 
 
 @pytest.mark.parametrize("true_sequential", [True, False])
@@ -295,30 +376,29 @@ def test_v2_pipeline_fits_the_float_models_outputs(tiny, true_sequential):
 def test_v2_options_reach_the_layer_alpha_scales_and_v2_percdamp_dampens_the_target_only(tiny):
     """A layer quantized by the pipeline's quantizer with v2 is GPTQ (dampening percdamp) on the target
     ``asymmetric_target(W, H, dXXT, v2_percdamp, v2_alpha)``; v2_alpha 0 gives the plain layer."""
-    from minillm.quant.pipeline import GPTQ_DEFAULTS, LayerQuantizer, linear_of
+    from minillm.quant.pipeline import LayerQuantizer, linear_of
 
     g = torch.Generator().manual_seed(8)
     x_f = torch.randn(2, 16, tiny[0].config.ffn_dim, generator=g)
     x = x_f + 0.3 * torch.randn(x_f.shape, generator=g)
     cfg = QuantConfig(4, 32, mse=True)
-    opts = dict(awq=False, gptq=True, awq_clip=False, act_order=True, static_groups=False, blocksize=128,
-                percdamp=0.001, awq_tokens=0, fast=False)
+    plain = Recipe("gptq", 4, 32, mse=True, act_order=True, percdamp=0.001)
 
     def layer(**v2):
         block = copy.deepcopy(tiny[0].layers[0])
-        return LayerQuantizer(tiny[0], cfg, **opts, **v2)(block, 0, "mlp.w_down", x, x_f).quantized_weight().codes
+        quantizer = LayerQuantizer(tiny[0], replace(plain, **v2), fast=False)
+        return quantizer(block, 0, "mlp.w_down", x, x_f).quantized_weight().codes
 
     W = linear_of(tiny[0].layers[0], "mlp.w_down")[0].weight.float()
     h = Hessian(W.shape[1])
     h.add_batch(x, x_f)
     for alpha, damp in ((1.0, 0.1), (0.5, None)):
-        expected = gptq_quantize(asymmetric_target(W, h.H, h.dXXT, GPTQ_DEFAULTS["v2_percdamp"] if damp is None else damp,
-                                                   alpha), h.H,
-                                 cfg, percdamp=0.001, act_order=True).codes
-        assert torch.equal(layer(v2=True, v2_alpha=alpha, v2_percdamp=damp), expected)
-    plain = layer()
-    assert torch.equal(layer(v2=True, v2_alpha=0.0), plain)
-    assert not torch.equal(layer(v2=True, v2_percdamp=0.1), plain)
+        expected = gptq_quantize(asymmetric_target(W, h.H, h.dXXT, BEST.v2_percdamp if damp is None else damp, alpha),
+                                 h.H, cfg, percdamp=0.001, act_order=True).codes
+        assert torch.equal(layer(v2=True, v2_alpha=alpha, v2_percdamp=BEST.v2_percdamp if damp is None else damp), expected)
+    codes = layer()
+    assert torch.equal(layer(v2=True, v2_alpha=0.0, v2_percdamp=BEST.v2_percdamp), codes)
+    assert not torch.equal(layer(v2=True, v2_percdamp=0.1), codes)
 
 
 def test_paper_gptq_is_the_reference_loop_on_the_float_blocks_inputs(tiny):
@@ -326,7 +406,7 @@ def test_paper_gptq_is_the_reference_loop_on_the_float_blocks_inputs(tiny):
     act-order, min/max) on the Hessian of its inputs in one pass of the float block b, fed by the blocks
     before it already quantized; the default (true sequential) calibrates later layers on the quantized
     earlier ones instead, which changes their codes."""
-    from minillm.quant.pipeline import GPTQ_PAPER, block_inputs, layer_inputs, linear_of, LAYERS
+    from minillm.quant.pipeline import block_inputs, layer_inputs, linear_of, LAYERS
 
     model, calib = copy.deepcopy(tiny[0]), tiny_inputs(tiny[0])[0]
     X, rope, mask = block_inputs(model, calib)
@@ -341,8 +421,8 @@ def test_paper_gptq_is_the_reference_loop_on_the_float_blocks_inputs(tiny):
             setattr(parent, attr, QuantLinear(qw, lin.bias))
         X = block(X, i, rope, None, mask)
     paper, seq = copy.deepcopy(tiny[0]), copy.deepcopy(tiny[0])
-    quantize_model(paper, "gptq", cfg, calib, progress=False, **{k: v for k, v in GPTQ_PAPER.items() if k != "mse"})
-    quantize_model(seq, "gptq", cfg, calib, progress=False, act_order=False, percdamp=0.01)
+    quantize_model(paper, replace(PAPER, group_size=32), calib, progress=False)
+    quantize_model(seq, replace(PAPER, group_size=32, true_sequential=True), calib, progress=False)
     for i in range(len(model.layers)):
         for name in LAYERS:
             assert torch.equal(linear_of(paper.layers[i], name)[0].quantized_weight().codes, expected[f"{i}.{name}"])
@@ -468,7 +548,7 @@ def test_pipeline_quantizes_every_layer_and_round_trips_through_safetensors(tiny
     calib = tiny_inputs(model)[0]
     tokens = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     before = model(tokens, torch.arange(40))
-    report = quantize_model(model, method, QuantConfig(4, 32), calib, act_order=method.endswith("gptq"), progress=False)
+    report = quantize_model(model, method, QuantConfig(4, 32), calib, progress=False)
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * model.config.n_layers
     assert all(0 < r["rel_error"] < 0.5 for r in report["layers"] if "rel_error" in r)
     after = model(tokens, torch.arange(40))
@@ -486,8 +566,7 @@ def test_awq_clip_default_skips_the_clip_only_before_gptq_with_range_search(tiny
 
     def run(method, mse, **kw):
         m = copy.deepcopy(tiny[0])
-        rep = quantize_model(m, method, QuantConfig(3, 32, mse=mse), calib, act_order=method.endswith("gptq"),
-                             progress=False, **kw)
+        rep = quantize_model(m, method, QuantConfig(3, 32, mse=mse), calib, progress=False, **kw)
         return rep["awq_clip"], [mod.qweight.clone() for mod in m.modules() if isinstance(mod, QuantLinear)]
 
     def same(a, b):
@@ -596,13 +675,14 @@ def test_calibration_tokens_are_seeded_windows_of_the_calibration_play(tokenizer
 
 
 def test_avenues_name_real_options_and_recovery_is_the_issues_formula():
-    import inspect
+    import dataclasses
 
     from minillm.quant.avenues import AVENUES, gptq_avenues, recovery
 
     assert recovery(31.0, 36.0, 29.0) == pytest.approx(5 / 7)  # (RTN - method) / (RTN - float)
-    params = set(inspect.signature(quantize_model).parameters)
+    fields = {f.name for f in dataclasses.fields(Recipe)}
     for name, (_, over) in AVENUES.items():
-        assert set(over) - {"calib", "mse"} <= params, name
+        assert set(over) - {"calib", "recipe"} <= fields, name
+        Recipe.of("gptq", over.get("recipe"), **{k: v for k, v in over.items() if k not in ("calib", "recipe")})
     with pytest.raises(ValueError, match="unknown"):
         gptq_avenues(None, None, ["smoothquant"])

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from minillm.quant import QuantConfig, load_quantized, quantize_model, save_quantized
+from minillm.quant import QuantConfig, Recipe, load_quantized, quantize_model, save_quantized
 from minillm.quant.bitrate import (format_choice, format_measurement, layer_errors, measure, merge_tables, model_bpw,
                                    optimize, optimize_naive, option_bits, quantize_variable)
 from minillm.quant.pipeline import LAYERS, linear_of
@@ -121,12 +121,13 @@ def test_measure_refuses_bad_arguments(tiny, calib):
 
 @pytest.mark.parametrize("options", [{}, {"v2": True, "v2_percdamp": 0.1}, {"v2": False, "true_sequential": False}])
 def test_a_uniform_choice_is_the_pipelines_gptq(tiny, calib, options):
-    """The same GPTQ options (defaults: the pipeline's; v2 and true_sequential passed through) give the
-    pipeline's layers."""
+    """The same recipe (default: BEST; v2 and true_sequential as it says) gives the pipeline's layers."""
     names = [f"layers.{i}.{n}" for i in range(2) for n in LAYERS]
     a, b = copy.deepcopy(tiny), copy.deepcopy(tiny)
-    rep = quantize_variable(a, {n: [3, 32] for n in names}, calib, progress=False, **options)
-    quantize_model(b, "gptq", QuantConfig(3, 32, mse=True), calib, progress=False, **options)
+    recipe = Recipe.of("gptq", bits=3, group_size=32, **options)
+    rep = (quantize_variable(a, {n: [3, 32] for n in names}, calib, recipe, progress=False) if options else
+           quantize_variable(a, {n: [3, 32] for n in names}, calib, progress=False))
+    quantize_model(b, recipe, calib, progress=False)
     assert all(rep[k] == v for k, v in options.items())
     for i in range(2):
         for n in LAYERS:
@@ -264,7 +265,7 @@ def test_the_rtn_variant_measures_and_quantizes_with_round_to_nearest(tiny, cali
     assert t["setup"]["method"] == "rtn" and all(r["errors"][0] > r["errors"][2] for r in t["layers"])
     names = [f"layers.{i}.{n}" for i in range(2) for n in LAYERS]
     a, b = copy.deepcopy(tiny), copy.deepcopy(tiny)
-    quantize_variable(a, {n: [4, 32] for n in names}, None, method="rtn", progress=False)
+    quantize_variable(a, {n: [4, 32] for n in names}, None, Recipe("rtn"), progress=False)
     quantize_model(b, "rtn", QuantConfig(4, 32), None, progress=False)
     for i in range(2):
         for n in LAYERS:
@@ -275,7 +276,7 @@ def test_the_rtn_variant_measures_and_quantizes_with_round_to_nearest(tiny, cali
 
 def test_the_measurement_pass_of_a_bpw_command(tiny, calib):
     """--measure kl is sensitivity.measure_logits on the first 2 windows; block is measure's; others are refused."""
-    from minillm.quant.bitrate import measure_pass
+    from minillm.quant.bitrate_cli import measure_pass
     from minillm.quant.sensitivity import measure_logits
 
     kl = measure_pass(tiny, calib, "gptq", "kl", OPTIONS, progress=False)

@@ -77,30 +77,32 @@ def test_bad_input_is_named(args, message):
     assert p.returncode == 2 and message in p.stderr, p.stderr
 
 
-def test_quant_flags_reach_the_library(monkeypatch):
-    """The defaults are None (quantize_model picks the measured best) and each --no-... flag reaches
-    quantize_model; bench quant's --no-mse reaches quant_table."""
+def test_quant_flags_reach_the_library():
+    """--recipe picks GPTQ's preset (best by default; awq+gptq: without v2), each flag given changes one field
+    of it, and the five flags that were the paper's settings give exactly --recipe paper; bench quant's
+    --no-mse reaches quant_table."""
+    from dataclasses import replace
+
     from minillm import cli
     from minillm.quant import cli as cli_quant
     from minillm.quant import pipeline
+    from minillm.quant.recipe import AWQ_GPTQ, BEST, PAPER
 
-    seen = {}
-    monkeypatch.setattr(pipeline, "quantize_model", lambda *a, **kw: seen.update(config=a[2], **kw))
-    monkeypatch.setattr(pipeline, "calibration_tokens", lambda *a, **kw: seen.update(calib=a[1:]))
+    def recipe(*flags, quant="gptq"):
+        return cli_quant._recipe(cli.build_parser().parse_args(["perplexity", "--quant", quant, *flags]))
 
-    def parse(*flags):
-        seen.clear()
-        cli_quant._quantize(cli.build_parser().parse_args(["perplexity", "--quant", "awq+gptq", *flags]), None, None)
-        return seen
-
-    d = parse()
-    assert d["act_order"] is d["true_sequential"] is d["v2"] is d["percdamp"] is d["awq_clip"] is d["config"].mse is None
-    assert d["v2_percdamp"] is None and parse("--v2", "--v2-percdamp", "0.1")["v2_percdamp"] == 0.1
-    assert d["calib"] == (pipeline.CALIB_SAMPLES, 512)
-    for flags, clip in (([], None), (["--awq-clip"], True), (["--no-awq-clip"], False)):
-        assert parse("--mse", *flags)["awq_clip"] is clip and seen["config"].mse is True
-    d = parse("--no-act-order", "--no-mse", "--no-true-sequential", "--no-v2", "--percdamp", "0.01")
-    assert (d["act_order"], d["config"].mse, d["true_sequential"], d["v2"], d["percdamp"]) == (False, False, False, False, 0.01)
+    assert recipe() == recipe("--recipe", "best") == BEST
+    assert recipe("--recipe", "paper") == PAPER
+    assert recipe("--no-act-order", "--no-mse", "--percdamp", "0.01", "--no-true-sequential", "--no-v2") == PAPER
+    assert recipe("--recipe", "paper", "--act-order", "--bits", "3", "--group-size", "-1") == replace(
+        PAPER, act_order=True, bits=3, group_size=-1)
+    assert recipe(quant="awq+gptq") == AWQ_GPTQ and recipe("--v2", "--v2-percdamp", "0.1", quant="awq+gptq").v2_percdamp == 0.1
+    for flags, clip in (([], False), (["--awq-clip"], True), (["--no-awq-clip"], False)):
+        assert recipe("--mse", *flags, quant="awq+gptq").clip is clip
+    assert recipe("--no-mse", quant="awq+gptq").clip is True
+    assert recipe("--quant-head", "int8", quant="rtn").quant_head == "int8"
+    args = cli.build_parser().parse_args(["perplexity", "--quant", "gptq"])
+    assert (args.calib_samples, args.calib_seqlen) == (pipeline.CALIB_SAMPLES, 512)
     args = cli.build_parser().parse_args(["bench", "quant", "--no-mse"])
     assert args.mse is False and args.calib_samples == pipeline.CALIB_SAMPLES and args.avenues is None
     assert cli.build_parser().parse_args(["bench", "quant", "--avenues"]).avenues == "all"
@@ -110,15 +112,15 @@ def test_gptq_only_flags_are_refused_for_other_methods():
     from minillm import cli
     from minillm.quant import cli as cli_quant
 
-    for flag in (["--no-act-order"], ["--percdamp", "0.01"], ["--v2"], ["--v2-percdamp", "0.1"]):
+    for flag in (["--no-act-order"], ["--percdamp", "0.01"], ["--v2"], ["--v2-percdamp", "0.1"], ["--recipe", "paper"]):
         args = cli.build_parser().parse_args(["perplexity", "--quant", "awq", *flag])
         with pytest.raises(ValueError, match="does not use"):
-            cli_quant._quant_config(args)
+            cli_quant._recipe(args)
 
 
 def test_v2_options_that_cannot_apply_are_refused_before_the_model_loads():
     """--v2-percdamp dampens GPTQv2's correction: refused where v2 is off (--no-v2, or awq+gptq's default)
-    and outside [0, 1), by _quant_config, which runs before the model is loaded; --measure and
+    and outside [0, 1), by _recipe, which runs before the model is loaded; --measure and
     --measurement without --bpw are refused rather than ignored."""
     from minillm import cli
     from minillm.quant import cli as cli_quant
@@ -126,8 +128,8 @@ def test_v2_options_that_cannot_apply_are_refused_before_the_model_loads():
     for argv in (["--quant", "gptq", "--no-v2", "--v2-percdamp", "0.1"], ["--quant", "awq+gptq", "--v2-percdamp", "0.1"],
                  ["--quant", "gptq", "--v2-percdamp", "1.5"]):
         with pytest.raises(ValueError, match="v2-percdamp"):
-            cli_quant._quant_config(cli.build_parser().parse_args(["perplexity", *argv]))
-    cli_quant._quant_config(cli.build_parser().parse_args(["perplexity", "--quant", "awq+gptq", "--v2", "--v2-percdamp", "0.1"]))
+            cli_quant._recipe(cli.build_parser().parse_args(["perplexity", *argv]))
+    cli_quant._recipe(cli.build_parser().parse_args(["perplexity", "--quant", "awq+gptq", "--v2", "--v2-percdamp", "0.1"]))
     for argv in (["quantize", "--quant", "gptq", "--out", "x.safetensors", "--measure", "kl"],
                  ["bench", "quant", "--measurement", "m.json"]):
         args = cli.build_parser().parse_args(argv)
@@ -140,5 +142,5 @@ def test_help_states_the_defaults():
     assert p.returncode == 0
     text = " ".join(p.stdout.split())
     for phrase in ("--no-act-order", "--no-mse", "--no-true-sequential", "--no-v2", "(default 0.001; the paper: 0.01)",
-                   "calibration windows (default 32)"):
+                   "calibration windows (default 32)", "--recipe {paper,best}"):
         assert phrase in text, phrase

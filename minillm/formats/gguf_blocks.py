@@ -52,7 +52,7 @@ sub-block, sub-block scales -> codes within the super-block.
 
 What the names mean: the digit is the bits per code, "_0" a symmetric block (scale only), "_1" an
 affine one (scale and offset), "_K" the super-block layout above. The suffixes of llama.cpp's file
-types (Q4_K_S, Q4_K_M, Q4_K_L) are *recipes*: which tensors get more bits (``minillm.quant.kquants``);
+types (Q4_K_S, Q4_K_M, Q4_K_L) are *recipes*: which tensors get more bits (``minillm.formats.kquants``);
 a "Q4_K_M file" mixes Q4_K with Q6_K (and, for rows that 256 does not divide, the 32-weight
 fallbacks Q5_0 and Q8_0).
 

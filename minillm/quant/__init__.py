@@ -5,10 +5,11 @@
     awq.py        AWQ (Lin et al., MLSys 2024): activation-aware per-channel scales, then clipping
     pack.py       int2/3/4/8 codes packed into int32 words
     qlinear.py    ``QuantLinear``: packed weights + scales + zeros, a reference and a fast forward
-    pipeline.py   quantize a whole ``Decoder`` block by block, in execution order, on calibration text
+    recipe.py     ``Recipe``: a run's options in one frozen dataclass; GPTQ's presets ``PAPER`` and ``BEST``
+    pipeline.py   ``quantize_model(model, recipe, calib)``: block by block, in execution order, on calibration text
     checkpoint.py save / load a quantized model (safetensors)
-    gguf_quant.py llama.cpp's Q8_0 / Q4_0 / Q4_1 / Q5_0 quantizers and a GGUF writer
-    kquants.py    llama.cpp's k-quants (Q4_K, Q6_K) and the Q4_K_M recipe; kquants_bench.py: ours vs llama.cpp's
+    kquants_bench.py  our Q4_K_M file vs llama.cpp's (the block encoders and the GGUF writer are in
+                  ``minillm.formats``: gguf_quant.py, kquants.py)
     head.py       the output layer (and the tied embedding) in int8 or int4
     bitrate.py    variable bitrate as ExLlamaV2 does it: measure each layer's options, pick under a bpw budget
     bitrate_cli.py  its commands: quantize --bpw, bench quant --bpw
@@ -23,14 +24,15 @@ Conventions (those of GPTQ / AutoGPTQ / vLLM): a weight W is (out_features, in_f
 ``scales[:, g_idx] * (codes - zeros[:, g_idx])``.
 """
 
+from ..formats.gguf_quant import write_gguf  # re-exported from its old place (it moved to formats/)
 from .awq import search_clip, search_scales
 from .checkpoint import load_quantized, save_quantized
-from .gguf_quant import write_gguf
 from .gptq import Hessian, gptq_quantize
 from .pipeline import calibration_tokens, quantize_model
 from .qlinear import QuantLinear
+from .recipe import BEST, PAPER, Recipe
 from .rtn import QuantConfig, QuantizedWeight, fake_quantize, rtn_quantize
 
-__all__ = ["Hessian", "QuantConfig", "QuantLinear", "QuantizedWeight", "calibration_tokens", "fake_quantize",
-           "gptq_quantize", "load_quantized", "quantize_model", "rtn_quantize", "save_quantized", "search_clip",
-           "search_scales", "write_gguf"]
+__all__ = ["BEST", "Hessian", "PAPER", "QuantConfig", "QuantLinear", "QuantizedWeight", "Recipe", "calibration_tokens",
+           "fake_quantize", "gptq_quantize", "load_quantized", "quantize_model", "rtn_quantize", "save_quantized",
+           "search_clip", "search_scales", "write_gguf"]

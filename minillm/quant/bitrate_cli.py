@@ -1,16 +1,31 @@
 """The variable-bitrate commands, registered by ``minillm.quant.cli``: ``quantize --bpw B`` (measure or
 read a measurement, optimize, quantize, save) and ``bench quant --bpw LIST`` (``bitrate.bitrate_bench`` and
-its figures). The technique itself is ``minillm.quant.bitrate``."""
+its figures). The technique itself is ``minillm.quant.bitrate``; its end-to-end measurement
+``minillm.quant.sensitivity``."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from pathlib import Path
 
-from .bitrate import (DEFAULT_OPTIONS, MEASURES, UNIFORM_METHODS, bitrate_bench, format_bench, format_choice,
-                      format_measurement, measure_pass, model_bpw, optimize, plot_bits_per_layer, plot_ppl_vs_bpw,
+import torch
+
+from .bitrate import (DEFAULT_OPTIONS, UNIFORM_METHODS, bitrate_bench, format_bench, format_choice, format_measurement,
+                      measure, model_bpw, optimize, parse_budgets, plot_bits_per_layer, plot_ppl_vs_bpw,
                       quantize_variable, save_result)
+from .head import quantize_output
 from .pipeline import LAYERS, calibration_tokens, linear_of
+from .recipe import Recipe
+from .sensitivity import measure_logits
+
+#: the measurement passes of a --bpw command: "kl" (``sensitivity.measure_logits``: each layer's KL cost on the
+#: model's output, RTN, 2 windows; the default, because in notebook 05b its allocations beat uniform RTN at
+#: every budget where the block-output errors' did not) or "block" (``bitrate.measure``: each block's output
+#: error with the command's quantizer, plain GPTQ for gptq)
+MEASURES = ("kl", "block")
+
 
 def _measure_help(quantizer_flag: str) -> str:
     return (f"with --bpw: kl (default: each layer's KL cost on the model's output, one layer rounded by RTN at a "
@@ -42,15 +57,22 @@ def add_bench_args(p) -> None:
                    "the cheap variant, measured on 2 windows)")
 
 
-def parse_budgets(text: str) -> list[float]:
-    """'2.5,3,4' -> [2.5, 3.0, 4.0]; ValueError naming --bpw for anything else."""
-    try:
-        budgets = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"bpw: expected comma-separated numbers such as 2.5,3,3.5, got {text!r}") from None
-    if not budgets or any(not math.isfinite(b) or b <= 0 for b in budgets):
-        raise ValueError(f"bpw: expected positive bits per weight such as 2.5,3,3.5, got {text!r}")
-    return budgets
+def measure_pass(model, calib: torch.Tensor, method: str, how: str = "kl", options=DEFAULT_OPTIONS,
+                 progress: bool = True) -> dict:
+    """The measurement a --bpw command runs (``MEASURES``): "kl", ``sensitivity.measure_logits`` on the
+    first 2 windows of ``calib``; "block", ``bitrate.measure`` with ``method``'s quantizer (GPTQ on 16 windows,
+    its errors on 4; RTN on 2).
+
+    Raises:
+        ValueError: an unknown ``how``.
+    """
+    if how not in MEASURES:
+        raise ValueError(f"measure: {how!r} is not one of {MEASURES}")
+    if how == "kl":
+        return measure_logits(model, calib[:2], options, progress=progress)
+    n = 16 if method == "gptq" else 2  # RTN needs no Hessian: only the windows the errors are measured on
+    return measure(model, calib[:n], options, error_windows=min(4 if method == "gptq" else 2, calib.shape[0]),
+                   mse=method == "gptq", method=method, progress=progress)
 
 
 def check_table(table: dict, model) -> None:
@@ -73,9 +95,6 @@ def check_table(table: dict, model) -> None:
 
 
 def _load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
-    import json
-    import os
-
     if args.measurement and os.path.exists(args.measurement):
         try:
             with open(args.measurement, encoding="utf-8") as f:
@@ -98,9 +117,10 @@ def _load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
     return table
 
 
-def cmd_quantize_bpw(args, load, check_output_path, save_quantized, src: str) -> dict:
-    """``quantize --quant gptq --bpw B``: measure (or read --measurement), optimize, quantize, save.
-    Returns the command's report; prints the measured errors, the choice and the achieved bpw."""
+def cmd_quantize_bpw(args, recipe: Recipe, load, check_output_path, save_quantized, src: str) -> dict:
+    """``quantize --quant gptq --bpw B``: measure (or read --measurement), optimize, quantize with ``recipe``
+    (the command's, whose bits and group size each layer's choice replaces), save. Returns the command's
+    report; prints the measured errors, the choice and the achieved bpw."""
     if args.quant not in ("gptq", "rtn"):
         raise ValueError(f"bpw: variable bitrate quantizes with GPTQ or RTN; use --quant gptq or --quant rtn "
                          f"(got --quant {args.quant})")
@@ -109,26 +129,18 @@ def cmd_quantize_bpw(args, load, check_output_path, save_quantized, src: str) ->
     unsupported = [flag for flag, on in (("--static-groups", args.static_groups), ("--sym", args.sym)) if on]
     if unsupported:
         raise ValueError(f"bpw: variable bitrate quantizes asymmetric codes with dynamic groups; drop {', '.join(unsupported)}")
-    # the GPTQ options given on the command line; the others keep quantize_variable's defaults (GPTQ_DEFAULTS)
-    options = {k: v for k, v in (("act_order", args.act_order), ("percdamp", args.percdamp), ("mse", args.mse),
-                                 ("true_sequential", args.true_sequential), ("v2", args.v2),
-                                 ("v2_percdamp", args.v2_percdamp)) if v is not None}
     model, tokenizer = load(args)
     calib = calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
     table = _load_or_measure(args, model, calib, args.quant, progress=not args.json)
     result = optimize(table, args.bpw)
-    report = quantize_variable(model, result["choice"], calib, method=args.quant, progress=not args.json, **options)
-    report["quant_head"] = args.quant_head
-    if args.quant_head != "none":
-        from .head import quantize_output
-
-        report["head"] = quantize_output(model, args.quant_head, True)
+    report = quantize_variable(model, result["choice"], calib, recipe, progress=not args.json)
+    report["quant_head"] = recipe.quant_head
+    if recipe.quant_head != "none":
+        report["head"] = quantize_output(model, recipe.quant_head, True)
     out = save_quantized(model, args.out, report, tokenizer_source=src)
     if not args.json:
         print(format_measurement(table))
         print(format_choice(result))
-    import os
-
     return {"out": str(out), "format": "safetensors", "bytes": os.path.getsize(out), "float32_bytes": 4 * model.config.n_params,
             "method": args.quant, "bits": None, "group_size": None, "target_bpw": args.bpw, "bpw": model_bpw(model),
             "objective": result["objective"], "layer_configs": report["layer_configs"],
@@ -139,8 +151,6 @@ def cmd_quantize_bpw(args, load, check_output_path, save_quantized, src: str) ->
 def cmd_bench_bitrate(args, load, check_output_path, print_json, provenance: dict | None = None) -> int:
     """``bench quant --bpw LIST``: the variable-bitrate table and its two figures (05b_bitrate_*.png);
     ``provenance`` (command, date, load) heads the JSON."""
-    import os
-
     budgets = parse_budgets(args.bpw)
     methods = [] if args.uniform.strip() == "none" else [m.strip() for m in args.uniform.split(",") if m.strip()]
     bad = [m for m in methods if m not in ("rtn", "gptq", "awq", "awq+gptq")]
@@ -150,15 +160,10 @@ def cmd_bench_bitrate(args, load, check_output_path, print_json, provenance: dic
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     check_output_path(out, "--out", suffix=".json")
     model, tokenizer = load(args)
-    table = None
-    if args.measurement:
-        calib = calibration_tokens(tokenizer, args.calib_samples, 512)
-        table = _load_or_measure(args, model, calib, args.bpw_quant, progress=not args.json)
-    rtn = args.bpw_quant == "rtn"
-    result = bitrate_bench(model, tokenizer, budgets, table=table, uniform_methods=methods, method=args.bpw_quant,
-                           max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
-                           measure_samples=2 if rtn else 16, error_windows=2 if rtn else 4, how=args.measure or "kl",
-                           progress=not args.json)
+    calib = calibration_tokens(tokenizer, args.calib_samples, 512)  # the calibration the bench's rows use
+    table = _load_or_measure(args, model, calib, args.bpw_quant, progress=not args.json)
+    result = bitrate_bench(model, tokenizer, budgets, table, uniform_methods=methods, method=args.bpw_quant,
+                           max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples, progress=not args.json)
     result = {**(provenance or {}), **result}
     path = save_result(result, out)
     plot_ppl_vs_bpw(result, path.with_name("05b_bitrate_ppl.png"))

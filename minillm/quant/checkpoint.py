@@ -16,8 +16,8 @@ from safetensors.torch import load_file, save_file
 from ..errors import ModelFileError
 from ..files import atomic_write
 from ..formats.gguf_blocks import dequantize_q8_0
+from ..formats.gguf_quant import quantize_q8_0
 from ..model import Decoder, ModelConfig, weight_shapes
-from .gguf_quant import quantize_q8_0
 from .head import head_config, head_kind
 from .pipeline import LAYERS, linear_of
 from .qlinear import QuantLinear, from_state

@@ -12,19 +12,19 @@ from pathlib import Path
 from ..data import HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity, reference_logprobs, windows
 from ..files import check_output_path, runs_folder
+from ..formats.gguf_quant import write_gguf
 from ..loading import default_model_path
 from ..options import add_model_args, at_least, load, print_json
 from ..tables import load_average
 from . import avenues, bitrate_cli, pipeline
 from .bench import TABLE_CONFIGS, format_table, plot_layer_errors, plot_ppl_vs_bits, quant_table, save_table
 from .checkpoint import save_quantized
-from .gguf_quant import write_gguf
 from .head import HEAD_KINDS
 from .qlinear import KERNEL_GROUP_SIZES
-from .rtn import QuantConfig
+from .recipe import BEST, METHODS, PAPER, RECIPES, Recipe
 
-QUANT_METHODS = ("rtn", "gptq", "awq", "awq+gptq")
-GGUF_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k_m")  # q4_k_m: llama.cpp's recipe (quant.kquants)
+QUANT_METHODS = METHODS
+GGUF_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k_m")  # q4_k_m: llama.cpp's recipe (formats.kquants)
 KERNEL_NOTE = (f"the int4 kernel runs 2-4 bits with group sizes {', '.join(map(str, KERNEL_GROUP_SIZES))} or -1; "
                "other layouts (8 bits, a group of 100) dequantize every forward, about 20x slower than float")
 
@@ -36,7 +36,12 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--bits", type=int, default=4, help=f"2..8 (default 4); {KERNEL_NOTE}")
     p.add_argument("--group-size", type=int, default=64, help="input columns per scale; -1 = per channel (default 64)")
     p.add_argument("--sym", action="store_true", help="symmetric quantization (zero point fixed)")
-    d = pipeline.GPTQ_DEFAULTS
+    p.add_argument("--recipe", choices=tuple(RECIPES), default=None,
+                   help="GPTQ's settings (gptq, awq+gptq): best (default: act-order, range search, dampening "
+                   f"{BEST.percdamp}, true sequential, v2 with --v2-percdamp {BEST.v2_percdamp}; awq+gptq without v2) "
+                   "or paper (Frantar et al. 2023 as its reference code runs: stored column order, min/max, dampening "
+                   f"{PAPER.percdamp}, all layers of a block on the float block's inputs, no v2); the flags below "
+                   "change single settings of it")
     p.add_argument("--mse", action=argparse.BooleanOptionalAction, default=None,
                    help="search each group's range (shrink min/max) to minimise the rounding error, as the GPTQ "
                    "reference quantizer's mse option (default: on for gptq and awq+gptq, off for rtn, the baseline, "
@@ -46,18 +51,18 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
                    "order, the paper's)")
     p.add_argument("--static-groups", action="store_true", help="GPTQ act-order: groups fixed before quantizing")
     p.add_argument("--percdamp", type=float, default=None,
-                   help=f"GPTQ dampening, a fraction of the mean diagonal of H (default {d['percdamp']}; the paper: "
-                   f"{pipeline.GPTQ_PAPER['percdamp']})")
+                   help=f"GPTQ dampening, a fraction of the mean diagonal of H (default {BEST.percdamp}; the paper: "
+                   f"{PAPER.percdamp})")
     p.add_argument("--true-sequential", action=argparse.BooleanOptionalAction, default=None,
                    help="calibrate each layer of a block on the outputs of the block's layers before it, already "
                    "quantized (default: on; --no-true-sequential: all on the float block's inputs, the paper's; with "
                    "v2 on it over-corrects, measured worse than RTN: add --no-v2)")
     p.add_argument("--v2", action=argparse.BooleanOptionalAction, default=None,
                    help="GPTQ: asymmetric calibration (GPTQv2: fit each layer to the float model's outputs; "
-                   f"default: {'on' if d['v2'] else 'off'} for gptq, off for awq+gptq; --no-v2: the paper's)")
+                   f"default: {'on' if BEST.v2 else 'off'} for gptq, off for awq+gptq; --no-v2: the paper's)")
     p.add_argument("--v2-percdamp", type=float, default=None,
                    help="GPTQ --v2: dampening of the asymmetric correction's solve, a fraction of the mean diagonal "
-                   f"of H (a ridge toward the float weight; default {d['v2_percdamp']})")
+                   f"of H (a ridge toward the float weight; default {BEST.v2_percdamp})")
     p.add_argument("--awq-clip", action=argparse.BooleanOptionalAction, default=None,
                    help="AWQ's clip search (default: on, except awq+gptq with the range search)")
     p.add_argument("--calib-samples", type=at_least(1), default=pipeline.CALIB_SAMPLES,
@@ -68,38 +73,24 @@ def add_quant_args(p: argparse.ArgumentParser, required: bool) -> None:
                         "int4 groups of 32 (round to nearest; with --quant rtn/gptq/awq/awq+gptq)")
 
 
-def _quant_config(args) -> QuantConfig:
-    """The QuantConfig of --bits/--group-size/--sym/--mse, and the method's options checked (ValueError
-    naming a bad one): done before the model is loaded, so bad options fail at once."""
-    if args.quant in QUANT_METHODS:
-        unused = [flag for flag, on, method in (("--act-order/--no-act-order", args.act_order is not None, "gptq"),
-                                                ("--static-groups", args.static_groups, "gptq"),
-                                                ("--percdamp", args.percdamp is not None, "gptq"),
-                                                ("--v2/--no-v2", args.v2 is not None, "gptq"),
-                                                ("--v2-percdamp", args.v2_percdamp is not None, "gptq"),
-                                                ("--awq-clip/--no-awq-clip", args.awq_clip is not None, "awq"))
-                  if on and method not in args.quant]
-        if unused:
-            raise ValueError(f"quant: {args.quant} does not use {', '.join(unused)}; drop it, or pick a method that "
-                             "does (gptq and awq+gptq for --act-order/--static-groups/--percdamp/--v2/--v2-percdamp, awq and "
-                             "awq+gptq for --awq-clip)")
-    if args.quant in ("gptq", "awq+gptq"):  # GPTQv2's options, checked as quantize_model checks them, before the load
-        pipeline.resolve_v2(args.quant, args.v2, args.v2_percdamp)
-    return QuantConfig(args.bits, args.group_size, args.sym, args.mse)
+def _recipe(args) -> Recipe:
+    """The run's ``Recipe``: --recipe's preset (gptq, awq+gptq), then each quantization flag given
+    (``Recipe.of``, which refuses a flag the method does not use); built before the model loads, so a bad or
+    contradictory option fails at once."""
+    return Recipe.of(args.quant, args.recipe, bits=args.bits, group_size=args.group_size, sym=args.sym, mse=args.mse,
+                     true_sequential=args.true_sequential, act_order=args.act_order,
+                     static_groups=args.static_groups or None, percdamp=args.percdamp, v2=args.v2,
+                     v2_percdamp=args.v2_percdamp, awq_clip=args.awq_clip, quant_head=args.quant_head)
 
 
-def _quantize(args, model, tokenizer, config=None) -> dict:
-    config = config or _quant_config(args)
-    calib = None
-    if args.quant != "rtn":
-        if model is not None and args.calib_seqlen > model.config.max_seq_len:
-            raise ValueError(f"calib-seqlen: {args.calib_seqlen} tokens do not fit the model's context of "
-                             f"{model.config.max_seq_len} tokens; use --calib-seqlen {model.config.max_seq_len} or less")
-        calib = pipeline.calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
-    return pipeline.quantize_model(model, args.quant, config, calib, act_order=args.act_order,
-                                   static_groups=args.static_groups, percdamp=args.percdamp,
-                                   true_sequential=args.true_sequential, v2=args.v2, v2_percdamp=args.v2_percdamp,
-                                   awq_clip=args.awq_clip, progress=not args.json, quant_head=args.quant_head)
+def _calibration(args, model, tokenizer):
+    """--calib-samples windows of --calib-seqlen tokens (None for rtn, which needs none)."""
+    if args.quant == "rtn":
+        return None
+    if model is not None and args.calib_seqlen > model.config.max_seq_len:
+        raise ValueError(f"calib-seqlen: {args.calib_seqlen} tokens do not fit the model's context of "
+                         f"{model.config.max_seq_len} tokens; use --calib-seqlen {model.config.max_seq_len} or less")
+    return pipeline.calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
 
 
 def _read_text(args) -> tuple[str, str]:
@@ -116,7 +107,7 @@ def cmd_perplexity(args) -> int:
     if args.quant_head != "none" and not args.quant:
         raise ValueError("quant-head: quantizes the output layer of a --quant model; add --quant (rtn needs no "
                          "calibration)")
-    config = _quant_config(args) if args.quant else None
+    recipe = _recipe(args) if args.quant else None
     text, name = _read_text(args)
     model, tokenizer = load(args)
     if tokenizer is None:
@@ -128,7 +119,7 @@ def cmd_perplexity(args) -> int:
     if args.quant:
         reference = reference_logprobs(model, tokens, args.seqlen, args.max_tokens, progress=not args.json)
         float_ppl = perplexity(model, tokens, args.seqlen, args.max_tokens)["perplexity"]
-        q = _quantize(args, model, tokenizer, config)
+        q = pipeline.quantize_model(model, recipe, _calibration(args, model, tokenizer), progress=not args.json)
         report.update(quant=args.quant, bits=args.bits, group_size=args.group_size, act_order=q["act_order"],
                       static_groups=q["static_groups"], mse=q["mse"], percdamp=q["percdamp"],
                       true_sequential=q["true_sequential"], v2=q["v2"], v2_percdamp=q.get("v2_percdamp"), awq_clip=q["awq_clip"], float_perplexity=float_ppl,
@@ -176,16 +167,16 @@ def cmd_quantize(args) -> int:
         if args.dtype != "float32":
             raise ValueError(f"dtype: quantize works on float32 weights (the saved file computes in float32, and its "
                              f"embedding stays in compact Q8_0 blocks only then); drop --dtype {args.dtype}")
-        config = _quant_config(args)
+        recipe = _recipe(args)
         # an absolute path: the file is loaded later from any folder
         src = str(Path(args.model).resolve()) if (args.model or "").endswith(".gguf") else str(default_model_path())
         check_output_path(args.out, "--out", sources=[src] + ([args.model] if args.model else []))
         if args.bpw is not None:  # variable bitrate: bitrate_cli.py measures, chooses and saves
-            report = bitrate_cli.cmd_quantize_bpw(args, load, check_output_path, save_quantized, src)
+            report = bitrate_cli.cmd_quantize_bpw(args, recipe, load, check_output_path, save_quantized, src)
             print_json(report) if args.json else print(f"wrote {report['out']}: {report['bytes'] / 1e6:.1f} MB")
             return 0
         model, tokenizer = load(args)
-        q = _quantize(args, model, tokenizer, config)
+        q = pipeline.quantize_model(model, recipe, _calibration(args, model, tokenizer), progress=not args.json)
         out = save_quantized(model, args.out, q, tokenizer_source=src)
         report = {"out": str(out), "format": "safetensors", "bytes": os.path.getsize(out),
                   "float32_bytes": 4 * model.config.n_params,

@@ -1,7 +1,7 @@
 """Our Q4_K_M file beside llama.cpp's and the shipped Q4_1: block bytes, size and perplexity.
 
 ``python -m minillm.quant.kquants_bench --out figures/05_kquants.json`` writes minillm's Q4_K_M of the
-embedded model (``gguf_quant.write_gguf``), has llama.cpp quantize the same file to Q4_K_M (through
+embedded model (``formats.gguf_quant.write_gguf``), has llama.cpp quantize the same file to Q4_K_M (through
 llama-cpp-python's ``llama_model_quantize``, an optional extra: without it the llama.cpp rows are left
 out), compares the two tensor by tensor (type and bytes), and scores all the files with minillm in one
 run: perplexity on the held-out play, KL from the shipped model, size and bits per weight.
@@ -23,8 +23,8 @@ from ..data import HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity, reference_logprobs, windows
 from ..files import atomic_write, dumps_strict, runs_folder
 from ..formats.gguf import read_gguf
+from ..formats.gguf_quant import write_gguf
 from ..loading import default_model_path, load_model
-from .gguf_quant import write_gguf
 
 
 def llamacpp_quantize(src: str | Path, dst: str | Path, ftype: str = "Q4_K_M", nthread: int = 1) -> Path:

@@ -1,4 +1,4 @@
-"""Quantize a whole ``Decoder``: calibration text, the block-by-block loop, save and load.
+"""Quantize a whole ``Decoder`` as a ``Recipe`` says (``recipe.py``): calibration text and the block-by-block loop.
 
 The loop follows GPTQ's sequential scheme (paper Sec. 4, "Step 3"; AWQ's code does the same):
 the calibration tokens are embedded once, then for each block in order
@@ -7,7 +7,7 @@ the calibration tokens are embedded once, then for each block in order
    folded in (``awq.py``);
 2. its linear layers are quantized **in execution order** (qkv, o, gate/up, down), each calibrated on
    inputs computed with the layers before it already quantized ("true sequential", an option of the
-   GPTQ reference code; ``true_sequential=False`` calibrates all four on one pass of the float block,
+   GPTQ reference code; ``Recipe.true_sequential=False`` calibrates all four on one pass of the float block,
    as the paper did) (AWQ: clip search first, except before a GPTQ with range search; GPTQ: the
    Hessian of those inputs; RTN needs no inputs);
 3. the quantized block's outputs become the next block's X.
@@ -21,8 +21,6 @@ evaluation play (``minillm.data``).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from tqdm.auto import tqdm
 
@@ -30,21 +28,13 @@ from ..data import CALIBRATION_PLAY, play_text
 from ..model import Linear
 from .awq import fold_scales, search_clip, search_scales
 from .gptq import Hessian, asymmetric_target, gptq_quantize
-from .head import head_config, quantize_output
+from .head import quantize_output
 from .qlinear import QuantLinear, warn_slow_layers
+from .recipe import GPTQ_DEFAULTS, GPTQ_PAPER, Recipe  # noqa: F401 (GPTQ_*: notebook 05 imports them from here)
 from .rtn import QuantConfig, rtn_quantize
 
-METHODS = ("rtn", "gptq", "awq", "awq+gptq")
-
-# GPTQ's settings: the measured best (the defaults of quantize_model and of the commands) and the paper's.
-# docs/quantization.md measures each on Hamlet ("GPTQ avenues"; figures/05_gptq_avenues.json).
-GPTQ_DEFAULTS = {"act_order": True, "mse": True, "percdamp": 0.001, "true_sequential": True, "v2": True,
-                 "v2_percdamp": 0.3}
-GPTQ_PAPER = {"act_order": False, "mse": False, "percdamp": 0.01, "true_sequential": False, "v2": False,
-              "v2_percdamp": None}
-# AWQ+GPTQ: GPTQ's defaults without asymmetric calibration, which is not measured after AWQ's scaling
-AWQ_GPTQ_DEFAULTS = {**GPTQ_DEFAULTS, "v2": False, "v2_percdamp": None}
 CALIB_SAMPLES = 32  # calibration windows of 512 tokens (the measured best; the paper: 128 of 2048)
+AWQ_GRID = 20  # AWQ's grid of alphas for s = mean|x|^alpha (Lin et al. 2024)
 LAYERS = ("attn.wqkv", "attn.wo", "mlp.w_gate_up", "mlp.w_down")  # execution order within a block
 
 
@@ -102,124 +92,68 @@ def _subsample(x: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
     return x[torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(seed))[:n]]
 
 
-def resolve_v2(method: str, v2: bool | None, v2_percdamp: float | None) -> tuple[bool, float | None]:
-    """GPTQv2's options for ``method`` as they will run: v2 (None: on for "gptq", off for "awq+gptq", see
-    ``AWQ_GPTQ_DEFAULTS``) and its dampening (None with v2 on: ``GPTQ_DEFAULTS["v2_percdamp"]``; None
-    with it off). The one check of both, called before any work (the commands call it before loading).
-
-    Raises:
-        ValueError: v2 for a method without GPTQ, a dampening outside [0, 1), or one with v2 off.
-    """
-    gptq = method.endswith("gptq")
-    v2 = (GPTQ_DEFAULTS["v2"] if method == "gptq" else False) if v2 is None else v2
-    if v2 and not gptq:
-        raise ValueError(f"v2: asymmetric calibration is a GPTQ option; {method} does not use it")
-    if v2_percdamp is not None and not 0 <= v2_percdamp < 1:
-        raise ValueError(f"v2_percdamp: must be in [0, 1) (a fraction of the mean diagonal of H; --v2-percdamp), "
-                         f"got {v2_percdamp}")
-    if v2_percdamp is not None and not v2:
-        raise ValueError(f"v2_percdamp: dampens GPTQv2's correction, which is off for {method} here; turn on v2 "
-                         "(--v2) or drop --v2-percdamp")
-    return v2, (GPTQ_DEFAULTS["v2_percdamp"] if v2 and v2_percdamp is None else v2_percdamp)
-
-
 @torch.inference_mode()
-def quantize_model(model, method: str, config: QuantConfig, calib: torch.Tensor | None = None, *,
-                   act_order: bool | None = None, static_groups: bool = False, blocksize: int = 128,
-                   percdamp: float | None = None, true_sequential: bool | None = None, v2: bool | None = None,
-                   v2_alpha: float = 1.0, v2_percdamp: float | None = None, awq_grid: int = 20,
-                   awq_clip: bool | None = None, awq_tokens: int = 4096, fast: bool = True, progress: bool = True,
-                   quant_head: str = "none") -> dict:
-    """Quantize every linear layer of ``model``'s blocks in place (Linear -> ``QuantLinear``).
-
-    Every option left at None takes the measured best for the method (``GPTQ_DEFAULTS``; the paper's
-    settings are ``GPTQ_PAPER``).
+def quantize_model(model, recipe: Recipe, calib: torch.Tensor | None = None, *args, fast: bool = True,
+                   progress: bool = True, **options) -> dict:
+    """Quantize every linear layer of ``model``'s blocks in place (Linear -> ``QuantLinear``) as ``recipe``
+    says (``recipe.PAPER``, ``recipe.BEST`` or any ``Recipe``).
 
     Args:
         model: a Llama-architecture ``Decoder`` (float32).
-        method: "rtn", "gptq", "awq" (AWQ scales + clip, then RTN) or "awq+gptq" (AWQ scales, the clip
-            only as ``awq_clip`` says, then GPTQ).
-        config: bits / group_size / sym / mse (``config.mse`` None: on for GPTQ and AWQ+GPTQ, off for
-            RTN and AWQ).
+        recipe: the method and its options; the older call ``quantize_model(model, method, QuantConfig,
+            calib, **options)`` still works and means ``Recipe.of(method, config=..., **options)``: the
+            method's measured best (GPTQ: ``BEST``; AWQ+GPTQ: ``AWQ_GPTQ``) with the options given.
         calib: (N, T) calibration token ids (``calibration_tokens``); required except for "rtn".
-        act_order, static_groups, blocksize, percdamp: GPTQ's options (``gptq.gptq_quantize``).
-        true_sequential: calibrate each layer of a block on the outputs of the block's layers before it,
-            already quantized (else all four on one pass of the float block, as the paper).
-        v2, v2_alpha, v2_percdamp: GPTQ with asymmetric calibration (``gptq.asymmetric_target``): fit
-            each layer to the float model's outputs on the float model's inputs; alpha scales the
-            correction, v2_percdamp dampens its solve (a ridge toward the float weight; None:
-            ``GPTQ_DEFAULTS["v2_percdamp"]``). On by default for "gptq"; off for "awq+gptq"
-            (``AWQ_GPTQ_DEFAULTS``: not measured after AWQ's scaling).
-        awq_grid: alpha grid size; awq_tokens: tokens sampled for AWQ's searches.
-        awq_clip: run AWQ's clip search (Lin et al. 2024, Sec. 3.3). Default: yes, except for
-            "awq+gptq" with ``config.mse``: there clipping would replace the float weights GPTQ then
-            reproduces (the clipped-away part is an error GPTQ's feedback never sees) while GPTQ's
-            range search already shrinks each group's range on the error-updated columns
-            (measured in docs/quantization.md).
         fast: let each ``QuantLinear`` use the int4 kernel when it can (a warning names the layers
             whose layout it cannot run).
         progress: progress bar over blocks.
-        quant_head: "none" (the output layer stays float, as in GPTQ and AWQ), "int8" or "int4": the
-            output layer (and a tied embedding) quantized by round to nearest (``head.quantize_output``).
 
     Returns:
-        {"method", "bits", "group_size", "act_order", ... (the options that ran), "layers": [{"name",
-        "rel_error", "alpha"?}]} where rel_error = ||W_hat X - W X|| / ||W X|| on the layer's
-        calibration inputs (NaN for RTN when no calibration is given).
+        {**recipe.report() (the options as they ran), "layers": [{"name", "rel_error", "awq_alpha"?}],
+        "calib_samples", "calib_seqlen", "quant_head", "head"?} where rel_error = ||W_hat X - W X|| / ||W X||
+        on the layer's calibration inputs (NaN for RTN when no calibration is given).
 
     Raises:
-        ValueError: unknown method, missing calibration, calibration windows longer than the model's
-            context, v2 without GPTQ, or an architecture other than Llama.
+        ValueError: a bad recipe (``Recipe``), missing calibration, calibration windows longer than the
+            model's context, or an architecture other than Llama; all before any layer changes.
     """
-    if method not in METHODS:
-        raise ValueError(f"method: {method!r} is not one of {METHODS}")
-    head_config(quant_head)  # an unknown kind is refused before the work
-    awq, gptq = method.startswith("awq"), method.endswith("gptq")
-    best = (GPTQ_DEFAULTS if method == "gptq" else AWQ_GPTQ_DEFAULTS if gptq
-            else {**GPTQ_PAPER, "true_sequential": GPTQ_DEFAULTS["true_sequential"]})
-    act_order = best["act_order"] if act_order is None else act_order
-    percdamp = best["percdamp"] if percdamp is None else percdamp
-    true_sequential = best["true_sequential"] if true_sequential is None else true_sequential
-    v2, v2_percdamp = resolve_v2(method, v2, v2_percdamp)
-    if config.mse is None:
-        config = replace(config, mse=best["mse"])
-    if awq_clip is None:
-        awq_clip = not (gptq and config.mse)
-    if (awq or gptq) and calib is None:
-        raise ValueError(f"calib: {method} needs calibration tokens (see calibration_tokens)")
-    if model.config.arch != "llama":
-        raise ValueError(f"model: quantization supports the llama architecture, not {model.config.arch!r}")
-    if calib is not None and calib.shape[1] > model.config.max_seq_len:
-        raise ValueError(f"calib_seqlen: calibration windows of {calib.shape[1]} tokens do not fit the model's "
-                         f"context of {model.config.max_seq_len} tokens; use {model.config.max_seq_len} or less")
+    if isinstance(recipe, str):  # the older call: (model, method, QuantConfig, calib, **options)
+        return quantize_model(model, Recipe.of(recipe, config=calib, **options), *args, fast=fast, progress=progress)
+    if args or options:
+        raise TypeError(f"quantize_model: the recipe holds every option; got {sorted(options) or args}")
+    _check_inputs(model, recipe, calib)
     model._compiled_decode = None  # a compiled decode (minillm.compiled) froze the float weights
-    quantizer = LayerQuantizer(model, config, awq=awq, gptq=gptq, awq_clip=awq and awq_clip, act_order=act_order,
-                               static_groups=static_groups, blocksize=blocksize, percdamp=percdamp,
-                               true_sequential=true_sequential, v2=v2, v2_alpha=v2_alpha, v2_percdamp=v2_percdamp,
-                               awq_tokens=awq_tokens, fast=fast)
-    report = {"method": method, "bits": config.bits, "group_size": config.group_size, "sym": config.sym,
-              "mse": config.mse, "act_order": gptq and act_order, "static_groups": gptq and static_groups,
-              "percdamp": percdamp if gptq else None, "true_sequential": true_sequential, "v2": v2,
-              "v2_alpha": v2_alpha if v2 else None,
-              "v2_percdamp": v2_percdamp if v2 else None,
-              "awq_clip": awq and awq_clip, "layers": quantizer.layers}
+    quantizer = LayerQuantizer(model, recipe, fast)
+    report = {**recipe.report(), "layers": quantizer.layers}
+    blocks = tqdm(model.layers, desc=f"quantize ({recipe.method})", disable=not progress, leave=False)
     if calib is None:  # RTN without calibration: no inputs needed
-        for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
+        for i, block in enumerate(blocks):
             for name in LAYERS:
                 quantizer.rtn(block, i, name)
     else:
         report.update(calib_samples=calib.shape[0], calib_seqlen=calib.shape[1])
         X, rope, mask = block_inputs(model, calib.to(model.device))
-        X_float = X.clone() if v2 else None
-        for i, block in enumerate(tqdm(model.layers, desc=f"quantize ({method})", disable=not progress, leave=False)):
-            if awq:
-                report["layers"] += awq_scale_block(model, block, i, X, rope, mask, config, awq_grid, awq_tokens)
+        X_float = X.clone() if recipe.v2 else None  # GPTQv2: the float model's activations, beside
+        for i, block in enumerate(blocks):
+            if recipe.awq:
+                report["layers"] += awq_scale_block(model, block, i, X, rope, mask, recipe.config, AWQ_GRID,
+                                                    recipe.awq_tokens)
             X, X_float = quantize_block(quantizer, block, i, X, rope, mask, X_float)
-    report["quant_head"] = quant_head
-    if quant_head != "none":
-        report["head"] = quantize_output(model, quant_head, fast)
-    warn_slow_layers(model, config)
+    report["quant_head"] = recipe.quant_head
+    if recipe.quant_head != "none":
+        report["head"] = quantize_output(model, recipe.quant_head, fast)
+    warn_slow_layers(model, recipe.config)
     return report
+
+
+def _check_inputs(model, recipe: Recipe, calib: torch.Tensor | None) -> None:
+    if (recipe.awq or recipe.gptq) and calib is None:
+        raise ValueError(f"calib: {recipe.method} needs calibration tokens (see calibration_tokens)")
+    if model.config.arch != "llama":
+        raise ValueError(f"model: quantization supports the llama architecture, not {model.config.arch!r}")
+    if calib is not None and calib.shape[1] > model.config.max_seq_len:
+        raise ValueError(f"calib_seqlen: calibration windows of {calib.shape[1]} tokens do not fit the model's "
+                         f"context of {model.config.max_seq_len} tokens; use {model.config.max_seq_len} or less")
 
 
 def block_inputs(model, calib: torch.Tensor):
@@ -254,7 +188,7 @@ def quantize_block(quantizer: LayerQuantizer, block, i: int, X: torch.Tensor, ro
     if X_float is not None:  # the float model's inputs of every layer, before any layer is replaced
         float_ins, X_float = layer_inputs(block, i, X_float, rope, mask)
     f = (lambda name: float_ins[name]) if float_ins else (lambda name: None)
-    if not quantizer.true_sequential:
+    if not quantizer.recipe.true_sequential:
         ins, _ = layer_inputs(block, i, X, rope, mask)
         for name in LAYERS:
             quantizer(block, i, name, ins[name], f(name))
@@ -270,21 +204,11 @@ def quantize_block(quantizer: LayerQuantizer, block, i: int, X: torch.Tensor, ro
 
 
 class LayerQuantizer:
-    """Replaces one linear layer of a block by its ``QuantLinear``, quantized by the method's settings
-    (AWQ's clip search, then GPTQ or RTN) on that layer's calibration inputs, and records its error
-    in ``layers``."""
+    """Replaces one linear layer of a block by its ``QuantLinear``, quantized as ``recipe`` says (AWQ's
+    clip search, then GPTQ or RTN) on that layer's calibration inputs, and records its error in ``layers``."""
 
-    def __init__(self, model, config: QuantConfig, *, awq: bool, gptq: bool, awq_clip: bool, act_order: bool,
-                 static_groups: bool, blocksize: int, percdamp: float, true_sequential: bool = True,
-                 v2: bool = False, v2_alpha: float = 1.0, v2_percdamp: float | None = None, awq_tokens: int,
-                 fast: bool):
-        self.model_config, self.config = model.config, config
-        self.awq, self.gptq, self.awq_clip = awq, gptq, awq_clip
-        self.gptq_options = {"blocksize": blocksize, "percdamp": percdamp, "act_order": act_order,
-                             "static_groups": static_groups}
-        self.true_sequential, self.v2, self.v2_alpha = true_sequential, v2, v2_alpha
-        self.v2_percdamp = GPTQ_DEFAULTS["v2_percdamp"] if v2_percdamp is None else v2_percdamp
-        self.awq_tokens, self.fast = awq_tokens, fast
+    def __init__(self, model, recipe: Recipe, fast: bool = True):
+        self.model_config, self.recipe, self.config, self.fast = model.config, recipe, recipe.config, fast
         self.layers: list[dict] = []
 
     def rtn(self, block, i: int, name: str) -> None:
@@ -294,21 +218,23 @@ class LayerQuantizer:
         self.layers.append({"name": f"layers.{i}.{name}", "rel_error": float("nan")})
 
     def __call__(self, block, i: int, name: str, x: torch.Tensor, x_float: torch.Tensor | None = None) -> QuantLinear:
+        r = self.recipe
         lin, parent, attr = linear_of(block, name)
         W_float = lin.weight.float()  # (O, I), reassembled from the shards once
         W = W_float
-        if self.awq_clip:
+        if r.clip:
             rows = None
             if name == "attn.wqkv":  # q and k rows are not clipped (AWQ)
                 c = self.model_config
                 rows = slice((c.n_heads + c.n_kv_heads) * c.head_dim, W.shape[0])
-            W = search_clip(W, _subsample(x, min(self.awq_tokens, 512)), self.config, rows)
-        if self.gptq:
+            W = search_clip(W, _subsample(x, min(r.awq_tokens, 512)), self.config, rows)
+        if r.gptq:
             h = Hessian(W.shape[1], device=W.device)
-            h.add_batch(x, x_float if self.v2 else None)
-            if self.v2:
-                W = asymmetric_target(W, h.H, h.dXXT, self.v2_percdamp, self.v2_alpha)
-            qw = gptq_quantize(W, h.H, self.config, **self.gptq_options)
+            h.add_batch(x, x_float if r.v2 else None)
+            if r.v2:
+                W = asymmetric_target(W, h.H, h.dXXT, r.v2_percdamp, r.v2_alpha)
+            qw = gptq_quantize(W, h.H, self.config, percdamp=r.percdamp, act_order=r.act_order,
+                               static_groups=r.static_groups)
         else:
             qw = rtn_quantize(W, self.config)
         x2 = _subsample(x, 4096)

@@ -15,13 +15,21 @@ model on a quantized copy, the baseline the tests compare it with.
 
 from __future__ import annotations
 
+import argparse
 import copy
+import datetime
+import json
+import time
 
 import torch
 from tqdm.auto import tqdm
 
-from .bitrate import _check_options, option_bits
-from .pipeline import LAYERS, block_inputs, linear_of
+from ..files import atomic_write, check_output_path, dumps_strict
+from ..loading import load_model
+from ..tables import load_average
+from . import bitrate
+from .bitrate import check_options, option_bits
+from .pipeline import LAYERS, block_inputs, calibration_tokens, linear_of
 from .qlinear import QuantLinear
 from .rtn import QuantConfig, rtn_quantize
 
@@ -40,7 +48,7 @@ def _tail(model, i: int, h: torch.Tensor, rope, mask) -> torch.Tensor:
 
 
 def _check(model, calib: torch.Tensor, options):
-    options = _check_options(options)
+    options = check_options(options)
     if model.config.arch != "llama":
         raise ValueError(f"model: the sensitivity measurement supports the llama architecture, not {model.config.arch!r}")
     if calib.ndim != 2 or calib.shape[1] > model.config.max_seq_len:
@@ -129,13 +137,6 @@ def bitrate_rows(model, tokenizer, result: dict, budgets, *, options=None, calib
     Raises:
         ValueError: a method other than rtn / gptq, or a uniform method not in ``bitrate.UNIFORM_METHODS``.
     """
-    import datetime
-    import time
-
-    from ..tables import load_average
-    from . import bitrate
-    from .pipeline import calibration_tokens
-
     if method not in ("rtn", "gptq"):
         raise ValueError(f"method: the allocations are quantized with rtn or gptq, not {method!r}")
     bad = [m for m in uniform if m not in bitrate.UNIFORM_METHODS]
@@ -184,35 +185,27 @@ def main(argv=None) -> int:
     """Add end-to-end variable-bitrate rows to a ``bench quant --bpw`` result: the KL measurement
     (``measure_logits``), each budget's allocation quantized with --method and scored like the result's
     rows, and uniform rows of the --uniform methods; written to --out after every row."""
-    import argparse
-    import json
-
-    from ..files import atomic_write, check_output_path, dumps_strict
-    from ..loading import load_model
-    from .bitrate import UNIFORM_METHODS, optimize
-    from .bitrate_cli import parse_budgets
-
     p = argparse.ArgumentParser(prog="python -m minillm.quant.sensitivity", description=main.__doc__.split("\n\n")[0])
     p.add_argument("--result", required=True, help="a bench quant --bpw result (JSON) to add the end-to-end rows to")
     p.add_argument("--out", required=True, help="where to write the result with them (not --result itself)")
     p.add_argument("--budgets", default="2.5,3,3.5,4,4.5", help="bits per weight, comma-separated (default 2.5,3,3.5,4,4.5)")
     p.add_argument("--method", choices=("rtn", "gptq"), default="rtn",
                    help="how the allocations are quantized (default rtn; gptq: the defaults, with the range search)")
-    p.add_argument("--uniform", default="", help=f"methods ({', '.join(UNIFORM_METHODS)}) whose uniform rows to add at "
+    p.add_argument("--uniform", default="", help=f"methods ({', '.join(bitrate.UNIFORM_METHODS)}) whose uniform rows to add at "
                    "every option the result lacks and some budget affords, comma-separated (default: none)")
     args = p.parse_args(argv)
     try:  # everything that can be refused is refused before the model loads
-        budgets = parse_budgets(args.budgets)
+        budgets = bitrate.parse_budgets(args.budgets)
         uniform = [m.strip() for m in args.uniform.split(",") if m.strip()]
-        bad = [m for m in uniform if m not in UNIFORM_METHODS]
+        bad = [m for m in uniform if m not in bitrate.UNIFORM_METHODS]
         if bad:
-            raise ValueError(f"uniform: {bad} are not among {', '.join(UNIFORM_METHODS)}")
+            raise ValueError(f"uniform: {bad} are not among {', '.join(bitrate.UNIFORM_METHODS)}")
         check_output_path(args.out, "--out", sources=[args.result], suffix=".json")
         try:
             with open(args.result, encoding="utf-8") as f:
                 result = json.load(f)
             for b in budgets:  # a budget below the cheapest options fails now, not after the measurement
-                optimize(result["measurement"], b)
+                bitrate.optimize(result["measurement"], b)
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise ValueError(f"result: cannot read {args.result!r} as a bench quant --bpw result ({e!r})") from None
     except ValueError as e:

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from ..formats.gguf_blocks import QK_K
+from .gguf_blocks import QK_K
 
 GROUP_MAX_EPS = np.float32(1e-15)  # ggml's threshold for an all-zero group
 

@@ -14,7 +14,7 @@ float16. Q4_0 uses the *signed* largest-magnitude weight so that it lands exactl
 Q4_1 is affine like RTN with group size 32 (but without forcing 0 into the range).
 
 The k-quants (Q4_K, Q6_K: 256-weight super-blocks) and llama.cpp's Q4_K_M recipe are in
-``minillm.quant.kquants``. ``write_gguf`` re-quantizes every 2-D tensor of a GGUF file to one of
+``minillm.formats.kquants``. ``write_gguf`` re-quantizes every 2-D tensor of a GGUF file to one of
 these types, or to the type the Q4_K_M recipe gives each tensor, copies the metadata, and writes a
 file that ``gguf.GGUFReader``, llama.cpp and ``minillm.load_model`` read back.
 """
@@ -29,8 +29,8 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from tqdm.auto import tqdm
 
 from ..files import atomic_write, check_output_path
-from ..formats.gguf import read_gguf
-from ..formats.gguf_blocks import dequantize
+from .gguf import read_gguf
+from .gguf_blocks import dequantize
 from .kquants import blocks_of, f16_bytes, q4_k_m_types, quantize_q4_k, quantize_q6_k
 
 QK = 32
