@@ -121,6 +121,35 @@ def test_tiny_engine_on_cuda_equals_generate_cached_on_cpu(tiny_path):
     assert llm.llm_engine.manager.num_free_blocks == 16
 
 
+def test_tiny_engine_beam_search_on_cuda_equals_the_naive_search_on_cpu(tiny_path):
+    """Beam search in the engine on the GPU (its scores meet the beams' cumulative log-probabilities on
+    the model's device) against the naive search that recomputes every beam on the CPU."""
+    from minillm.paged import BeamSearchParams, beam_search_naive
+
+    cpu, gpu = load_model(tiny_path)[0], load_model(tiny_path, device=DEVICE)[0]
+    prompt, params = [5, 9, 200, 31, 7], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    got = LLM(gpu, block_size=4, num_blocks=32).beam_search([{"prompt_token_ids": prompt}], params)[0]
+    ref = beam_search_naive(cpu, prompt, params)
+    assert [s.tokens for s in got.sequences] == [s.tokens for s in ref.sequences]
+    assert [s.cum_logprob for s in got.sequences] == pytest.approx([s.cum_logprob for s in ref.sequences], abs=1e-3)
+
+
+def test_tiny_engine_seeded_samples_and_prefix_hits_on_cuda(tiny_path):
+    """Seeded n > 1 on the GPU: the same tokens alone as in a batch, and again on a prefix-cache hit."""
+    gpu = load_model(tiny_path, device=DEVICE)[0]
+    prompt = [(5 * j) % 250 + 1 for j in range(13)]
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True, temperature=50.0, seed=3, n=3)
+    other = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    llm = LLM(gpu, block_size=4, num_blocks=32)
+    alone = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    batch = llm.generate([{"prompt_token_ids": [3, 4, 5]}, {"prompt_token_ids": prompt}], [other, params],
+                         use_tqdm=False)[1]
+    assert batch.num_cached_tokens == 12  # the first call's full blocks, found again
+    assert [c.token_ids for c in batch.outputs] == [c.token_ids for c in alone.outputs]
+    assert len({tuple(c.token_ids) for c in alone.outputs}) > 1
+    assert llm.llm_engine.manager.num_free_blocks == 32
+
+
 # ---- the embedded model ------------------------------------------------------------------------------
 
 
