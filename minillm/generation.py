@@ -33,8 +33,9 @@ class GenerationResult:
     Fields:
         prompt_tokens: the prompt's ids.
         tokens: the new ids (the stop token included; a stop string's tokens included).
-        text: decoded new text, cut before a stop string ("" without a tokenizer).
-        finish_reason: "eos", "stop" (a stop string), "length" (max_new_tokens or the context).
+        text: decoded new text, without the stop token, cut before a stop string ("" without a tokenizer).
+        finish_reason: "eos" (EOS, or an id of ``params.stop_token_ids``), "stop" (a stop string),
+            "length" (max_new_tokens or the context).
         prefill_s: seconds from the start to the first new token (prefill + its sampling).
         decode_s: seconds for the remaining tokens.
         step_s: seconds per new token, the first one being the prefill.
@@ -115,12 +116,24 @@ def stop_ids(tokenizer, eos_ids: set[int] | None) -> set[int]:
 
 
 class Stopper:
-    """Tracks EOS and stop strings for one sequence."""
+    """Decides when a sequence ends: EOS, a stop token id, a stop string (vLLM's stop checker).
+
+    After ``check`` (or ``emit``) returns True, ``result.finish_reason`` is "eos" when a stop token ended
+    it (an EOS id, unless ``ignore_eos``, or an id of ``params.stop_token_ids``, which stop even with
+    ``ignore_eos``; ``finish`` then decodes the text without that token) or "stop" for a stop string
+    (``result.text`` cut before it). ``stop_reason`` is vLLM's: the stop string (str) that fired, the stop
+    token id (int) from ``stop_token_ids``, or None for EOS; every ``check`` resets it to None first.
+    EOS is checked first, so an id both EOS and in ``stop_token_ids`` reads as EOS (stop_reason None), as
+    in vLLM. One Stopper may serve several sequences (a batch): ``stop_reason`` is the only state it keeps,
+    and it describes the last check alone, so read it right after the check that returned True.
+    """
 
     def __init__(self, params: SamplingParams, tokenizer, eos_ids: set[int]):
         if params.stop and tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer; pass tokenizer=")
         self.params, self.tokenizer, self.eos_ids = params, tokenizer, eos_ids
+        self.stop_token_ids = frozenset(params.stop_token_ids)
+        self.stop_reason: str | int | None = None
 
     def emit(self, result: GenerationResult, token: int, seconds: float, on_token=None) -> bool:
         """Append one new token that took ``seconds``, stream it to ``on_token``; returns whether the
@@ -132,16 +145,25 @@ class Stopper:
         return self.check(result)
 
     def check(self, result: GenerationResult) -> bool:
+        """Whether ``result``'s last token ends it; sets ``finish_reason`` (and ``text`` for a stop string)
+        and ``stop_reason`` as the class docstring says."""
+        self.stop_reason = None
         tok = result.tokens[-1]
         if not self.params.ignore_eos and tok in self.eos_ids:
             result.finish_reason = "eos"
+            return True
+        if tok in self.stop_token_ids:
+            result.finish_reason = "eos"  # a stop token: left out of the text, as EOS
+            self.stop_reason = tok
             return True
         if self.params.stop:
             text = self.tokenizer.decode(result.tokens)
             hits = [text.find(s) for s in self.params.stop if s in text]
             if hits:
+                cut = min(hits)
                 result.finish_reason = "stop"
-                result.text = text[: min(hits)]
+                result.text = text[:cut]
+                self.stop_reason = next(s for s in self.params.stop if text.find(s) == cut)  # first listed, on a tie
                 return True
         return False
 
@@ -176,6 +198,7 @@ def run_batch(model, prompts, params, *, cache_kind, kv_dtype=None, max_seq_len,
     if max_seq_len is not None and (isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)):
         raise ValueError(f"max_seq_len: must be an int or None, got {max_seq_len!r}")
     ctx = max(check_prompt(model, p, max_seq_len) for p in prompts)
+    check_token_ids("stop_token_ids", list(params.stop_token_ids), model.config.vocab_size)  # else it never fires
     device = model.device
     stopper = Stopper(params, tokenizer, stop_ids(tokenizer, eos_ids))
     gen = make_generator(params, device)
@@ -234,14 +257,16 @@ def generate_naive(model, prompt_tokens: list[int], params: SamplingParams = Sam
         max_seq_len: context to use (default and maximum: the model's); generation stops when full.
         tokenizer: needed for stop strings and ``text``; its eos_id stops generation.
         on_token: called with each new id as soon as it is chosen (streaming).
-        eos_ids: ids that end generation (default: the tokenizer's eos_id).
+        eos_ids: ids that end generation (default: the tokenizer's eos_id); ``params.stop_token_ids``
+            end it too, even with ``ignore_eos`` (``Stopper``).
 
     Returns:
         ``GenerationResult``.
 
     Raises:
         ValueError: empty prompt, a prompt that does not fit the context, stop strings without a
-            tokenizer (invalid sampling values are rejected by ``SamplingParams``).
+            tokenizer, stop_token_ids outside the vocabulary (invalid sampling values are rejected by
+            ``SamplingParams``).
     """
     return _generate(model, prompt_tokens, params, cache_kind="none", max_seq_len=max_seq_len,
                      tokenizer=tokenizer, on_token=on_token, eos_ids=eos_ids)

@@ -24,18 +24,26 @@ class SamplingParams:
         temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0. A temperature
             below float32's smallest normal number (``GREEDY_BELOW``, ~1.2e-38) also means greedy:
             logits are divided in float32, where it would round to 0 and every probability to NaN.
-        top_k: keep the k most likely tokens; 0 keeps all. >= 0.
+        top_k: keep the k most likely tokens; 0 keeps all. >= 0, or -1: vLLM's "no top-k", stored as 0 (so
+            the two spellings of "keep all" are one value for equality and hashing).
         top_p: keep the smallest set of tokens whose probability reaches top_p. In (0, 1].
         max_new_tokens: tokens to generate at most. >= 1 (default 64). ``max_tokens`` is vLLM's name for
             the same field: pass either (both only if equal); ``params.max_tokens`` reads it back.
         seed: seeds the sampling generator (same seed, same tokens); None draws a fresh seed.
         stop: strings that end generation; the text is cut before the first one.
-        ignore_eos: keep generating past the end-of-sequence token (benchmarks, oracle tests).
+        stop_token_ids: token ids that end generation, as EOS does (``finish_reason`` "eos", the text
+            decoded without that token; ``Stopper.stop_reason`` is the id); a list or tuple of ints >= 0,
+            stored as a tuple. Unlike EOS they stop even with ``ignore_eos`` (as vLLM).
+        ignore_eos: keep generating past the end-of-sequence token (benchmarks, oracle tests); it does not
+            turn off ``stop_token_ids`` or ``stop``.
         n: completions per prompt (vLLM's parallel sampling, ``minillm.paged.LLMEngine``: the samples
             share the prompt's KV blocks); >= 1. The single-sequence paths (``generate*``) produce one.
+        best_of: vLLM's "draw best_of samples, return the n most likely". minillm does not rank extra
+            samples, so only None (the default) or a value equal to n is accepted, and stored as None.
 
-    The names are vLLM's (``vllm.SamplingParams``), so ``SamplingParams(n=2, max_tokens=32, seed=0)``
-    means the same on both.
+    The names are vLLM's (``vllm.SamplingParams``), so ``SamplingParams(n=2, max_tokens=32, seed=0,
+    stop_token_ids=[2], top_k=-1)`` means the same on both. vLLM's other fields (penalties, logprobs,
+    min_p, ...) are not implemented and raise TypeError, as any unknown argument does.
 
     Raises:
         ValueError: naming the field, for any value outside its range.
@@ -49,6 +57,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    stop_token_ids: tuple[int, ...] = ()
+    best_of: int | None = None
 
     def __post_init__(self):
         # numbers.Real / Integral: Python and NumPy scalars alike
@@ -69,8 +79,10 @@ class SamplingParams:
             raise ValueError(f"seed: must be an integer in [0, 2^63), got {self.seed!r}")
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
+        if self.top_k == -1:  # vLLM's "no top-k": one stored value for "keep all"
+            object.__setattr__(self, "top_k", 0)
         if self.top_k < 0:
-            raise ValueError(f"top_k: must be >= 0 (0 = no top-k), got {self.top_k}")
+            raise ValueError(f"top_k: must be >= 0, or -1 (0 and -1 both mean no top-k), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
@@ -84,6 +96,27 @@ class SamplingParams:
         if any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop: stop strings must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
+        ids = () if self.stop_token_ids is None else self.stop_token_ids  # None: vLLM's default
+        try:
+            ids = None if isinstance(ids, (str, bytes, dict)) else tuple(ids)
+        except TypeError:  # not iterable: a lone int, say
+            ids = None
+        if ids is None or any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in ids):
+            one = f"; write [{self.stop_token_ids}] for one id" if isinstance(self.stop_token_ids, numbers.Integral) else ""
+            raise ValueError(f"stop_token_ids: must be a list of token ids (ints >= 0; [] for none), got "
+                             f"{self.stop_token_ids!r}{one}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        if self.best_of is not None:
+            if isinstance(self.best_of, bool) or not isinstance(self.best_of, numbers.Integral):
+                raise ValueError(f"best_of: must be an integer or None, got {self.best_of!r}")
+            if self.best_of != self.n:
+                rule = ("vLLM refuses best_of below n" if self.best_of < self.n else
+                        f"vLLM's best_of={self.best_of} draws {self.best_of} samples and returns the n={self.n} most likely")
+                raise ValueError(f"best_of: {self.best_of} with n={self.n}: minillm does not rank extra samples ({rule}); "
+                                 "leave best_of unset, or equal to n")
+            # equal to n it asks for nothing more than n: stored as None, one value for one meaning (and
+            # dataclasses.replace(params, n=...) then stays valid)
+            object.__setattr__(self, "best_of", None)
 
     @property
     def greedy(self) -> bool:

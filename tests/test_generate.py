@@ -73,7 +73,7 @@ def test_cache_bytes_formula_matches_tensors(model):
         KVCache(model.config, 1, 10_000)
 
 
-@pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
+@pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -2),
                                          ("max_new_tokens", 0), ("temperature", float("nan")),
                                          ("temperature", float("inf")), ("top_k", 2.5), ("seed", 2**70),
                                          ("stop", [1]), ("stop", None), ("seed", True), ("temperature", "hot"),

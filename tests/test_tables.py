@@ -284,3 +284,87 @@ def test_speculative_tables_from_notebook_04(tmp_path):
     assert "| story | 48 | 30.0 | 27.0 |" in text and "| 0.90x | yes |" in text
     assert "verify(5) = 1.60, verify(17) = 2.10 decode steps" in text and "-10% to +4%" in text
     assert "| rewrite | 48 | 24 (6.30x) | 24 (7.90x) | 12.00 | 6.10x / 7.50x, 12.00 |" in text
+
+
+# ---- python -m minillm.tables on records it cannot read: exit 2 naming the file; 1 stays "out of date"
+
+def _checkout(tmp_path):
+    """A copy of the Markdown files with tables and of figures/, for ``main --root``."""
+    for rel in {**tables.FILES, **tables._quant.FILES}:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text((tables.ROOT / rel).read_text(encoding="utf-8"), encoding="utf-8")
+    (tmp_path / "figures").mkdir()
+    for path in (tables.ROOT / "figures").glob("*.json"):
+        (tmp_path / "figures" / path.name).write_bytes(path.read_bytes())
+    return tmp_path
+
+
+def _with_null(path, *keys):
+    rec = json.loads(path.read_text())
+    inner = rec
+    for k in keys[:-1]:
+        inner = inner[k]
+    inner[keys[-1]] = None
+    path.write_text(json.dumps(rec))
+
+
+BAD_RECORDS = {  # how a record is spoilt -> what the error must say
+    "corrupt": (lambda p: p.write_text("tour ran at 30 tokens/s\n"), "not valid JSON"),
+    "truncated": (lambda p: p.write_bytes(p.read_bytes()[:200]), "cut short?"),
+    "empty": (lambda p: p.write_bytes(b""), "is empty"),
+    "NUL bytes": (lambda p: p.write_bytes(b"\0" * 64), "holds NUL bytes (the first at byte 0"),
+    "NULs after the JSON": (lambda p: p.write_bytes(p.read_bytes() + b"\0\0\0"), "holds NUL bytes"),
+    "binary": (lambda p: p.write_bytes(bytes(range(256))), "holds NUL bytes"),
+    "binary, no NUL": (lambda p: p.write_bytes(b"\xff\xfe\x89PNG"), "is not UTF-8 text (byte 0 is 0xff"),
+    "null report": (lambda p: _with_null(p, "report"), "its report is null, not an object"),
+    "null value": (lambda p: _with_null(p, "report", "rows", 0, "tokens_per_s"),
+                   "cannot be tabulated (TypeError"),
+    "a folder": (lambda p: (p.unlink(), p.mkdir()), "cannot be read"),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BAD_RECORDS))
+def test_check_exits_2_naming_a_record_it_cannot_read(tmp_path, capsys, kind):
+    root = _checkout(tmp_path)
+    assert tables.main(["--check", "--root", str(root)]) == 0  # the copy is up to date
+    spoil, says = BAD_RECORDS[kind]
+    spoil(root / "figures" / "tour.json")
+    assert tables.main(["--check", "--root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and str(root / "figures" / "tour.json") in err, err
+    assert "figures/tour.json -- tour`" in err  # and the command that rewrites it
+    assert "Traceback" not in err
+
+
+def test_a_null_value_is_named_by_its_path_in_the_record(tmp_path, capsys):
+    root = _checkout(tmp_path)
+    _with_null(root / "figures" / "serve_bench.json", "report", "modes", "engine", "output_tokens_per_s")
+    assert tables.main(["--root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert f"{root / 'figures' / 'serve_bench.json'} at report.modes.engine.output_tokens_per_s" in err, err
+
+
+def test_a_binary_quantization_report_exits_2_naming_it(tmp_path, capsys):
+    root = _checkout(tmp_path)
+    (root / "figures" / "05_kquants.json").write_bytes(b"\x89PNG\r\n\x1a\n\xff")
+    assert tables.main(["--check", "--root", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert "05_kquants.json: is not UTF-8 text" in err and "kquants_bench" in err, err
+
+
+def test_out_of_date_stays_exit_1_and_a_bad_record_rewrites_nothing(tmp_path, capsys):
+    root = _checkout(tmp_path)
+    readme = root / "README.md"
+    stale = readme.read_text().replace("| tour |", "| a hand edit |", 1)
+    readme.write_text(stale)
+    assert tables.main(["--check", "--root", str(root)]) == 1
+    assert capsys.readouterr().out == "README.md: out of date\n"
+    # a record read only by docs/paged.md is cut short: the README, rebuilt first, is not rewritten either
+    frag = root / "figures" / "fragmentation.json"
+    frag.write_bytes(frag.read_bytes()[:100])
+    assert tables.main(["--root", str(root)]) == 2
+    assert readme.read_text() == stale
+    assert "fragmentation.json: not valid JSON" in capsys.readouterr().err
+    frag.write_bytes((tables.ROOT / "figures" / "fragmentation.json").read_bytes())
+    assert tables.main(["--root", str(root)]) == 0 and "| tour |" in readme.read_text()
+    assert tables.main(["--check", "--root", str(root)]) == 0

@@ -57,6 +57,10 @@ def serve_bench_kwargs(args) -> tuple[dict, list[tuple[int, int]]]:
     return kwargs, lengths
 
 
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.0f} KiB"
+
+
 def check_against_model(args, model, tokenizer, lengths: list[tuple[int, int]]) -> None:
     """Refuse, right after the model loads and before any work, what needs the model to check: prompts
     past its context, a KV pool (--num-blocks, or the default's) that cannot hold the longest request or
@@ -75,10 +79,9 @@ def check_against_model(args, model, tokenizer, lengths: list[tuple[int, int]]) 
     if args.num_blocks is None:  # the engine's default pool (LLMEngine)
         pool = min(DEFAULT_KV_BYTES, kv_cache_bytes(model.config, args.max_num_seqs, ctx, element))
         if pool // block_bytes < need:
-            raise ValueError(f"--block-size: the default KV pool ({pool / 2**20:.0f} MiB) holds "
-                             f"{int(pool // block_bytes)} blocks of {args.block_size} tokens "
-                             f"({block_bytes / 2**20:.1f} MiB each) and the longest request needs {need}; use a "
-                             "smaller --block-size, or give --num-blocks")
+            raise ValueError(f"--block-size: the default KV pool ({_size(pool)}) holds {int(pool // block_bytes)} "
+                             f"blocks of {args.block_size} tokens ({_size(block_bytes)} each) and the longest request "
+                             f"needs {need}; use a smaller --block-size, or give --num-blocks")
         return
     free = available_memory()
     if free is not None and args.num_blocks * block_bytes > 0.8 * free:
@@ -92,6 +95,8 @@ def cmd_serve_bench(args) -> int:
     if args.online:  # latency against request rate: the lab's harness, reached only from this command
         from ..lab.online import cmd_online
 
+        if args.scale is None:  # None tells serve_bench_kwargs "not given"; the harness reads a number
+            args.scale = DEFAULTS["scale"]
         return cmd_online(args)
     kwargs, lengths = serve_bench_kwargs(args)  # bad options cost nothing: no model is loaded yet
     if args.threads:

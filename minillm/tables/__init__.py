@@ -2,7 +2,10 @@
 notebooks write (``figures/*.json``), so that a table never drifts from the run that produced it.
 
     python -m minillm.tables                 rewrite every table between its markers
-    python -m minillm.tables --check         exit 1 (and name the table) where a file is out of date
+    python -m minillm.tables --check         exit 1 (and name the file) where a file is out of date
+    (either)                                 exit 2, naming the record and what is wrong with it, where a
+                                             record cannot be read (cut short, not JSON, binary, NUL bytes)
+                                             or holds a value its table cannot use (a null, another type)
     python -m minillm.tables record OUT -- CMD ...
                                              run ``python -m minillm CMD ... --json`` and keep its report
                                              in OUT with the command, the date and the machine's load
@@ -67,22 +70,60 @@ def record_command(out: str | os.PathLike, argv: list[str]) -> Path:
     return record(json.loads(proc.stdout), out, "python -m minillm " + " ".join(argv))
 
 
+class RecordError(ValueError):
+    """A record (or report) in ``figures/`` that cannot be read, or holds values its table cannot use; the
+    message names the file, what is wrong and the command that rewrites it. ``--check`` exits 2 on it,
+    so that "out of date" (exit 1) never stands for "unreadable"."""
+
+
+def read_json(path: Path, writer: str) -> object:
+    """The JSON in ``path``, which ``writer`` (a command or notebook) rewrites.
+
+    Raises:
+        FileNotFoundError: the file is not there.
+        RecordError: it cannot be read as JSON text: a folder or an unreadable file, empty, binary (not
+            UTF-8), holding NUL bytes (what a write cut short by a crash can leave), or not valid JSON (cut
+            short, edited by hand); each named, with ``writer``.
+    """
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not found; {writer} writes it")
+    try:
+        data = path.read_bytes()
+    except OSError as e:  # a folder in its place, no permission
+        raise RecordError(f"{path}: cannot be read ({e.strerror or e}); rewrite it with {writer}") from None
+    if not data.strip():
+        raise RecordError(f"{path}: is empty; rewrite it with {writer}")
+    nul = data.find(b"\0")
+    if nul >= 0:  # checked before decoding: NULs are valid UTF-8, and JSON's error would not say so
+        raise RecordError(f"{path}: holds NUL bytes (the first at byte {nul}; a write cut short by a crash leaves "
+                          f"them), so it is not a JSON record; rewrite it with {writer}")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise RecordError(f"{path}: is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}; a binary file?), so "
+                          f"it is not a JSON record; rewrite it with {writer}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        cut = "" if text.rstrip().endswith(("}", "]")) else " (it does not end with } or ]: cut short?)"
+        raise RecordError(f"{path}: not valid JSON ({e}){cut}; rewrite it with {writer}") from None
+
+
 def read_record(name: str, folder: Path = FIGURES) -> dict:
     """The record ``folder/name``.
 
     Raises:
         FileNotFoundError: the JSON is not there (the error names the command or notebook that writes it).
-        ValueError: it is not valid JSON, or not a record (the error names what rewrites it).
+        RecordError (a ValueError): it cannot be read (``read_json``), is not a record, or its report is
+            not an object (null, say); the error names the file and what rewrites it.
     """
-    path = folder / name
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: not found; {WRITERS.get(name, 'its benchmark')} writes it")
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); rewrite it with {WRITERS.get(name)}") from None
+    path, writer = folder / name, WRITERS.get(name, "its benchmark")
+    rec = read_json(path, writer)
     if not isinstance(rec, dict) or not {"command", "date", "report"} <= set(rec):
-        raise ValueError(f"{path}: not a record (needs command, date, report); rewrite it with {WRITERS.get(name)}")
+        raise RecordError(f"{path}: not a record (needs command, date, report); rewrite it with {writer}")
+    if not isinstance(rec["report"], dict):
+        raise RecordError(f"{path}: its report is {json.dumps(rec['report'])[:40]}, not an object; rewrite it with "
+                          f"{writer}")
     return rec
 
 
@@ -190,12 +231,33 @@ WRITERS.update({"02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
+def _nulls(obj, at: str = ""):
+    """The paths (``report.modes.engine.wall_s``) of the nulls in a JSON value."""
+    if obj is None:
+        yield at
+    elif isinstance(obj, (dict, list)):
+        for k, v in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+            yield from _nulls(v, f"{at}[{k}]" if isinstance(obj, list) else f"{at}.{k}" if at else str(k))
+
+
+def _try_read(path: Path):
+    """The JSON in ``path``, or {} where it cannot be read (only to list nulls in an error)."""
+    try:
+        return read_json(path, "")
+    except (OSError, ValueError):
+        return {}
+
+
 def rebuild_text(text: str, folder: Path = FIGURES, where: str = "") -> str:
     """``text`` with every marked table rebuilt from the JSON in ``folder``.
 
     Raises:
         KeyError: a marker names a table that ``TABLES`` does not know.
-        ValueError: a record lacks a key its table needs (written by another version of its command).
+        FileNotFoundError: a record a table reads is not there.
+        RecordError (a ValueError): a record cannot be read (``read_json``), lacks a key its table needs
+            (written by another version of its command), or holds a value of another type than its table
+            uses (a null where a number belongs: ``record`` writes a NaN measurement as null); the error
+            names the table, the records it reads (with their nulls) and the commands that rewrite them.
     """
     builders, reads = {**TABLES, **_quant.TABLES}, {**READS, **_quant.READS}
     writers = {**WRITERS, **_quant.WRITERS}
@@ -204,30 +266,44 @@ def rebuild_text(text: str, folder: Path = FIGURES, where: str = "") -> str:
         name = m["name"]
         if name not in builders:
             raise KeyError(f"{where}: <!-- table:{name} --> names no table; known: {', '.join(builders)}")
+        rerecord = f"re-record it with the command that writes it ({'; '.join(writers[r] for r in reads[name])})"
         try:
             table = builders[name](folder)
+        except RecordError:
+            raise  # already names its file
         except KeyError as e:
-            raise ValueError(f"{where}: table {name}: a record it reads lacks the key {e}; re-record it with the "
-                             f"command that writes it ({'; '.join(writers[r] for r in reads[name])})") from None
+            raise RecordError(f"{where}: table {name}: a record it reads lacks the key {e}; {rerecord}") from None
+        except (TypeError, ValueError, AttributeError, IndexError, ZeroDivisionError) as e:
+            # the builder read a value of another type (a null, a string, a list) or a zero it divides by; the
+            # nulls are listed since a NaN measurement is recorded as null (some nulls are expected: "not measured")
+            nulls = [f"{folder / r} at {p}" for r in reads[name] for p in _nulls(_try_read(folder / r))]
+            held = f"; its records' nulls: {', '.join(nulls[:5])}" + (" ..." if len(nulls) > 5 else "") if nulls else ""
+            raise RecordError(f"{where}: table {name}: a value in {', '.join(str(folder / r) for r in reads[name])} "
+                              f"cannot be tabulated ({type(e).__name__}: {e}){held}; {rerecord}") from None
         return m.group(1) + table + "\n" + m.group(4)
     return MARKER.sub(fill, text)
 
 
 def rebuild(root: Path = ROOT, folder: Path | None = None, check: bool = False) -> list[str]:
     """Rebuild the tables in ``FILES`` under ``root``; returns the files that changed (with ``check``,
-    the files that would change, untouched)."""
-    folder = folder or root / "figures"
-    changed = []
+    the files that would change, untouched). Every table is built before any file is written, so a bad
+    record leaves every file as it was.
+
+    Raises:
+        as ``rebuild_text``; OSError: a Markdown file cannot be read.
+    """
+    folder = folder or Path(root) / "figures"
+    new_texts = {}
     for rel in {**FILES, **_quant.FILES}:
-        path = root / rel
-        old = path.read_text(encoding="utf-8")
+        old = (Path(root) / rel).read_text(encoding="utf-8")
         new = rebuild_text(old, folder, rel)
         if new != old:
-            changed.append(rel)
-            if not check:
-                with atomic_write(path) as tmp:
-                    tmp.write_text(new, encoding="utf-8")
-    return changed
+            new_texts[rel] = new
+    if not check:
+        for rel, new in new_texts.items():
+            with atomic_write(Path(root) / rel) as tmp:
+                tmp.write_text(new, encoding="utf-8")
+    return list(new_texts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,9 +315,19 @@ def main(argv: list[str] | None = None) -> int:
         print(record_command(argv[1], argv[3:]))
         return 0
     parser = argparse.ArgumentParser(prog="python -m minillm.tables", description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date")
+    parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date "
+                        "(2, with or without --check, where a record cannot be read or tabulated)")
+    parser.add_argument("--root", type=Path, default=ROOT, help="the repository whose README and docs to rebuild, "
+                        "from its figures/ (default: this checkout)")
     args = parser.parse_args(argv)
-    changed = rebuild(check=args.check)
+    try:
+        changed = rebuild(args.root, check=args.check)
+    except KeyError as e:  # an unknown table marker; its message without KeyError's quotes
+        print(f"error: {e.args[0]}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as e:  # a record missing, unreadable or untabulable (RecordError)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     for rel in changed:
         print(f"{rel}: {'out of date' if args.check else 'rebuilt'}")
     return 1 if args.check and changed else 0

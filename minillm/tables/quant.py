@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import FIGURES, MET, _table
+from . import FIGURES, MET, RecordError, _table, read_json
 
 WRITERS = {"05_quant_table.json": "`python -m minillm bench quant --out figures/05_quant_table.json`",
            "05_kquants.json": "`python -m minillm.quant.kquants_bench --out figures/05_kquants.json`",
@@ -28,15 +28,14 @@ def read_report(name: str, folder: Path = FIGURES) -> dict:
 
     Raises:
         FileNotFoundError: the JSON is not there (the error names the command that writes it).
-        ValueError: it is not valid JSON.
+        RecordError (a ValueError): it cannot be read (``minillm.tables.read_json``: not valid JSON, binary,
+            NUL bytes, empty) or is not a JSON object; named with the command that rewrites it.
     """
-    path = folder / name
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: not found; {WRITERS[name]} writes it")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e}); rewrite it with {WRITERS[name]}") from None
+    rep = read_json(folder / name, WRITERS[name])
+    if not isinstance(rep, dict):
+        raise RecordError(f"{folder / name}: holds {json.dumps(rep)[:40]}, not a report (a JSON object); rewrite it "
+                          f"with {WRITERS[name]}")
+    return rep
 
 
 def _provenance(rep: dict, name: str) -> str:
