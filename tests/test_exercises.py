@@ -1,5 +1,6 @@
 """The exercise notebooks and their command: student notebooks generated from the solutions (and
-committed up to date), each stopping at its first blank, and ``exercises check`` grading a notebook."""
+committed up to date), each stopping at its first blank, and ``exercises check`` grading a notebook
+(students who break the rules: tests/test_grader.py)."""
 
 import argparse
 import contextlib
@@ -89,6 +90,23 @@ def test_build_writes_every_student_notebook(tmp_path):
     assert code == 2 and "x.ipynb" in text and "never closed" in text
 
 
+def test_build_refuses_an_out_that_is_a_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("mine")
+    for out in (tmp_path / "notes.txt", tmp_path / "notes.txt" / "student"):
+        code, text = cli("build", "--out", str(out))
+        assert code == 2, text
+        assert text == (f"error: --out {out}: {tmp_path / 'notes.txt'} is a file, not a folder; name a folder "
+                        "(it is created if missing), or move the file away\n")
+    assert (tmp_path / "notes.txt").read_text() == "mine" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    # a marker error in one notebook writes none of the others
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]), bad / "a.ipynb")
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("### END SOLUTION")]), bad / "b.ipynb")
+    assert cli("build", "--solutions", str(bad), "--out", str(tmp_path / "out"))[0] == 2
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("path", [STUDENT_DIR / p.name for p in SOLUTIONS], ids=lambda p: p.stem)
 def test_student_notebook_stops_at_its_first_blank(path):
     error, cell = run_in_process(path)
@@ -114,7 +132,12 @@ def test_check_command_grades_notebooks(tmp_path):
         assert re.search(rf"{name}: 0/\d+ cases passed", text), text
     assert "not written yet" in text and "Traceback" not in text
     # run by a real kernel too, the unfinished notebook stops at its blank and nowhere else
-    assert "cells that raised: 1 (first: NotImplementedError: write this function: blocks_needed)" in text
+    nb = nbformat.read(STUDENT_DIR / "05_block_table.ipynb", as_version=4)
+    demo = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "blocks_needed(" in c.source
+                and "def blocks_needed" not in c.source)
+    raised = [line for line in text.splitlines() if " raised " in line]
+    assert raised == [f"cell {demo + 1} (`{nb.cells[demo].source.splitlines()[0].strip()[:60]}`) raised "
+                      "NotImplementedError: write this function: blocks_needed"], raised
 
 
 def test_check_command_passes_a_solution_notebook():
@@ -139,3 +162,5 @@ def test_check_command_tells_a_path_that_is_no_notebook_from_a_failing_grade(tmp
     (tmp_path / "notes.md").write_text("# not a notebook")
     code, text = cli("check", str(tmp_path / "missing.ipynb"), str(tmp_path / "notes.md"))
     assert code == 2 and text.count(": not a notebook (") == 2, text
+    code, text = cli("check", str(tmp_path / "notes.md"), "--timeout", "0")  # 0 would mean no timeout to nbclient
+    assert code == 2 and text.startswith("error: --timeout 0: give the seconds a cell may run"), text

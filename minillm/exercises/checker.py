@@ -6,6 +6,12 @@ An ``Exercise`` holds the function's name and signature, its hand-made cases (kn
 random cases (answers from the package's own implementation, ``reference``), and a ``judge`` that
 compares one answer and names the likely mistake. ``check`` never lets an exception from the student's
 function, or an ``AssertionError``, escape: each becomes a line of the report.
+
+Calling the student's function and judging what it did are two steps: ``answer`` calls it on one case's
+arguments and keeps what happened as plain data (an ``Answer``: values made ``portable``, or the error's
+name and message); ``judge_answer`` compares that with the expected answer. The grader (``grading.py``)
+runs the first step in the student's kernel and the second in its own process, so nothing the kernel
+computes is taken as a verdict.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import numbers
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -71,6 +77,7 @@ class Report:
 
     name: str
     results: list[CaseResult] = field(default_factory=list)
+    unwritten: str = ""  # the hint when the function is not written yet (each case raised NotImplementedError)
 
     @property
     def passed(self) -> bool:
@@ -108,7 +115,9 @@ class Exercise:
         reference: the package's implementation with the exercise's signature.
         hand_cases: () -> the named hand-made cases with known answers.
         random_cases: (torch.Generator) -> random cases (their answers come from ``reference``).
-        judge: (case, expected, got, args after the call) -> None when right, else a ``Failure``.
+        judge: (case, expected, got, args after the call, made ``portable``: tensors stay tensors, a config
+            becomes a ``Foreign``; read the case's own from ``case.args``) -> None when right, else a ``Failure``.
+        error_hint: (case, the error's name, its first line) -> a hint for a function that raised, or None.
     """
 
     name: str
@@ -119,7 +128,17 @@ class Exercise:
     hand_cases: Callable[[], list[Case]]
     random_cases: Callable[[torch.Generator], list[Case]]
     judge: Callable[[Case, Any, Any, tuple], Failure | None]
-    error_hint: Callable[[Case, BaseException], str | None] = lambda case, e: None
+    error_hint: Callable[[Case, str, str], str | None] = lambda case, error, message: None
+
+    def cases(self) -> list[Case]:
+        """The hand-made cases, then the random ones (the same at every call: seeded with ``SEED``)."""
+        return self.hand_cases() + self.random_cases(torch.Generator().manual_seed(SEED))
+
+    def expected(self, case: Case) -> Any:
+        """The case's known answer, or the reference's answer on a copy of its arguments."""
+        if case.expected is not None:
+            return case.expected
+        return self.reference(*copy.deepcopy(case.args), **case.reference_kwargs)
 
 
 def where(e: BaseException) -> str:
@@ -132,30 +151,112 @@ def where(e: BaseException) -> str:
     return f" (line {f.lineno}: {f.line.strip()})" if f.line else f" (line {f.lineno})"
 
 
-def run_case(ex: Exercise, fn: Callable, case: Case) -> CaseResult:
-    """One case: the student's answer judged against the known answer or the reference's."""
-    expected = case.expected
-    if expected is None:
-        expected = ex.reference(*copy.deepcopy(case.args), **case.reference_kwargs)
-    args = copy.deepcopy(case.args)  # the student may write into its inputs (the cache exercise must)
+class Foreign:
+    """A value of a type that does not cross from the student's kernel to the grader as data (a NumPy
+    array, a generator, an object of the student's class): its type's name and its text. It equals no
+    answer, and failures describe it by its own type's name."""
+
+    def __init__(self, type_name: str, text: str):
+        self.type_name, self.text = type_name, text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def kind(x: Any) -> str:
+    """The name of ``x``'s type, as the student wrote it (a ``Foreign`` value's original type)."""
+    return x.type_name if isinstance(x, Foreign) else type(x).__name__
+
+
+def portable(x: Any, depth: int = 0) -> Any:
+    """``x`` as plain data that ``torch.load(weights_only=True)`` reads back: None, bool, int, float, str,
+    dense tensors (detached), dtypes, and lists, tuples and dicts of them; NumPy scalars become Python
+    numbers; anything else (or nested deeper than 20) becomes a ``Foreign``."""
+    if x is None or type(x) in (bool, int, float, str) or isinstance(x, torch.dtype):
+        return x
+    if isinstance(x, torch.Tensor) and x.layout == torch.strided:
+        return x.detach().as_subclass(torch.Tensor)
+    if isinstance(x, numbers.Number) and hasattr(x, "item"):  # a NumPy scalar
+        return portable(x.item(), depth + 1)
+    for plain in (bool, int, float, str):  # subclasses (an IntEnum, say) become the plain value
+        if isinstance(x, plain):
+            return plain(x)
+    if depth < 20 and isinstance(x, (list, tuple)):
+        items = [portable(v, depth + 1) for v in x]
+        return items if isinstance(x, list) else tuple(items)
+    if depth < 20 and isinstance(x, dict) and all(type(k) in (str, int) for k in x):
+        return {k: portable(v, depth + 1) for k, v in x.items()}
+    try:
+        text = str(x)[:200]
+    except Exception:  # the student's __str__ may raise; the type's name still says what came back
+        text = "(its str() raised)"
+    return Foreign(type(x).__name__, text)
+
+
+@dataclass
+class Answer:
+    """What the student's function did on one case, as plain data: it returned ``got`` (and left its
+    arguments as ``args``: the cache exercise writes into them), or it raised ``error`` (the exception's
+    name) with ``message`` (its first line) at ``where`` (the line of the student's code)."""
+
+    got: Any = None
+    args: tuple = ()
+    error: str = ""
+    message: str = ""
+    where: str = ""
+
+
+def answer(fn: Callable, args: tuple) -> Answer:
+    """Call ``fn`` on a copy of ``args`` (the student may write into its inputs; the cache exercise must)."""
+    args = copy.deepcopy(args)
     try:
         got = fn(*args)
-    except NotImplementedError as e:
-        return CaseResult(case.name, False, describe(expected), "NotImplementedError",
-                          f"not written yet ({e}): replace the raise with your code")
     except Exception as e:  # any error in the student's code is reported in words, never re-raised
-        hint = ex.error_hint(case, e) or "read the error and the docstring's shapes; try this case by hand"
+        return Answer(error=error_name(e), message=first_line(e), where=where(e))
+    return Answer(portable(got), portable(args))
+
+
+def judge_answer(ex: Exercise, case: Case, expected: Any, ans: Answer) -> CaseResult:
+    """One case's result: the student's answer judged against the expected one."""
+    if ans.error == "NotImplementedError":
+        return CaseResult(case.name, False, describe(expected), "NotImplementedError",
+                          f"not written yet ({ans.message}): replace the raise with your code")
+    if ans.error:
+        hint = ex.error_hint(case, ans.error, ans.message) or \
+            "read the error and the docstring's shapes; try this case by hand"
         return CaseResult(case.name, False, describe(expected),
-                          f"your function raised {error_name(e)}: {first_line(e)}{where(e)}", hint)
+                          f"your function raised {ans.error}: {ans.message}{ans.where}", hint)
     try:
-        failure = ex.judge(case, expected, got, args)
+        failure = ex.judge(case, expected, ans.got, ans.args)
     except Exception as e:  # an answer so odd that comparing it fails: say what came back
-        failure = Failure(describe(expected), describe(got),
+        failure = Failure(describe(expected), describe(ans.got),
                           f"the answer could not be compared ({type(e).__name__}: {first_line(e)}); "
                           f"return what the signature says: {ex.signature}")
     if failure is None:
         return CaseResult(case.name, True)
     return CaseResult(case.name, False, failure.expected, failure.got, failure.hint)
+
+
+def run_case(ex: Exercise, fn: Callable, case: Case) -> CaseResult:
+    """One case, called and judged in this process (what ``check`` does)."""
+    return judge_answer(ex, case, ex.expected(case), answer(fn, case.args))
+
+
+def grade(ex: Exercise, cases: list[Case], expected: Iterable, answers: Iterable[Answer],
+          on_result: Callable[[CaseResult], None] = lambda result: None) -> Report:
+    """The report of every case (``expected`` and ``answers`` may be lazy: a case is judged when
+    reached, and ``on_result`` sees each result as it comes). A function not written yet (its first
+    case raises ``NotImplementedError``) gets one failure per case and ``Report.unwritten`` says so."""
+    report = Report(ex.name)
+    for i, (case, want, ans) in enumerate(zip(cases, expected, answers)):
+        result = judge_answer(ex, case, want, ans)
+        if i == 0 and ans.error == "NotImplementedError":
+            report.results = [CaseResult(c.name, False, "", "NotImplementedError", result.hint) for c in cases]
+            report.unwritten = result.hint
+            break
+        report.results.append(result)
+        on_result(result)
+    return report
 
 
 def error_name(e: BaseException) -> str:
@@ -194,14 +295,14 @@ def describe(x: Any, limit: int = 8) -> str:
         return f"({items})" if isinstance(x, tuple) else f"[{items}]"
     if isinstance(x, dict):
         return "{" + ", ".join(f"{k}: {describe(v)}" for k, v in list(x.items())[:limit]) + "}"
-    return f"{type(x).__name__} {str(x)[:80]}"
+    return f"{kind(x)} {str(x)[:80]}"
 
 
 def tensor_problem(got: Any, shape: tuple, dtype: torch.dtype | None = None, what: str = "the result",
                    floating: bool = True) -> str | None:
     """Plain words for a result that is not a tensor of ``shape`` (and ``dtype``), or holds NaN/inf."""
     if not isinstance(got, torch.Tensor):
-        return f"{what} should be a torch.Tensor of shape {tuple(shape)}, got {type(got).__name__}" + (
+        return f"{what} should be a torch.Tensor of shape {tuple(shape)}, got {kind(got)}" + (
             ": did you forget `return`?" if got is None else "")
     if tuple(got.shape) != tuple(shape):
         return f"{what} has shape {tuple(got.shape)}, expected {tuple(shape)}"
@@ -220,7 +321,7 @@ def number_problem(got: Any, what: str = "the result") -> str | None:
     if isinstance(got, torch.Tensor) and got.numel() == 1:
         got = got.item()
     if isinstance(got, bool) or not isinstance(got, numbers.Real):
-        return f"{what} should be a number, got {type(got).__name__}" + (
+        return f"{what} should be a number, got {kind(got)}" + (
             ": did you forget `return`?" if got is None else "")
     if not math.isfinite(float(got)):
         return f"{what} is {got} (a division by zero?)"

@@ -1,8 +1,9 @@
 """``python -m minillm exercises build | check NOTEBOOK... | list``.
 
 ``register(subparsers)`` adds the command to minillm's parser; each action's ``func(args)`` returns
-the exit code (``check``: 0 only when every function of every notebook passes). ``python -m
-minillm.exercises.cli ACTION ...`` runs the same actions on their own.
+the exit code (``check``: 0 only when every function of every notebook passes; 128 + the signal's
+number when SIGINT or SIGTERM stops it). ``python -m minillm.exercises.cli ACTION ...`` runs the same
+actions on their own.
 """
 
 from __future__ import annotations
@@ -26,9 +27,12 @@ def register(subparsers) -> argparse.ArgumentParser:
                    help="write nothing; exit 1 if the student notebooks are out of date")
     b.set_defaults(func=run_build)
     c = sub.add_parser("check", help="execute students' notebooks and print the report of each function in them; "
-                       "exit 0 when every check passes, 1 when one fails, 2 when a path is not a notebook")
+                       "exit 0 when every check passes, 1 when one fails, 2 when a path is not a notebook, "
+                       "128 + the signal's number when SIGINT or SIGTERM stops it (its kernel killed)")
     c.add_argument("notebooks", nargs="+", type=Path, help="student notebooks (.ipynb)")
-    c.add_argument("--timeout", type=int, default=600, help="seconds per cell (default 600)")
+    c.add_argument("--timeout", type=int, default=600,
+                   help="seconds per cell, the checks of each function included; a cell that runs longer is "
+                        "stopped (its kernel killed) and fails the notebook (default 600)")
     c.set_defaults(func=run_check)
     ls = sub.add_parser("list", help="the exercises: function, signature, notebook")
     ls.set_defaults(func=run_list)
@@ -40,6 +44,12 @@ def run_build(args) -> int:
     from .notebooks import SOLUTIONS_DIR, STUDENT_DIR, MarkerError, build, out_of_date
 
     solutions, out = args.solutions or SOLUTIONS_DIR, args.out or STUDENT_DIR
+    for option, folder, fix in (("--solutions", solutions, "name the folder that holds the solution notebooks"),
+                                ("--out", out, "name a folder (it is created if missing), or move the file away")):
+        file_above = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        if file_above is not None:  # checked first, so that nothing is written
+            print(f"error: {option} {folder}: {file_above} is a file, not a folder; {fix}", file=sys.stderr)
+            return 2
     try:
         if args.check:
             stale = out_of_date(solutions, out)
@@ -51,15 +61,23 @@ def run_build(args) -> int:
     except (FileNotFoundError, MarkerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a folder we may not write into, say
+        print(f"error: --out {out}: cannot write the student notebooks there ({e.strerror}); name a folder you "
+              f"can write into", file=sys.stderr)
+        return 2
     return 0
 
 
 def run_check(args) -> int:
-    from .notebooks import NotANotebookError, check_notebook
+    from .grading import GradingStopped, NotANotebookError, check_notebook
 
+    if args.timeout <= 0:
+        print(f"error: --timeout {args.timeout}: give the seconds a cell may run, a whole number above 0 "
+              f"(default 600)", file=sys.stderr)
+        return 2
     ok, unreadable = True, False
     for path in args.notebooks:
-        print(f"== {path}")
+        print(f"== {path}", flush=True)
         try:
             result = check_notebook(path, args.timeout)
         except NotANotebookError as e:  # bad input, not a failing grade
@@ -70,11 +88,16 @@ def run_check(args) -> int:
             print(f"error: {e}")
             ok = False
             continue
+        except GradingStopped as e:  # the shell's convention: 128 + the signal's number
+            print(f"{path}: {e}; no grade", file=sys.stderr)
+            return 128 + e.signum
         for text, _ in result.reports.values():
             print(text)
-        if result.cell_errors:
-            print(f"cells that raised: {len(result.cell_errors)} (first: {result.cell_errors[0]})")
-        print(f"{path}: {'PASSED' if result.passed else 'FAILED'}")
+        for line in result.cell_errors:
+            print(line)
+        if result.stopped:
+            print(f"stopped: {result.stopped}")
+        print(f"{path}: {'PASSED' if result.passed else 'FAILED'}", flush=True)
         ok &= result.passed
     return 2 if unreadable else 0 if ok else 1
 

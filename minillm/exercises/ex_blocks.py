@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..paged import BlockManager, blocks_for
-from .checker import Case, Exercise, Failure, describe, first_match, number_problem, tensor_problem
+from .checker import Case, Exercise, Failure, describe, first_match, kind, number_problem, tensor_problem
 
 # ---------------------------------------------------------------------------------------------
 # 5. blocks_needed, slot_mapping, needs_new_block
@@ -152,7 +152,7 @@ SLOT_MAPPING = Exercise(
 
 def judge_needs_new_block(case: Case, expected, got, args) -> Failure | None:
     if not isinstance(got, bool) and not (isinstance(got, torch.Tensor) and got.numel() == 1):
-        return Failure(describe(expected), describe(got), f"return True or False, got {type(got).__name__}")
+        return Failure(describe(expected), describe(got), f"return True or False, got {kind(got)}")
     if bool(got) == expected:
         return None
     n, bs = case.args

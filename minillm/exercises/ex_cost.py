@@ -106,8 +106,8 @@ def judge_cost(case: Case, expected, got, args) -> Failure | None:
             return Failure(describe(expected), describe(got), problem)
     if close(got[0], expected[0]) and close(got[1], expected[1]):
         return None
-    c = args[0]
-    mutants = [(lambda kw=kw: _cost(*args, **{k: (c.n_heads if v == "n_heads" else v) for k, v in kw.items()}), h)
+    c = case.args[0]  # the hints are worked from the case's own arguments, whatever the function did to its copy
+    mutants = [(lambda kw=kw: _cost(*case.args, **{k: (c.n_heads if v == "n_heads" else v) for k, v in kw.items()}), h)
                for kw, h in COST_HINTS]
     index = 1 if close(got[0], expected[0]) else 0  # compare only the part that is wrong
     hint = first_match(got, mutants, lambda a, b: close(a[index], b[index]) and close(a[1 - index], b[1 - index])) \
@@ -169,7 +169,7 @@ def judge_kv(case: Case, expected, got, args) -> Failure | None:
         return Failure(describe(expected), describe(got), problem)
     if close(got, expected):
         return None
-    c, B, _, dtype = args
+    c, B, _, dtype = case.args
     size = torch.empty((), dtype=dtype).element_size()
     ratios = [(1 / 2, "keys and values: the factor 2 is missing"),
               (c.n_heads / c.n_kv_heads, "with GQA the cache holds n_kv_heads heads, not n_heads"),

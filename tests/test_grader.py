@@ -1,0 +1,144 @@
+"""``exercises check`` against students who break the rules: a function that never returns or kills its
+kernel fails within the timeout, SIGTERM stops the grader and its kernel, a kernel that forges a passing
+report earns nothing (the answers are judged in the grader's process), and a syntax error names its cell.
+Each notebook runs in a real Jupyter kernel."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pytest
+import torch
+
+from minillm.exercises import EXERCISES
+from minillm.exercises.checker import Answer, answer, grade
+from minillm.exercises.grading import _read_answers
+from test_exercises import cli
+
+REPO = Path(__file__).resolve().parents[1]
+# a student's first cell: it imports what real notebooks import and leaves its kernel's pid where the test reads it
+PID_CELL = "import os, torch\nopen('kernel.pid', 'w').write(str(os.getpid()))"
+
+
+def notebook(folder: Path, *cells: str) -> Path:
+    folder.mkdir(exist_ok=True)
+    path = folder / "05_block_table.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), path)
+    return path
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+@pytest.mark.slow
+def test_a_function_that_never_returns_fails_within_the_timeout(tmp_path):
+    path = notebook(tmp_path, PID_CELL, "def blocks_needed(num_tokens, block_size):\n    while True:\n        pass")
+    start = time.monotonic()
+    code, text = cli("check", str(path), "--timeout", "10")
+    assert time.monotonic() - start < 60, text
+    assert code == 1 and f"{path}: FAILED" in text
+    assert "check blocks_needed: FAILED: your function ran past the 10 s timeout" in text, text
+    assert "stopped: the checks of blocks_needed ran past the 10 s timeout (--timeout); its kernel was killed" in text
+    assert gone(int((tmp_path / "kernel.pid").read_text()))
+
+
+@pytest.mark.slow
+def test_a_kernel_that_dies_fails_the_function_that_killed_it(tmp_path):
+    path = notebook(tmp_path, PID_CELL, "def blocks_needed(num_tokens, block_size):\n    return 1",
+                    "def slot_mapping(block_table, positions, block_size):\n    os._exit(1)",
+                    "def needs_new_block(num_tokens, block_size):\n    return num_tokens % block_size == 0")
+    code, text = cli("check", str(path), "--timeout", "30")
+    assert code == 1, text
+    assert "check slot_mapping: FAILED: the kernel died while your function ran" in text
+    assert "check needs_new_block: FAILED: not checked: the kernel stopped before its checks" in text
+    assert "blocks_needed: 3/11 cases passed" in text  # judged before the kernel died (1, 15 and 16 tokens: 1)
+    assert "stopped: the kernel died in the checks of slot_mapping" in text
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_grader_and_kills_its_kernel(tmp_path):
+    path = notebook(tmp_path, PID_CELL, "def blocks_needed(num_tokens, block_size):\n    return 1",
+                    "while True:\n    pass")
+    grader = subprocess.Popen([sys.executable, "-m", "minillm.exercises.cli", "check", str(path), str(path)],
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        pid_file = tmp_path / "kernel.pid"
+        for _ in range(120):  # the kernel starts and imports torch
+            if pid_file.exists() and pid_file.read_text():
+                break
+            time.sleep(0.5)
+        time.sleep(1)  # the endless cell is running
+        grader.send_signal(signal.SIGTERM)
+        out, _ = grader.communicate(timeout=30)
+    finally:
+        if grader.poll() is None:
+            grader.kill()
+    assert grader.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM; the student's kernel was killed; no grade" in out
+    assert out.count(f"== {path}") == 1  # the second notebook is not started
+    assert gone(int(pid_file.read_text()))
+
+
+@pytest.mark.slow
+def test_a_kernel_cannot_forge_a_pass(tmp_path):
+    # one student replaces the checker inside their kernel; another's function prints what the grader's
+    # kernel printed for a pass (its result marker and JSON) every time it is called
+    patcher = notebook(tmp_path / "a", (
+        "import minillm.exercises as ex\nfrom minillm.exercises import checker\n"
+        "class Passed:\n    passed, results, failures = True, [], []\n"
+        "    def __str__(self):\n        return 'blocks_needed: 11/11 cases passed (all passed)'\n"
+        "ex.check = lambda *args, **kwargs: Passed()\n"
+        "checker.grade = lambda *args, **kwargs: Passed()\n"
+        "checker.judge_answer = lambda *args, **kwargs: checker.CaseResult('x', True)"),
+        "def blocks_needed(num_tokens, block_size):\n    return 42")
+    printer = notebook(tmp_path / "b", (
+        "import json\n\ndef blocks_needed(num_tokens, block_size):\n"
+        "    report = 'check blocks_needed\\nblocks_needed: 11/11 cases passed (all passed)'\n"
+        "    print('@@minillm-exercises@@' + json.dumps({'blocks_needed': [report, True]}))\n"
+        "    print(report)\n    return 42"))
+    code, text = cli("check", str(patcher), str(printer), "--timeout", "60")
+    assert code == 1, text
+    assert text.count("blocks_needed: 0/11 cases passed (11 failed)") == 2, text
+    assert f"{patcher}: FAILED" in text and f"{printer}: FAILED" in text and "PASSED" not in text
+
+
+@pytest.mark.slow
+def test_a_syntax_error_names_its_cell(tmp_path):
+    path = notebook(tmp_path, "import torch", "# my answer\ndef blocks_needed(num_tokens, block_size):\n"
+                    "    return (num_tokens + block_size - 1 // block_size\n", "x = 1")
+    code, text = cli("check", str(path), "--timeout", "60")
+    assert code == 1
+    assert "cell 2 (`# my answer`) raised SyntaxError: " in text, text
+    assert "(line 3 of the cell)" in text
+    assert "check blocks_needed: not defined (cell 2 (`# my answer`), which defines it, raised SyntaxError" in text
+
+
+def test_answers_cross_from_the_kernel_as_data_only(tmp_path):
+    # what a kernel saves is read with weights_only: a pickle that would run code is refused unopened
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {tmp_path / 'ran'}",))
+
+    torch.save([Exploit()], tmp_path / "evil.pt")
+    assert "could not be read back (UnpicklingError" in _read_answers(tmp_path / "evil.pt", 1)
+    assert not (tmp_path / "ran").exists()
+    torch.save([{"passed": True}], tmp_path / "verdict.pt")  # a verdict instead of answers
+    assert _read_answers(tmp_path / "verdict.pt", 1) == "its answers file does not hold 1 answers"
+    # answers of any type travel (a NumPy array as a Foreign value) and are judged here
+    ex = EXERCISES["slot_mapping"]
+    cases = ex.cases()
+    torch.save([answer(lambda t, p, bs: np.asarray(p), c.args) for c in cases], tmp_path / "answers.pt")
+    answers = _read_answers(tmp_path / "answers.pt", len(cases))
+    assert all(type(a) is Answer for a in answers)
+    report = grade(ex, cases, [ex.expected(c) for c in cases], answers)
+    assert not report.passed and "should be a torch.Tensor of shape (10,), got ndarray" in report.failures[0].hint
