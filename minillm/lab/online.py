@@ -294,8 +294,8 @@ def knee(report: dict) -> dict:
 
 def goals(report: dict) -> dict:
     """The issue's goals with measured values: the engine sustains >= 2x static batching's rate at the knee
-    (held undecided when static never reaches it), and over HTTP >= 0.8x the in-process output tokens/s at
-    the highest (saturating) rate."""
+    (undecided when static never reaches it), and over HTTP >= 0.8x the in-process output tokens/s at the
+    highest rate (``saturating``: whether the engine's curve had turned up there, as the goal asks)."""
     k, g = report["knee"], {}
     e, s = k["engine"], k["static"]
     ratio = e["rate"] / s["rate"] if s["rate"] > 0 and not s["at_least"] else None
@@ -308,9 +308,12 @@ def goals(report: dict) -> dict:
     g["engine_vs_static_rate"] = {"measured": ratio, "at_least": e["at_least"], "goal": GOALS["engine_vs_static_rate"],
                                   "held": held}
     if "http" in report["modes"]:
-        ratio = report["modes"]["http"][-1]["output_tokens_per_s"] / report["modes"]["engine"][-1]["output_tokens_per_s"]
+        top = report["modes"]["engine"][-1]
+        ratio = report["modes"]["http"][-1]["output_tokens_per_s"] / top["output_tokens_per_s"]
         g["http_vs_in_process"] = {"measured": ratio, "rate": report["rates"][-1], "goal": GOALS["http_vs_in_process"],
-                                   "held": ratio >= GOALS["http_vs_in_process"]}
+                                   "held": ratio >= GOALS["http_vs_in_process"],
+                                   # the engine's curve turned up there: the rate saturates it
+                                   "saturating": top["normalized_latency_s"] > k["threshold_s"]}
     return g
 
 
@@ -343,7 +346,8 @@ def format_report(report: dict) -> str:
             continue
         verdict = {True: "held", False: "NOT met", None: "undecided (raise the rates)"}[v["held"]]
         bound = ">= " if v.get("at_least") else ""
-        lines.append(f"goal {name}: {bound}{v['measured']:.2f}x vs {v['goal']}x -> {verdict}")
+        note = "" if v.get("saturating", True) else " (the engine was not saturated at that rate: raise it)"
+        lines.append(f"goal {name}: {bound}{v['measured']:.2f}x vs {v['goal']}x -> {verdict}{note}")
     return "\n".join(lines)
 
 

@@ -265,6 +265,15 @@ class EngineLoop:
                     future.set_exception(e)
         elif kind == "stop":
             self._fail(list(self._streams), "the server is shutting down")
+            while True:  # what came after the stop: nobody may wait for it forever
+                try:
+                    late = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if late[0] == "add":
+                    late[1]._put(RequestFailed("the server is shutting down"))
+                elif late[0] == "call":
+                    late[2].cancel()
             self._publish()
             return False
         return True
