@@ -355,3 +355,16 @@ def test_random_add_abort_step_leaves_nothing(tiny, actions):
         if rid not in aborted:
             assert done[rid] == solo(tiny, prompt, params)
     assert_empty(engine)
+
+
+def test_stop_token_ids_end_a_request_with_vllms_stop_reason(tiny):
+    """Finding 12: SamplingParams(stop_token_ids=...) ends an engine request at the first such token,
+    finish_reason "stop" and stop_reason the id, as generate_cached ends it."""
+    prompt = ids(7, 12)
+    free = generate_cached(tiny, prompt, SamplingParams(max_tokens=12, ignore_eos=True)).tokens
+    stop = free[4]
+    params = SamplingParams(max_tokens=12, ignore_eos=True, stop_token_ids=[stop])
+    out = LLM(tiny, block_size=4, num_blocks=40).generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    first = free.index(stop)
+    assert out.outputs[0].token_ids == free[:first + 1] == generate_cached(tiny, prompt, params).tokens
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop

@@ -135,6 +135,28 @@ def finalize(prompt: list[int], closed: list[tuple[list[int], float]], params: B
                            score(c, len(t), params.length_penalty)) for t, c in ranked])
 
 
+def beam_step(req, beams: list, logprobs: torch.Tensor, eos_ids, max_seq_len: int, tokenizer=None):
+    """One step of a request's beam search once every live beam has its logits, as bookkeeping the
+    engine applies: returns None when the search ends (``req.beam_output`` is then set), else the live
+    candidates [(beam index, token, cumulative logprob)], best first.
+
+    Args:
+        req: the engine's ``Request`` (its ``params``, ``completed`` hypotheses, ``prompt_token_ids``).
+        beams: its live sequences; logprobs: (K, V) their next-token log-softmax.
+    """
+    p = req.params
+    live, closed = select_beams([s.cumulative_logprob for s in beams], logprobs, p.beam_width, eos_ids, p.ignore_eos)
+    req.completed += [(beams[i].output_token_ids + [t], c) for i, t, c in closed]
+    n_out = beams[0].num_output_tokens + 1
+    stop = search_done(req.completed, live[0][2] if live else None, n_out, p)
+    if stop or n_out >= p.max_tokens or beams[0].num_tokens + 1 >= max_seq_len:
+        if not stop:
+            req.completed += [(beams[i].output_token_ids + [t], c) for i, t, c in live]
+        req.beam_output = finalize(req.prompt_token_ids, req.completed, p, tokenizer)
+        return None
+    return live
+
+
 @torch.inference_mode()
 def beam_search_naive(model, prompt_token_ids: list[int], params: BeamSearchParams, *, eos_ids=(),
                       tokenizer=None) -> BeamSearchOutput:

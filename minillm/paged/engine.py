@@ -36,7 +36,7 @@ from ..generation import GenerationResult, Stopper, check_prompt, stop_ids
 from ..kv_cache import kv_cache_bytes as kv_bytes_of
 from ..sampling import SamplingParams, check_logits, make_generator, sample
 from .batching import pack_flat, pack_rows
-from .beam import BeamSearchParams, finalize, search_done, select_beams
+from .beam import BeamSearchParams, beam_step
 from .block_manager import blocks_for
 from .cache import PagedKVCache
 from .scheduler import Scheduler
@@ -432,9 +432,7 @@ class LLMEngine:
         result = GenerationResult(req.prompt_token_ids, tokens=seq.output_token_ids)
         stopper = self._stoppers[req.request_id]
         if stopper.check(result):
-            text = self.tokenizer.decode(seq.output_token_ids) if self.tokenizer is not None else ""
-            seq.stop_reason = (next(s for s in req.params.stop if text[len(result.text):].startswith(s))
-                               if result.finish_reason == "stop" else None)
+            seq.stop_reason = stopper.stop_reason  # the stop string or stop token id (vLLM's), None for EOS
             seq.text = result.text if result.finish_reason == "stop" else self._decode(seq.output_token_ids[:-1])
             self._finish_seq(seq, "stop")
         elif seq.num_output_tokens >= req.params.max_new_tokens or seq.num_tokens >= self.max_seq_len:
@@ -485,44 +483,31 @@ class LLMEngine:
         return g
 
     def _beam_step(self, req: Request) -> None:
-        """Once every live beam has its logits: select (``beam.select_beams``), fork beams kept more than
-        once (before any token is appended, so a fork copies its parent's state), free dropped beams.
-        The live beams share the request's beam_width seats."""
+        """Once every live beam has its logits (``beam.beam_step``): fork beams kept more than once
+        (before any token is appended, so a fork copies its parent's state), free dropped beams; the
+        live beams hold the request's beam_width seats."""
         beams = [s for s in req.seqs if not s.is_finished]
         if not all(s.seq_id in self._beam_logprobs for s in beams):
             return
-        p = req.params
         lp = torch.stack([self._beam_logprobs.pop(s.seq_id) for s in beams])  # (K, V)
-        live, closed = select_beams([s.cumulative_logprob for s in beams], lp, p.beam_width, self.eos_ids,
-                                    p.ignore_eos)
-        req.completed += [(beams[i].output_token_ids + [t], c) for i, t, c in closed]
-        n_out = beams[0].num_output_tokens + 1
-        stop = search_done(req.completed, live[0][2] if live else None, n_out, p)
-        if stop or n_out >= p.max_tokens or beams[0].num_tokens + 1 >= self.max_seq_len:
-            if not stop:
-                req.completed += [(beams[i].output_token_ids + [t], c) for i, t, c in live]
-            req.beam_output = finalize(req.prompt_token_ids, req.completed, p, self.tokenizer)
+        live = beam_step(req, beams, lp, self.eos_ids, self.max_seq_len, self.tokenizer)
+        req.metrics.first_token_time = req.metrics.first_token_time or time.perf_counter()
+        if live is None:
             for s in beams:
                 self._finish_seq(s, "length")
-            now = time.perf_counter()
-            req.metrics.first_token_time = req.metrics.first_token_time or now
             return
-        kept = Counter()
-        targets = []
-        for i, token, c in live:
-            targets.append((beams[i] if not kept[i] else self._fork(req, beams[i], len(req.seqs)), token, c))
-            kept[i] += 1
+        kept = Counter(i for i, _, _ in live)
+        targets = [beams[i] if j == 0 else self._fork(req, beams[i], len(req.seqs))
+                   for i, j in ((i, sum(1 for k, _, _ in live[:n] if k == i)) for n, (i, _, _) in enumerate(live))]
         for i, s in enumerate(beams):
             if not kept[i]:
                 self._finish_seq(s, "stop")
-        for j, (seq, _, _) in enumerate(targets):
-            seq.seats = 1 if j else p.beam_width - (len(targets) - 1)  # the live beams hold beam_width seats
-        req.seqs = [t for t, _, _ in targets] + [s for s in req.seqs if s.is_finished]
-        for seq, token, c in targets:
+        req.seqs = targets + [s for s in req.seqs if s.is_finished]
+        for j, (seq, (_, token, c)) in enumerate(zip(targets, live)):
+            seq.seats = 1 if j else req.params.beam_width - (len(targets) - 1)
             seq.token_ids.append(token)
             seq.cumulative_logprob = c
             self.manager.add_token_ids(seq.seq_id, [token])
-        req.metrics.first_token_time = req.metrics.first_token_time or time.perf_counter()
 
     # ---- outputs -------------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
