@@ -115,6 +115,7 @@ def test_student_notebook_stops_at_its_first_blank(path):
     assert str(error) == f"write this function: {first}"
 
 
+@pytest.mark.slow  # starts a kernel
 def test_check_command_grades_notebooks(tmp_path):
     # a student's notebook with a wrong top-p (keeps one token too few) and an unfinished one
     nb = nbformat.read(STUDENT_DIR / "10_top_p.ipynb", as_version=4)
@@ -140,6 +141,7 @@ def test_check_command_grades_notebooks(tmp_path):
                       "NotImplementedError: write this function: blocks_needed"], raised
 
 
+@pytest.mark.slow  # starts a kernel
 def test_check_command_passes_a_solution_notebook():
     code, text = cli("check", str(SOLUTIONS_DIR / "06_copy_on_write.ipynb"))
     assert code == 0, text
