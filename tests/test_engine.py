@@ -53,18 +53,21 @@ def recompute_logits(model, ids):
         return model(torch.tensor([ids]), torch.arange(len(ids)))[0]
 
 
-@pytest.mark.parametrize("num_blocks,budget,width,layout", [
-    (None, 256, None, None),  # everything fits: one prefill step, then decodes (one flat row per step)
-    (None, 256, None, "rows"),  # the same in (B, T) rows (pack_rows)
-    (40, 16, None, None),  # chunked prefill beside decodes, some preemption
-    (14, 8, None, None),  # a pool of about two requests: preemption and recompute
-    (14, 7, 1, None),  # one token per row: a chunk cut into many rows of one sequence
-    (40, 300, 4, None),
+@pytest.mark.parametrize("num_blocks,budget,width,attention", [
+    (None, 256, None, "bucketed"),  # everything fits: one prefill step, then decodes (one flat row per step)
+    (None, 256, None, "indexed"),  # the same in (B, T) rows (pack_rows)
+    (40, 16, None, "bucketed"),  # chunked prefill beside decodes, some preemption
+    (14, 8, None, "bucketed"),  # a pool of about two requests: preemption and recompute
+    (14, 7, 1, "indexed"),  # one token per row: a chunk cut into many rows of one sequence
+    (40, 300, 4, "indexed"),
+    (40, 16, None, "gather"),  # the reference read
+    (40, 16, None, "blockwise"),  # the paper's online softmax, block by block
+    (14, 8, None, "blockwise"),
 ])
-def test_greedy_requests_equal_generate_cached_alone(tiny, num_blocks, budget, width, layout):
+def test_greedy_requests_equal_generate_cached_alone(tiny, num_blocks, budget, width, attention):
     ps = prompts()
     engine = LLMEngine(tiny, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, row_width=width,
-                       layout=layout, record_logits=True)
+                       attention=attention, record_logits=True)
     done = run(engine, [(str(i), p, greedy(o)) for i, (p, o) in enumerate(zip(ps, OUT_LENS))])
     for i, (p, o) in enumerate(zip(ps, OUT_LENS)):
         assert done[str(i)] == [solo(tiny, p, greedy(o))]
@@ -170,10 +173,11 @@ def test_abort_returns_every_block(tiny):
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 5),
                               st.integers(1, 12), st.integers(1, 3)), min_size=1, max_size=30),
-       num_blocks=st.integers(10, 30), budget=st.integers(1, 20), layout=st.sampled_from(["flat", "rows"]))
-def test_random_interleavings_finish_every_request_with_its_solo_tokens(tiny, ops, num_blocks, budget, layout):
+       num_blocks=st.integers(10, 30), budget=st.integers(1, 20),
+       attention=st.sampled_from(["bucketed", "indexed", "blockwise"]))
+def test_random_interleavings_finish_every_request_with_its_solo_tokens(tiny, ops, num_blocks, budget, attention):
     ps = prompts()
-    engine = LLMEngine(tiny, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, layout=layout)
+    engine = LLMEngine(tiny, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, attention=attention)
     added, aborted, done, k = {}, set(), {}, 0
     for op, i, out_len, n in ops:
         if op == "add":

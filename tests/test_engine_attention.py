@@ -8,7 +8,7 @@ from helpers import random_decoder
 
 from minillm.model import ModelConfig, attention, attention_mask
 from minillm.paged import LLMEngine, PagedKVCache, pack_flat, pack_rows, pack_rows_naive
-from minillm.paged.cache import buckets
+from minillm.paged.attention import buckets
 
 CFG = ModelConfig(n_layers=1, dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=300,
                   max_seq_len=128)  # G = 3 query heads per KV head
@@ -49,7 +49,7 @@ def test_buckets_partition_the_rows_and_follow_the_cost():
     assert buckets(lens, bucket_cost=0) == [[1, 3], [5], [6], [0], [2], [4]]  # equal lengths only share
 
 
-@pytest.mark.parametrize("path", ["indexed", "gather", "bucketed"])
+@pytest.mark.parametrize("path", ["indexed", "gather", "bucketed", "blockwise"])
 def test_mixed_prefill_and_decode_rows_with_nan_in_unowned_slots(path):
     """Decode rows of several lengths, a prefill chunk cut into two rows of one sequence (the later row
     sees the earlier one's keys) and a padding position, rows out of length order, GQA with G = 3, and
@@ -68,7 +68,7 @@ def test_mixed_prefill_and_decode_rows_with_nan_in_unowned_slots(path):
     k_new = torch.stack([keys[s][:, p.clamp_min(0)] for s, p in zip(rows, pos)])  # (B, Hkv, T, D)
     v_new = torch.stack([values[s][:, p.clamp_min(0)] for s, p in zip(rows, pos)])
     q = torch.randn(len(rows), H, T, D)
-    if path == "bucketed":
+    if cache.attends:
         out = cache.attend(0, q, k_new, v_new)
     else:
         k_all, v_all = cache.update(0, k_new, v_new)
@@ -122,14 +122,15 @@ def test_packer_orders_rows_by_their_end_and_keeps_the_naive_logits():
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
 
 
-def test_flat_row_of_segments_attends_each_over_its_own_sequence():
+@pytest.mark.parametrize("path", ["bucketed", "blockwise"])
+def test_flat_row_of_segments_attends_each_over_its_own_sequence(path):
     """One flat row (1, N) of segments (set_rows with widths): decode tokens at several lengths, a new
     sequence's 6-token prompt, a 3-token chunk of a sequence holding 9, segments out of order, GQA with
     G = 3, NaN in every slot no sequence holds: each segment's output is attention over its own
     sequence's keys alone, and every new key lands in its sequence's slots."""
     torch.manual_seed(1)
     H, Hkv, D = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim
-    cache, keys, values = cache_holding([9, 2, 17, 0, 5], "bucketed")
+    cache, keys, values = cache_holding([9, 2, 17, 0, 5], path)
     segments = [(2, 17, 1), (3, 0, 6), (1, 2, 1), (0, 9, 3), (4, 5, 1)]  # (sequence, first position, tokens)
     pos = torch.tensor([[p for _, a, n in segments for p in range(a, a + n)]])  # (1, N)
     cache.set_rows([s for s, _, _ in segments], [n for _, _, n in segments])
@@ -164,8 +165,10 @@ def test_flat_row_refusals_name_the_problem():
         cache.prepare(torch.tensor([[0, 1]]))
     with pytest.raises(ValueError, match="one span per sequence"):
         pack_flat([(0, 0, [1, 2]), (0, 2, [3])])
-    with pytest.raises(ValueError, match="layout"):
-        LLMEngine(random_decoder(300), attention="indexed", layout="flat")
+    with pytest.raises(ValueError, match="row_width: attention='bucketed' packs one flat row"):
+        LLMEngine(random_decoder(300), attention="bucketed", row_width=4)
+    with pytest.raises(ValueError, match="attention: 'paged' is not one of"):
+        LLMEngine(random_decoder(300), attention="paged")
 
 
 def test_flat_packing_keeps_the_naive_logits():

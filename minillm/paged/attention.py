@@ -1,21 +1,18 @@
-"""Attention over KV blocks with an online softmax: the algorithm of the PagedAttention kernel.
+"""Every way the engine reads keys and values from the pool of blocks, from the reference to the paper's kernel.
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1, Eq. 4: the attention of a query is accumulated
-block by block, A_ij = exp(q_i K_j^T / sqrt(D)) / sum_t exp(q_i K_t 1 / sqrt(D)), o_i = sum_j V_j A_ij^T;
-the running maximum and sum of the softmax (Milakov & Gimelshein 2018, "Online normalizer calculation
-for softmax") let each block be read once, from wherever it lies in the pool, without gathering a
-sequence's keys into one tensor.
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1: a sequence's keys and values sit in blocks anywhere in
+the pool; its block table says where. ``PagedKVCache`` (cache.py) holds the pool and writes new tokens
+into their slots; reading for attention is one of these, chosen by ``LLMEngine(attention=...)``:
 
-Here it is written with torch operations, one loop iteration per logical block, to show the
-algorithm and to test it against the gathered path. On this 2-core CPU it is not the path
-``PagedKVCache`` takes: each block costs a dozen small operator calls (indexing, two products,
-the max / exp / rescale of the running softmax), while the "indexed" read of the cache is one
-``index_select`` per layer followed by one fused SDPA call. Measured with
-``measure_attention_paths()`` on SmolLM2-135M's shapes (B=1, H=9, Hkv=3, D=64, one query,
-block_size 16), per layer, medians on the 2-core CPU: at 64 / 512 / 2,048 cached tokens the block
-loop takes 0.48 / 3.5 / 13.7 ms, index_select + SDPA 0.037 / 0.11 / 0.42 ms, and SDPA on a
-contiguous cache 0.012 / 0.035 / 0.13 ms. A fused kernel (vLLM's CUDA kernel, or Triton) is what
-makes the block-wise form pay: there the loop runs inside one kernel launch and nothing is copied.
+* ``gather_padded`` ("gather", the reference): each row's blocks concatenated, cut to its length, padded.
+* ``padded_slots`` ("indexed"): the pool slot of every key position of every row, so one ``index_select``
+  per layer reads them all, then SDPA.
+* ``buckets`` + ``attend_groups`` ("bucketed", the default): rows grouped by the keys they attend over,
+  each group read into a rectangle of its own length, each KV head's query heads as rows of one SDPA.
+* ``paged_attention`` ("blockwise", the paper's algorithm): block by block with an online softmax
+  (Milakov & Gimelshein 2018), nothing gathered; ``attend_blockwise`` runs it on the engine's rows.
+On a CPU, torch's per-call cost makes the block loop the slowest (docs/paged.md gives the numbers); a fused
+kernel (vLLM's CUDA kernel) is what makes the block-wise form pay.
 """
 
 from __future__ import annotations
@@ -69,6 +66,89 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         m = m_new
     out = acc / l.clamp_min(torch.finfo(torch.float32).tiny)
     return out.reshape(B, H, T, D).to(q.dtype)
+
+
+def buckets(key_lens: list[int], bucket_cost: float) -> list[list[int]]:
+    """Rows grouped so that each group's rows attend over about as many keys: the partition of the rows,
+    sorted by key length, minimizing sum over groups of (bucket_cost + rows * longest row's keys)
+    (dynamic programming over the sorted lengths). Returns the groups as lists of row indices, each
+    group in increasing key length, groups in increasing length."""
+    order = sorted(range(len(key_lens)), key=key_lens.__getitem__)
+    L = [key_lens[i] for i in order]
+    best, cut = [0.0], [0]  # best[j]: cost of the first j sorted rows; cut[j]: where its last group starts
+    for j in range(1, len(L) + 1):
+        c, i = min((best[i] + bucket_cost + (j - i) * L[j - 1], i) for i in range(j))
+        best.append(c)
+        cut.append(i)
+    groups, j = [], len(L)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def padded_slots(tables: list[list[int]], lens: list[int], S: int, block_size: int, device) -> torch.Tensor:
+    """(len(tables) * S,) pool slots of key positions 0..S-1 of each row (slot = block_table[pos //
+    block_size] * block_size + pos % block_size); a row of length n reads its position n - 1 from there on
+    (masked out), so no slot the sequence does not hold is ever read."""
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)  # (B, nb)
+    key_pos = torch.minimum(torch.arange(S)[None, :], torch.tensor(lens)[:, None] - 1)  # (B, S), within the row
+    slots = table.gather(1, key_pos // block_size) * block_size + key_pos % block_size
+    return slots.reshape(-1).to(device)
+
+
+def gather_padded(pool: torch.Tensor, tables: list[list[int]], lens: list[int], S: int) -> torch.Tensor:
+    """The reference read of one layer's pool (num_blocks, block_size, Hkv, D): each row's blocks,
+    concatenated, cut to its length, padded with its last key to S; (B, Hkv, S, D)."""
+    rows = []
+    for table, n in zip(tables, lens):
+        x = torch.cat([pool[block] for block in table])[:n]  # (n, Hkv, D): the row's positions in order
+        rows.append(torch.cat([x, x[-1:].expand(S - n, -1, -1)]))  # (S, Hkv, D)
+    return torch.stack(rows).transpose(1, 2)
+
+
+def attend_groups(qt: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, groups, buffers) -> list[torch.Tensor]:
+    """The "bucketed" read: per group of rows (token index, rows Bg, width Tg, read slots, keys Sg, mask),
+    its keys and values gathered into a rectangle, its queries as each KV head's G query rows.
+
+    Args:
+        qt: (N, H, D) the forward's queries, token-major; k_pool, v_pool: (slots, Hkv, D) one layer.
+        buffers: ``n -> (k_buf, v_buf)`` two (n, Hkv, D) scratch tensors reused across layers.
+    Returns: each group's output, (Bg * Tg, H, D), in the order of ``groups``.
+    """
+    H, D = qt.shape[1], qt.shape[2]
+    Hkv = k_pool.shape[1]
+    outs = []
+    for index, Bg, Tg, slots, Sg, mask in groups:
+        buf_k, buf_v = buffers(Bg * Sg)
+        torch.index_select(k_pool, 0, slots, out=buf_k)
+        torch.index_select(v_pool, 0, slots, out=buf_v)
+        kg = buf_k.view(Bg, Sg, Hkv, D).transpose(1, 2)  # (Bg, Hkv, Sg, D)
+        vg = buf_v.view(Bg, Sg, Hkv, D).transpose(1, 2)
+        qg = qt[index].view(Bg, Tg, H, D).transpose(1, 2).reshape(Bg, Hkv, (H // Hkv) * Tg, D)  # (Bg, Hkv, G*Tg, D)
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)  # (Bg, Hkv, G*Tg, D)
+        outs.append(out.view(Bg, H, Tg, D).transpose(1, 2).reshape(Bg * Tg, H, D))
+    return outs
+
+
+def attend_blockwise(qt: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, query_pos: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``paged_attention`` on the forward's rows (or a flat row's segments): each row's queries padded to
+    the longest, attended block by block, put back in token order.
+
+    Args:
+        qt: (N, H, D) the forward's queries, token-major; k_pool, v_pool: (num_blocks, block_size, Hkv, D).
+        tables: (R, W) block tables; lens: (R,) tokens held; query_pos: (R, Tmax), -1 for padding.
+        index: (R, Tmax) the token of qt each query is (N for padding).
+    Returns: (N, H, D); a query never attends outside its own row's sequence.
+    """
+    N, H, D = qt.shape
+    padded = torch.cat([qt, qt.new_zeros((1, H, D))])[index]  # (R, Tmax, H, D)
+    out = paged_attention(padded.transpose(1, 2), k_pool, v_pool, tables, lens, query_pos)  # (R, H, Tmax, D)
+    y = qt.new_zeros((N + 1, H, D))
+    y[index.reshape(-1)] = out.transpose(1, 2).reshape(-1, H, D)
+    return y[:N]
 
 
 def measure_attention_paths(seq_lens=(64, 512, 2048), block_size: int = 16, n_heads: int = 9, n_kv_heads: int = 3,

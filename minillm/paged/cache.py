@@ -1,46 +1,17 @@
 """PagedKVCache: keys and values in a pool of fixed-size blocks, served to the one ``Decoder.forward``
-through the cache interface of ``minillm.kv_cache`` (``prepare`` / ``update`` / ``truncate``, ``seq_len``).
+through the cache interface of ``minillm.kv_cache`` (``prepare`` / ``update`` or ``attend``, ``truncate``).
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1 (PagedAttention: a sequence's keys and values
-in non-contiguous blocks) and Sec. 4.3 (the block table maps logical to physical blocks; the
-slot_mapping says where each new token's keys and values go).
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1 (a sequence's keys and values in non-contiguous
+blocks) and Sec. 4.3 (the block table maps logical to physical blocks; the slot_mapping says where each
+new token's keys and values go). Per layer one key and one value tensor (num_blocks, block_size, Hkv, D),
+token-major within a block, so slot = block * block_size + offset indexes the flat view: writing the new
+tokens is one ``index_copy_`` with the slot_mapping. How the attention reads them is ``attention.py``.
 
-The pool. Per layer one key and one value tensor of shape (num_blocks, block_size, Hkv, D), allocated
-once. Token-major within a block (as vLLM's FlashAttention backend stores it): the flat view
-(num_blocks * block_size, Hkv, D) is indexed by slot = block * block_size + offset, so writing the new
-tokens is one ``index_copy_`` with the slot_mapping and reading a sequence is one ``index_select``.
-
-The ragged batch. Row b of a forward belongs to sequence ``rows[b]`` (``set_rows``) and carries a
-span of its new tokens: ``input_pos`` (B, T) holds row b's positions, -1 marking padding (never
-written, never attended: ``minillm.model.attention_mask``); (T,) positions apply to every row. Each
-layer writes every row's keys and values before any row attends, so several rows may belong to one
-sequence (consecutive spans, in position order: a prefill in chunks, or a verified draft), and a
-later row sees what an earlier row wrote in the same forward.
-
-The flat batch (vLLM V1's layout; the engine's default). ``set_rows(seq_ids, widths)`` makes the
-forward one row of N = sum(widths) tokens, (1, N): "row" b is then a segment, the next widths[b]
-tokens, so decode tokens and prefill chunks sit side by side and the linear layers compute no padding.
-Only the "bucketed" path reads segments: rows of one width are grouped, so a group is a rectangle again.
-
-Three ways to hand the attention its keys (``attention=``):
-* "gather", the reference: per row, the sequence's blocks concatenated and cut to its length, then
-  padded to S and stacked; fresh tensors every layer.
-* "indexed", the default: the (B * S,) slot indices of every row's positions, computed once per
-  forward in ``prepare``, and one ``index_select`` per layer into a buffer reused by every layer.
-* "bucketed", the engine's: the cache runs the attention itself (``attend``). Rows are grouped by
-  the keys they attend over (``buckets``), each group gathers its rows' keys padded to its own
-  longest row rather than to S, and each KV head's G = H / Hkv query heads go to SDPA as G query
-  rows of one head (K and V read once per KV head, not G times). A group whose rows are one query
-  each at their sequence's last position needs no mask: SDPA's unmasked path (every decode at batch 1).
-Positions past a row's length read the slot of its last token (masked out), so no slot the sequence
-does not hold is ever read. The block-wise online softmax of the PagedAttention kernel is
-``minillm.paged.attention.paged_attention``; on this 2-core CPU it is slower than any of them (see there).
-
-Measured on the 2-core CPU (SmolLM2-135M, float32, batch 1, 13-token prompt, 64 new tokens, block_size
-16, ten alternating rounds in one process): the contiguous ``KVCache`` decodes 36.5 tokens/s,
-"indexed" 35.4 (3.2% slower: per step the slot tables are rebuilt in Python, per layer two
-``index_copy_`` and two ``index_select`` calls), "gather" 34.6 (5.1% slower: a ``torch.cat`` per
-block and fresh tensors per layer). The contiguous cache returns a view, so it copies nothing.
+Rows. Row b of a forward belongs to sequence ``rows[b]`` (``set_rows``); ``input_pos`` (B, T) holds its
+positions, -1 for padding. Or the forward is one flat row (1, N) cut into segments (``set_rows(seq_ids,
+widths)``, vLLM V1's layout: the linear layers compute no padding). Every row's keys and values are
+written before any row attends, so several rows may belong to one sequence (a prefill in chunks, a
+verified draft) and a later row sees what an earlier one wrote in the same forward.
 """
 
 from __future__ import annotations
@@ -48,35 +19,17 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.nn.functional as F
 
 from ..kv_cache import kv_cache_bytes
 from ..model import ModelConfig, attention_mask
+from .attention import attend_blockwise, attend_groups, buckets, gather_padded, padded_slots
 from .block_manager import BlockManager, NoFreeBlocksError
 
-ATTENTION_PATHS = ("indexed", "gather", "bucketed")
+ATTENTION_PATHS = ("bucketed", "blockwise", "indexed", "gather")
+FLAT_PATHS = ("bucketed", "blockwise")  # the paths that attend themselves, over a flat row's segments too
 #: what one more group costs the "bucketed" path, in key positions of one row (an index_select and an
 #: SDPA call more per layer against reading and attending over that many more keys)
 BUCKET_COST = 128
-
-
-def buckets(key_lens: list[int], bucket_cost: float = BUCKET_COST) -> list[list[int]]:
-    """Rows grouped so that each group's rows attend over about as many keys: the partition of the rows,
-    sorted by key length, minimizing sum over groups of (bucket_cost + rows * longest row's keys)
-    (dynamic programming over the sorted lengths). Returns the groups as lists of row indices, each
-    group in increasing key length, groups in increasing length."""
-    order = sorted(range(len(key_lens)), key=key_lens.__getitem__)
-    L = [key_lens[i] for i in order]
-    best, cut = [0.0], [0]  # best[j]: cost of the first j sorted rows; cut[j]: where its last group starts
-    for j in range(1, len(L) + 1):
-        c, i = min((best[i] + bucket_cost + (j - i) * L[j - 1], i) for i in range(j))
-        best.append(c)
-        cut.append(i)
-    groups, j = [], len(L)
-    while j:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
 
 
 class PagedKVCache:
@@ -90,8 +43,9 @@ class PagedKVCache:
             down to whole blocks.
         dtype, device: of the pool (normally the model's).
         enable_prefix_caching: passed to the ``BlockManager``.
-        attention: "indexed" (default), "gather" (the reference) or "bucketed" (the cache attends
-            itself, ``attend``; see the module docstring).
+        attention: how the forward reads the pool (``attention.py``): "indexed" (default here),
+            "gather" (the reference), "bucketed" or "blockwise" (the cache attends itself, ``attend``;
+            these two also take a flat row of segments).
 
     Raises:
         ValueError: neither or both of num_blocks / kv_bytes, a pool smaller than one block, an
@@ -136,7 +90,7 @@ class PagedKVCache:
     def attends(self) -> bool:
         """Whether ``Attention.forward`` hands this cache its queries (``attend``) instead of asking for
         keys and values (``update``) and attending itself."""
-        return self.attention == "bucketed"
+        return self.attention in FLAT_PATHS
 
     @property
     def nbytes(self) -> int:
@@ -173,20 +127,21 @@ class PagedKVCache:
         ``widths``: None for rectangular (B, T) forwards; or the forwards are one flat row of
         sum(widths) tokens (vLLM V1's flat batch: (1, N) tokens), whose first widths[0] tokens are
         "row" 0, the next widths[1] row 1, and so on (segments: the linear layers see no padding).
-        Only the "bucketed" path attends over segments.
+        Only the paths that attend themselves ("bucketed", "blockwise") take segments.
 
         Raises:
             UnknownSequenceError: an id the manager does not hold.
             ValueError: widths of another length than seq_ids, a width below 1, or widths on a path
-                other than "bucketed".
+                that does not attend itself.
         """
         seq_ids = list(seq_ids)
         for s in seq_ids:
             self.manager.num_tokens(s)
         if widths is not None:
             widths = list(widths)
-            if self.attention != "bucketed":
-                raise ValueError(f"widths: a flat row of segments needs attention='bucketed', not {self.attention!r}")
+            if self.attention not in FLAT_PATHS:
+                raise ValueError(f"widths: a flat row of segments needs attention='bucketed' or 'blockwise', not "
+                                 f"{self.attention!r}")
             if len(widths) != len(seq_ids) or min(widths, default=1) < 1:
                 raise ValueError(f"widths: need one width >= 1 per sequence ({len(seq_ids)}), got {widths}")
         self.rows, self.widths, self.reserved = seq_ids, widths, reserved
@@ -280,19 +235,23 @@ class PagedKVCache:
         self._tables = [self.manager.block_table(s) for s in self.rows]
         self._lens = lens
         if self.attention == "indexed":
-            self._read_slots = self._slots(range(len(self.rows)), lens, S)
+            self._read_slots = padded_slots(self._tables, lens, S, self.block_size, device)
+        elif self.attention == "blockwise":
+            self._plan_blockwise(pos)
         elif self.attention == "bucketed":
             self._plan_groups(pos)
 
-    def _slots(self, rows, lens: list[int], S: int) -> torch.Tensor:
-        """(len(rows) * S,) pool slots of key positions 0..S-1 of each row, a row of length n reading its
-        position n - 1 from there on."""
-        tables = [self._tables[b] for b in rows]
-        width = max(len(t) for t in tables)
-        tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)  # (B, nb)
-        key_pos = torch.minimum(torch.arange(S)[None, :], torch.tensor(lens)[:, None] - 1)  # (B, S), within the row
-        slots = tables.gather(1, key_pos // self.block_size) * self.block_size + key_pos % self.block_size
-        return slots.reshape(-1).to(self.k[0].device)
+    def _plan_blockwise(self, pos: list[list[int]]) -> None:
+        """The "blockwise" path's inputs: per row its block table (padded with its own first block), its
+        length, its queries' positions padded to the longest row (-1) and their tokens in the forward."""
+        device = self.k[0].device
+        T, N = max(len(row) for row in pos), sum(len(row) for row in pos)
+        width = max(len(t) for t in self._tables)
+        self._bw_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in self._tables], device=device)
+        self._bw_lens = torch.tensor(self._lens, device=device)
+        self._bw_pos = torch.tensor([row + [-1] * (T - len(row)) for row in pos], device=device)
+        self._bw_index = torch.tensor([[o + t if t < len(row) and row[t] >= 0 else N for t in range(T)]
+                                       for row, o in zip(pos, self._offsets)], device=device)
 
     def _plan_groups(self, pos: list[list[int]]) -> None:
         """The "bucketed" path's groups, rows of one width together: (the rows' tokens among the forward's
@@ -316,7 +275,7 @@ class PagedKVCache:
                 tokens = [self._offsets[b] + t for b in rows for t in range(T)]
                 contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
                 index = slice(tokens[0], tokens[-1] + 1) if contiguous else torch.tensor(tokens, device=device)
-                self._groups.append((index, len(rows), T, self._slots(rows, [key_lens[b] for b in rows], Sg), Sg,
+                self._groups.append((index, len(rows), T, padded_slots([self._tables[b] for b in rows], [key_lens[b] for b in rows], Sg, self.block_size, device), Sg,
                                      mask))
         stops = [0] + [g[0].stop for g in self._groups if isinstance(g[0], slice)]
         # groups that are slices, each starting where the previous one stops, tile the tokens in order
@@ -347,12 +306,13 @@ class PagedKVCache:
         Raises:
             ValueError: on the "bucketed" path, which attends itself (``attend``).
         """
-        if self.attention == "bucketed":
-            raise ValueError("attention: the 'bucketed' cache attends itself; call attend(layer, q, k, v)")
+        if self.attends:
+            raise ValueError(f"attention: the {self.attention!r} cache attends itself; call attend(layer, q, k, v)")
         B, Hkv, T, D = k.shape
         self._write(layer, k, v)
         if self.attention == "gather":
-            return self._gather(self.k[layer]), self._gather(self.v[layer])
+            return (gather_padded(self.k[layer], self._tables, self._lens, self._S),
+                    gather_padded(self.v[layer], self._tables, self._lens, self._S))
         n = B * self._S
         buf_k, buf_v = self._buffers(n, k)
         out = []
@@ -369,19 +329,13 @@ class PagedKVCache:
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         self._write(layer, k, v)
-        k_pool, v_pool = self.k[layer].view(-1, Hkv, D), self.v[layer].view(-1, Hkv, D)
         qt = q.transpose(1, 2).reshape(B * T, H, D).contiguous()  # (B*T, H, D) token-major: each group's queries in one piece
-        outs = []
-        for index, Bg, Tg, slots, Sg, mask in self._groups:
-            buf_k, buf_v = self._buffers(Bg * Sg, k)
-            torch.index_select(k_pool, 0, slots, out=buf_k)
-            torch.index_select(v_pool, 0, slots, out=buf_v)
-            kg = buf_k.view(Bg, Sg, Hkv, D).transpose(1, 2)  # (Bg, Hkv, Sg, D)
-            vg = buf_v.view(Bg, Sg, Hkv, D).transpose(1, 2)
-            # a KV head's query heads as rows: (Bg, Hkv, G*Tg, D)
-            qg = qt[index].view(Bg, Tg, H, D).transpose(1, 2).reshape(Bg, Hkv, (H // Hkv) * Tg, D)
-            out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)  # (Bg, Hkv, G*Tg, D)
-            outs.append(out.view(Bg, H, Tg, D).transpose(1, 2).reshape(Bg * Tg, H, D))
+        if self.attention == "blockwise":
+            y = attend_blockwise(qt, self.k[layer], self.v[layer], self._bw_tables, self._bw_lens, self._bw_pos,
+                                 self._bw_index)
+            return y.view(B, T, H, D).transpose(1, 2)
+        k_pool, v_pool = self.k[layer].view(-1, Hkv, D), self.v[layer].view(-1, Hkv, D)
+        outs = attend_groups(qt, k_pool, v_pool, self._groups, lambda n: self._buffers(n, k))
         if self._groups_in_order:
             y = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
@@ -389,14 +343,6 @@ class PagedKVCache:
             for group, out in zip(self._groups, outs):
                 y[group[0]] = out
         return y.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-
-    def _gather(self, pool: torch.Tensor) -> torch.Tensor:
-        """The reference read: each row's blocks, concatenated, cut, padded; (B, Hkv, S, D)."""
-        rows = []
-        for table, n in zip(self._tables, self._lens):
-            x = torch.cat([pool[block] for block in table])[:n]  # (n, Hkv, D): the row's positions in order
-            rows.append(torch.cat([x, x[-1:].expand(self._S - n, -1, -1)]))  # (S, Hkv, D)
-        return torch.stack(rows).transpose(1, 2)
 
     def truncate(self, n: int) -> None:
         """Cut every row's sequence to its first n positions (rolling back rejected tokens).

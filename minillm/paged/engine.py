@@ -38,7 +38,7 @@ from ..sampling import SamplingParams, check_logits, make_generator, sample
 from .batching import pack_flat, pack_rows
 from .beam import BeamSearchParams, beam_step
 from .block_manager import blocks_for
-from .cache import PagedKVCache
+from .cache import ATTENTION_PATHS, FLAT_PATHS, PagedKVCache
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .stats import EngineStats, StepRecord, runs_of
@@ -81,31 +81,29 @@ class LLMEngine:
         max_num_seqs, max_num_batched_tokens: the scheduler's limits (forks and beams take seats too).
         eos_ids: ids that end a sequence (default: the tokenizer's EOS).
         max_seq_len: context to use (default and at most: the model's).
-        layout: "flat" (default with the "bucketed" path: every scheduled token in one (1, N) row,
-            ``batching.pack_flat``) or "rows" (``batching.pack_rows``: (B, T) rows, the only layout of the
-            "indexed" and "gather" paths).
-        row_width: force the rows' T (the "rows" layout; default: ``batching.choose_row_width``).
+        attention: how the forward reads the pool (``attention.py``), and so how a step is packed:
+            "bucketed" (default) and "blockwise" (the paper's online softmax) take every scheduled token
+            in one flat (1, N) row (``batching.pack_flat``); "indexed" and "gather" (the references) take
+            (B, T) rows padded to the longest (``batching.pack_rows``).
+        row_width: force the rows' T ("indexed" / "gather"; default: ``batching.choose_row_width``).
         record_logits: keep each sequence's next-token logits (tests compare them with a recompute).
-        attention: the cache's path (``PagedKVCache``): "bucketed" (default: rows grouped by length, the
-            cache attends), or "indexed" / "gather" (every row padded to the longest; the references).
 
     Raises:
-        ValueError: a size that is not a positive integer (``check_engine_args``); an unknown layout, or
-            "flat" with another attention path than "bucketed" or with a row_width.
+        ValueError: a size that is not a positive integer (``check_engine_args``); an unknown attention
+            path, or a row_width with a path that packs one flat row.
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 256, eos_ids=None, max_seq_len: int | None = None,
-                 row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed",
-                 layout: str | None = None):
+                 row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed"):
         # refused before the KV pool is allocated
         check_engine_args(block_size, num_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_seq_len)
-        if layout is None:
-            layout = "flat" if attention == "bucketed" and row_width is None else "rows"
-        if layout not in ("flat", "rows") or (layout == "flat" and (attention != "bucketed" or row_width)):
-            raise ValueError(f"layout: {layout!r} must be 'rows' or 'flat', and 'flat' needs attention='bucketed' "
-                             f"and no row_width (got attention={attention!r}, row_width={row_width})")
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention: {attention!r} is not one of {ATTENTION_PATHS}")
+        if row_width is not None and attention in FLAT_PATHS:
+            raise ValueError(f"row_width: attention={attention!r} packs one flat row without padding; row_width "
+                             "applies to the padded rows of 'indexed' and 'gather'")
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = min(max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         if num_blocks is None and kv_cache_bytes is None:
@@ -118,7 +116,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.eos_ids = stop_ids(tokenizer, eos_ids)
         self.row_width, self.record_logits = row_width, record_logits
-        self.layout = layout
+        self.layout = "flat" if attention in FLAT_PATHS else "rows"
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self.logits: dict[tuple[str, int], list[torch.Tensor]] = {}  # record_logits: (request, index) -> (V,) per sample
