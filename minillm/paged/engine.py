@@ -34,13 +34,14 @@ import torch
 
 from ..generation import GenerationResult, Stopper, check_prompt, stop_ids
 from ..kv_cache import kv_cache_bytes as kv_bytes_of
-from ..sampling import SamplingParams, check_logits, make_generator, sample
+from ..sampling import SamplingParams
 from .batching import pack_flat, pack_rows
 from .beam import BeamSearchParams, beam_step
 from .block_manager import blocks_for
 from .cache import ATTENTION_PATHS, FLAT_PATHS, PagedKVCache
+from .sampler import draw_tokens, sample_generator
 from .scheduler import Scheduler
-from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+from .sequence import Request, RequestMetrics, RequestOutput, Sequence, prompt_ids, request_output
 from .stats import EngineStats, StepRecord, runs_of
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "check_engine_args"]
@@ -169,7 +170,7 @@ class LLMEngine:
                 raise ValueError(f"request_id: {request_id!r} is already running; give each request its own id")
             if not isinstance(params, (SamplingParams, BeamSearchParams)):
                 raise ValueError(f"params: must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
-            text, ids = self._prompt_ids(prompt)
+            text, ids = prompt_ids(prompt, self.tokenizer)
             beam = isinstance(params, BeamSearchParams)
             stopper = None if beam else Stopper(params, self.tokenizer, self.eos_ids)
             self._check_fits(request_id, ids, params)
@@ -297,55 +298,26 @@ class LLMEngine:
         return ready, logits
 
     def _draw(self, ready: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
-        """The tokens each ready sequence draws from its logits ``logits`` (R, V), with their logprobs:
-        one per sample it becomes (a request's first sample draws for all n), None for a beam. One
-        gather and one copy to the host for the whole step. Changes nothing if it raises (the
-        generators are restored)."""
-        # one logsumexp gives every chosen token's logprob (logit - lse) and check_logits' verdict: it is
-        # finite exactly when a row has no NaN, no +inf and not only -inf (the error is check_logits')
-        lse = torch.logsumexp(logits, dim=-1)  # (R,)
-        if not torch.isfinite(lse).all():
-            check_logits(logits)
-        reqs = [self.requests[s.request_id] for s in ready]
-        greedy = [i for i, r in enumerate(reqs) if not r.is_beam_search and r.params.greedy]
-        picked = logits if len(greedy) == len(ready) else logits[greedy]  # every row greedy: no (R, V) copy
-        greedy_tokens = dict(zip(greedy, picked.argmax(-1))) if greedy else {}
-        saved, rows, parts, counts = [], [], [], []
+        """What each ready sequence draws (``sampler.draw_tokens``): one token per sample it becomes (a
+        request's first sample draws for all n), None for a beam (its log-softmax waits for its
+        siblings). Changes nothing if it raises."""
+        plans = []
         try:
-            for i, (seq, req) in enumerate(zip(ready, reqs)):
+            for i, seq in enumerate(ready):
+                req = self.requests[seq.request_id]
                 if self.record_logits:
                     self.logits.setdefault((req.request_id, seq.index), []).append(logits[i].float().cpu())
                 if req.is_beam_search:
                     self._beam_logprobs[seq.seq_id] = torch.log_softmax(logits[i], dim=-1)  # (V,), as the naive search
-                    counts.append(0)
+                    plans.append(None)
                     continue
-                ks = range(req.params.n) if not req.forked else [seq.index]  # the first sample draws for every fork
-                for k in ks:
-                    if i in greedy_tokens:
-                        parts.append(greedy_tokens[i].view(1))
-                    else:
-                        g = self._generator(req, k)
-                        saved.append((g, g.get_state()))
-                        parts.append(sample(logits[i:i + 1], req.params, g))
-                    rows.append(i)
-                counts.append(len(ks))
-            if not parts:
-                return [None] * len(ready)
-            tokens = torch.cat(parts)  # (K,) on the model's device
-            index = torch.tensor(rows, device=logits.device)
-            chosen = logits[index, tokens].double() - lse[index].double()
-            host = torch.stack([tokens.double(), chosen.double()]).tolist()  # token ids < 2**53: exact in float64
+                ks = range(req.params.n) if not req.forked else [seq.index]
+                plans.append((req.params, [None if req.params.greedy else self._generator(req, k) for k in ks]))
+            return draw_tokens(logits, plans)
         except BaseException:
-            for g, state in reversed(saved):
-                g.set_state(state)
             for seq in ready:
                 self._beam_logprobs.pop(seq.seq_id, None)
             raise
-        draws, j = [], 0
-        for c in counts:
-            draws.append([(int(t), lp) for t, lp in zip(host[0][j:j + c], host[1][j:j + c])] if c else None)
-            j += c
-        return draws
 
     def _commit(self, plan, start: float) -> None:
         """The forward wrote every scheduled token: they count as computed, and the blocks named for them
@@ -388,11 +360,11 @@ class LLMEngine:
                         self._append(req, target, token, logprob)
                 if req.is_beam_search:
                     self._beam_step(req)
-                outputs.append(self._output(req))
+                outputs.append(request_output(req, self._decode))
             except BaseException as e:  # noqa: B036  (an interrupt too: this request's state may be half-appended)
                 error = error or e
                 self._abort(req)
-                self._failed.append(self._output(req))
+                self._failed.append(request_output(req, self._decode))
                 continue
             if req.is_finished:
                 self._forget(req)
@@ -467,18 +439,11 @@ class LLMEngine:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _generator(self, req: Request, k: int) -> torch.Generator:
-        """Sample k's generator, made at its first draw: seeded with ``params.seed`` for k = 0 (as
-        ``generate_cached``), with a seed derived from (seed, k) for the others."""
+        """Sample k's generator (``sampler.sample_generator``), made at its first draw."""
         key = (req.request_id, k)
-        g = self._generators.get(key)
-        if g is None:
-            params = req.params
-            if params.seed is None or k == 0:
-                g = make_generator(params, self.model.device)
-            else:
-                g = make_generator(SamplingParams(seed=hash((params.seed, k)) % 2 ** 63), self.model.device)
-            self._generators[key] = g
-        return g
+        if key not in self._generators:
+            self._generators[key] = sample_generator(req.params, k, self.model.device)
+        return self._generators[key]
 
     def _beam_step(self, req: Request) -> None:
         """Once every live beam has its logits (``beam.beam_step``): fork beams kept more than once
@@ -506,39 +471,6 @@ class LLMEngine:
             seq.token_ids.append(token)
             seq.cumulative_logprob = c
             self.manager.add_token_ids(seq.seq_id, [token])
-
-    # ---- outputs -------------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: a text prompt needs a tokenizer; pass {'prompt_token_ids': [...]} instead")
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
-                raise ValueError(f"prompt: a dict prompt needs 'prompt_token_ids', got keys {sorted(prompt)}")
-            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(f"prompt: must be a string, {{'prompt_token_ids': [...]}} or a list of ids, "
-                         f"got {type(prompt).__name__}")
-
-    def _output(self, req: Request) -> RequestOutput:
-        """The request's ``RequestOutput``: its samples by index, or its live beams (best first), or, once
-        a beam search ends, its best hypotheses (also as ``beam_search_output``)."""
-        if req.beam_output is not None:
-            outs = [CompletionOutput(i, h.text, h.tokens[len(req.prompt_token_ids):], h.cum_logprob, "length")
-                    for i, h in enumerate(req.beam_output.sequences)]
-        else:
-            seqs = ([s for s in req.seqs if not s.is_finished or req.aborted] if req.is_beam_search
-                    else sorted(req.seqs, key=lambda s: s.index))
-            outs = [CompletionOutput(i if req.is_beam_search else s.index,
-                                     s.text if s.is_finished and s.finish_reason != "abort" else
-                                     self._decode(s.output_token_ids),
-                                     s.output_token_ids, s.cumulative_logprob, s.finish_reason, s.stop_reason)
-                    for i, s in enumerate(seqs)]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
-                             req.num_cached_tokens or 0, req.metrics, req.beam_output)
-
 
 def _hashable(x) -> bool:
     try:

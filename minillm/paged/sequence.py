@@ -166,3 +166,41 @@ class RequestOutput:
     num_cached_tokens: int
     metrics: RequestMetrics
     beam_search_output: object = None  # a finished beam search's ``BeamSearchOutput`` (best first)
+
+
+def prompt_ids(prompt, tokenizer) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt: a string (needs the tokenizer), ``{"prompt_token_ids": [...]}``
+    (optionally with "prompt") or a list of ids.
+
+    Raises:
+        ValueError: a text prompt without a tokenizer, a dict without prompt_token_ids, another type.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: a text prompt needs a tokenizer; pass {'prompt_token_ids': [...]} instead")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt:
+            raise ValueError(f"prompt: a dict prompt needs 'prompt_token_ids', got keys {sorted(prompt)}")
+        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(f"prompt: must be a string, {{'prompt_token_ids': [...]}} or a list of ids, "
+                     f"got {type(prompt).__name__}")
+
+
+def request_output(req: Request, decode) -> RequestOutput:
+    """The request's ``RequestOutput``: its samples by index, or its live beams (best first), or, once a
+    beam search ends, its best hypotheses (also as ``beam_search_output``). ``decode``: ids -> text."""
+    if req.beam_output is not None:
+        outs = [CompletionOutput(i, h.text, h.tokens[len(req.prompt_token_ids):], h.cum_logprob, "length")
+                for i, h in enumerate(req.beam_output.sequences)]
+    else:
+        seqs = ([s for s in req.seqs if not s.is_finished or req.aborted] if req.is_beam_search
+                else sorted(req.seqs, key=lambda s: s.index))
+        outs = [CompletionOutput(i if req.is_beam_search else s.index,
+                                 s.text if s.is_finished and s.finish_reason != "abort" else decode(s.output_token_ids),
+                                 s.output_token_ids, s.cumulative_logprob, s.finish_reason, s.stop_reason)
+                for i, s in enumerate(seqs)]
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
+                         req.num_cached_tokens or 0, req.metrics, req.beam_output)

@@ -1,0 +1,72 @@
+"""The engine's sample step: every ready sequence's next tokens from one forward's logits, in one pass.
+
+Greedy rows take one batched argmax; a sampled row draws from its own generator (so a seeded request
+draws the same tokens alone as in any batch, ``sample_generator``); every chosen token's logprob comes
+from one logsumexp and one gather, and everything reaches the host in one copy (one device sync per
+step, not one per sequence). A draw that raises restores the generators it advanced: the step that
+called it can be undone and retried with the same tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import SamplingParams, check_logits, make_generator, sample
+
+
+def sample_generator(params: SamplingParams, k: int, device) -> torch.Generator:
+    """Sample k's generator: seeded with ``params.seed`` for k = 0 (as ``generate_cached``), with a seed
+    derived from (seed, k) for the others; a fresh random seed when ``params.seed`` is None."""
+    if params.seed is None or k == 0:
+        return make_generator(params, device)
+    return make_generator(SamplingParams(seed=hash((params.seed, k)) % 2 ** 63), device)
+
+
+def draw_tokens(logits: torch.Tensor, plans: list) -> list[list[tuple[int, float]] | None]:
+    """The tokens each row of ``logits`` (R, V) draws, with their logprobs (log-softmax of the raw logits,
+    as vLLM reports them).
+
+    Args:
+        plans: per row, None (the row draws nothing: a beam, selected elsewhere) or (params, generators):
+            one draw per generator; greedy params take the argmax (their generators are None).
+    Returns: per row, None or [(token id, logprob)] (one per generator).
+    Raises:
+        ValueError: logits with NaN, +inf or a row all -inf (``check_logits``); nothing is changed.
+    """
+    # one logsumexp gives every chosen token's logprob (logit - lse) and check_logits' verdict: it is
+    # finite exactly when a row has no NaN, no +inf and not only -inf (the error is check_logits')
+    lse = torch.logsumexp(logits, dim=-1)  # (R,)
+    if not torch.isfinite(lse).all():
+        check_logits(logits)
+    greedy = [i for i, plan in enumerate(plans) if plan is not None and plan[0].greedy]
+    picked = logits if len(greedy) == len(plans) else logits[greedy]  # every row greedy: no (R, V) copy
+    greedy_tokens = dict(zip(greedy, picked.argmax(-1))) if greedy else {}
+    saved, rows, parts = [], [], []
+    try:
+        for i, plan in enumerate(plans):
+            if plan is None:
+                continue
+            params, generators = plan
+            for g in generators:
+                if i in greedy_tokens:
+                    parts.append(greedy_tokens[i].view(1))
+                else:
+                    saved.append((g, g.get_state()))
+                    parts.append(sample(logits[i:i + 1], params, g))
+                rows.append(i)
+        if not parts:
+            return [None] * len(plans)
+        tokens = torch.cat(parts)  # (K,) on the logits' device
+        index = torch.tensor(rows, device=logits.device)
+        chosen = logits[index, tokens].double() - lse[index].double()
+        host = torch.stack([tokens.double(), chosen]).tolist()  # token ids < 2**53: exact in float64
+    except BaseException:
+        for g, state in reversed(saved):
+            g.set_state(state)
+        raise
+    draws, j = [], 0
+    for plan in plans:
+        c = 0 if plan is None else len(plan[1])
+        draws.append([(int(t), lp) for t, lp in zip(host[0][j:j + c], host[1][j:j + c])] if plan is not None else None)
+        j += c
+    return draws
