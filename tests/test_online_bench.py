@@ -58,10 +58,15 @@ def test_sustained_rate_interpolates_where_the_curve_crosses():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("online") / "tiny.gguf"
     write_tiny_gguf(path, cfg=dict(TINY, ctx=512))
-    return load_model(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    return load_model(tiny_path)
 
 
 def test_a_tiny_online_run_answers_every_request_in_full_in_every_mode(tiny, tmp_path):
@@ -85,3 +90,18 @@ def test_a_tiny_online_run_answers_every_request_in_full_in_every_mode(tiny, tmp
     json.dumps(report)  # a record: plain data only
     assert online.plot_latency(report, tmp_path / "online.png").stat().st_size > 0
     assert "knee" in online.format_report(report)
+
+
+def test_the_command_runs_online_and_refuses_bad_options_before_loading(tiny_path, tmp_path, capsys):
+    from minillm.cli import main
+
+    for argv, message in ((["--rate", "fast"], "rate"), (["--rate", "0"], "rate"), (["--duration", "0"], "duration"),
+                          (["--requests", "8"], "requests")):
+        assert main(["serve-bench", "--online", "--model", "/nonexistent.gguf", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert main(["serve-bench", "--online", "--model", str(tiny_path), "--rate", "30", "--duration", "0.2", "--quick",
+                 "--threads", "1", "--max-num-seqs", "4", "--out", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["scale"] == 1 / 32 and set(report["modes"]) == {"engine", "static"}
+    assert report["modes"]["engine"][0]["answered_in_full"] == report["modes"]["engine"][0]["num_requests"] == 6
+    assert (tmp_path / "online_latency.png").is_file() and json.loads((tmp_path / "online.json").read_text())["report"]

@@ -394,14 +394,19 @@ def cmd_online(args) -> int:
         raise ValueError(f"rate: expected comma-separated requests per second, got {args.rate!r}") from None
     if not rates or min(rates) <= 0 or not all(math.isfinite(r) for r in rates):
         raise ValueError(f"rate: each rate must be > 0 and finite, got {args.rate!r}")
-    if args.burstiness <= 0 or args.duration <= 0:
+    if not args.burstiness > 0 or not args.duration > 0:
         raise ValueError(f"burstiness / duration: must be > 0, got {args.burstiness} / {args.duration}")
+    if args.requests is not None:
+        raise ValueError("requests: --online draws rate x --duration requests at each rate; drop --requests")
     out = Path(args.out) if args.out is not None else runs_folder()
-    out.mkdir(parents=True, exist_ok=args.out is None)
-    check_output_path(out, "--out", folder=True)
+    if args.out is None:
+        out.mkdir(parents=True, exist_ok=True)
+    check_output_path(out, "--out", folder=True)  # before minutes of measuring
+    out.mkdir(exist_ok=True)
     if args.threads:
         torch.set_num_threads(args.threads)
-    scale, duration = (1 / 32, min(args.duration, 1.0)) if args.quick else (args.scale, args.duration)
+    scale = args.scale if args.scale is not None else 0.25
+    scale, duration = (min(scale, 1 / 32), min(args.duration, 1.0)) if args.quick else (scale, args.duration)
     model, tokenizer = load(args)
     report = online_bench(model, tokenizer, rates, burstiness=args.burstiness, duration=duration, http=args.http,
                           trace=args.trace, scale=scale, block_size=args.block_size, num_blocks=args.num_blocks,
