@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import minillm.paged.engine as engine_module
+import minillm.paged.sampler as sampler_module
 from minillm import LLM, SamplingParams
 from minillm.generation import generate_cached
 from minillm.paged import BeamSearchParams, LLMEngine
@@ -126,7 +127,7 @@ def inject(engine, point, at, monkeypatch):
     elif point == "after_forward":
         engine.model = RaisingAfter(engine.model, at)
     elif point == "sample":  # a seeded draw, after other generators advanced
-        monkeypatch.setattr(engine_module, "sample", once(engine_module.sample, at))
+        monkeypatch.setattr(sampler_module, "sample", once(sampler_module.sample, at))
     elif point == "append":
         engine._append = once(engine._append, at)
     elif point == "beam":

@@ -13,20 +13,10 @@ and a new block is taken exactly when a token lands at a multiple of block_size.
 blocks until the sequence holds ``blocks_for(n)``; ``truncate(n)`` and ``free`` give back the rest.
 
 The manager holds no tensors: it hands out block ids, and returns the (source, destination) block
-copies that a copy-on-write needs, which the KV pool (``minillm.paged.cache``) performs.
-
-Prefix caching, as vLLM does it, with two choices of ours:
-* A cached block is used only if its own token ids equal the request's and its parent is the very
-  block (id and allocation count) matched for the previous block, so the whole prefix is verified
-  and a hash collision costs a miss, never wrong keys and values.
-* A freed block that holds no cached tokens goes to the front of the free queue (taken first: its
-  content is worth nothing); freed cached blocks go to the back in reverse order (a sequence's last
-  block is evicted before its first, which more prompts share). Taking a cached block from the free
-  queue evicts it: it is no longer found under its old hash.
-* A block is named when its slots are reserved for a forward that writes it, so that identical prompts
-  admitted in the same step share it; until ``commit`` (the forward succeeded) only that step can find
-  it. ``rollback`` (the forward failed) forgets those names, and a block released before its forward
-  loses its name at once: no block stays findable without its keys and values.
+copies that a copy-on-write needs, which the KV pool (``minillm.paged.cache``) performs. A sequence's
+known tokens are read from its own list (one ledger, ``allocate``). The prefix cache's choices (a verified
+chain of blocks, the eviction order, names that hold only after the forward: ``begin`` / ``commit`` /
+``rollback``) are explained in docs/paged.md.
 """
 
 from __future__ import annotations
@@ -197,12 +187,14 @@ class BlockManager:
         """Start a sequence whose known tokens are ``token_ids`` (its prompt), reusing the longest
         cached prefix of full blocks; returns num_computed_tokens (a multiple of block_size). Blocks
         for the rest come with ``grow``. At least the last prompt token is always left to compute, so
-        that the forward has logits to sample from.
+        that the forward has logits to sample from. A list is read in place, as the sequence's one
+        ledger of known tokens (the engine appends sampled tokens to it; ``add_token_ids`` and
+        ``truncate`` change it); anything else is copied.
 
         Raises:
             ValueError: the id is in use, or the prompt needs more blocks than the whole pool has.
         """
-        token_ids = list(token_ids)
+        token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)
         if seq_id in self._tables:
             raise ValueError(f"seq_id: {seq_id} is already allocated; free it first or use another id")
         needed = blocks_for(len(token_ids), self.block_size)
@@ -297,9 +289,10 @@ class BlockManager:
         self._uncommitted.clear()
         self._in_step = False
 
-    def fork(self, parent_id: int, child_id: int) -> None:
+    def fork(self, parent_id: int, child_id: int, token_ids: list[int] | None = None) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (parallel sampling, beam search): each
         block's reference count goes up by one; writes later copy a shared partly filled block.
+        ``token_ids``: the child's own ledger (a list equal to the parent's), or None for a copy.
 
         Raises:
             UnknownSequenceError: no such parent. ValueError: child_id already in use.
@@ -312,7 +305,7 @@ class BlockManager:
         self._freed.discard(child_id)
         self._tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
-        self._token_ids[child_id] = list(self._token_ids[parent_id])
+        self._token_ids[child_id] = list(self._token_ids[parent_id]) if token_ids is None else token_ids
         self._block_hashes[child_id] = list(self._block_hashes[parent_id])
 
     def free(self, seq_id: int) -> None:

@@ -385,7 +385,7 @@ class LLMEngine:
         child = self._new_sequence(req, index, list(parent.token_ids))
         child.num_computed_tokens, child.cumulative_logprob = parent.num_computed_tokens, parent.cumulative_logprob
         req.seqs.append(child)  # first: an abort from here on finds it (and frees what it holds)
-        self.manager.fork(parent.seq_id, child.seq_id)
+        self.manager.fork(parent.seq_id, child.seq_id, child.token_ids)  # the child's list is its ledger
         parent.seats -= 1
         self.scheduler.add_running(child)
         return child
@@ -394,9 +394,8 @@ class LLMEngine:
         """A sampled token joins the known tokens; then EOS, stop strings, stop token ids, max_tokens
         and the context."""
         now = time.perf_counter()
-        seq.token_ids.append(token)
+        seq.token_ids.append(token)  # the block manager reads this list: one ledger of known tokens
         seq.cumulative_logprob += logprob
-        self.manager.add_token_ids(seq.seq_id, [token])
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.last_token_time = now
         result = GenerationResult(req.prompt_token_ids, tokens=seq.output_token_ids)
@@ -470,7 +469,6 @@ class LLMEngine:
             seq.seats = 1 if j else req.params.beam_width - (len(targets) - 1)
             seq.token_ids.append(token)
             seq.cumulative_logprob = c
-            self.manager.add_token_ids(seq.seq_id, [token])
 
 def _hashable(x) -> bool:
     try:
