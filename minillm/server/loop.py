@@ -291,6 +291,7 @@ class EngineLoop:
             lost = [rid for rid in self._streams if rid not in self.engine.requests] or list(self._streams)
             self._fail(lost, f"the engine's step failed ({type(e).__name__}: {e}); the request was aborted")
             return
+        deliveries = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -302,7 +303,7 @@ class EngineLoop:
             tokens = sum(len(c.token_ids) for c in out.outputs)
             self._generated += tokens - self._tokens[out.request_id]
             self._tokens[out.request_id] = tokens
-            stream._put(out)
+            deliveries.append((stream, out))
             if out.finished:
                 self._forget(out.request_id, "stop" if reasons == {"stop"} else "length")
                 if self.on_finish is not None:
@@ -310,6 +311,9 @@ class EngineLoop:
         records = self.engine.stats.records
         if len(records) > 2 * self.keep_records:
             del records[:-self.keep_records]
+        self._publish()  # first: a client that has its tokens finds them counted in /metrics
+        for stream, out in deliveries:
+            stream._put(out)
 
     def _forget(self, request_id: str, reason: str) -> RequestStream:
         self._finished[reason] += 1
