@@ -402,6 +402,25 @@ class Decoder(nn.Module):
             ValueError: a position at or past the context length, (B, T) positions without a
                 ragged-batch cache, or (through the cache) a write that would leave a gap.
         """
+        per_row = self._check_inputs(tokens, input_pos, cache, pad_lengths)
+        pos = self._positions(input_pos, pad_lengths, per_row)  # (T,), or (B, T) per row
+        x = self.embed(tokens)  # (B, T, C)
+        if self.pos_embeddings is not None:
+            x = x + self.pos_embeddings[pos]
+        rope = None
+        if self.config.arch == "llama":
+            rope = (self.rope_cos[pos], self.rope_sin[pos])  # (T, D) each, or (B, T, D) per row
+            if pos.dim() == 2:
+                rope = (rope[0][:, None], rope[1][:, None])  # (B, 1, T, D): broadcast over heads
+        key_pos = input_pos if cache is None else torch.arange(cache.prepare(input_pos), device=tokens.device)
+        mask = attention_mask(input_pos, key_pos, pad_lengths)
+        if self._compiled_decode is not None and tokens.shape[1] == 1 and not torch.is_grad_enabled():
+            logits = self._compiled_decode(x, rope, cache, mask)
+            return logits if logits_indices is None else logits.flatten(0, 1)[logits_indices]
+        return self.forward_layers(x, rope, cache, mask, logits_indices)
+
+    def _check_inputs(self, tokens, input_pos, cache, pad_lengths) -> bool:
+        """``forward``'s checks (its Raises); returns whether the positions are per row ((B, T))."""
         if tokens.dim() != 2 or tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
             raise ValueError(f"tokens: must be (B, T) integer ids, got shape {tuple(tokens.shape)} of {tokens.dtype}")
         B, T = tokens.shape
@@ -421,27 +440,15 @@ class Decoder(nn.Module):
         if first < -per_row or (cache is None and first != 0):
             raise ValueError("input_pos: must start at 0 without a cache (and be >= 0 with one; -1 marks padding "
                              "in per-row positions)")
+        return per_row
+
+    @staticmethod
+    def _positions(input_pos, pad_lengths, per_row: bool) -> torch.Tensor:
+        """Each token's position in its sequence (for RoPE / learned positions): the slot, less the row's
+        left padding; padding itself gets position 0 (its output is never used)."""
         if per_row:
-            pos = input_pos.clamp_min(0)  # (B, T); padding gets position 0, its output is never used
-        else:
-            pos = input_pos if pad_lengths is None else (input_pos[None, :] - pad_lengths[:, None]).clamp_min(0)
-        x = self.embed(tokens)  # (B, T, C)
-        if self.pos_embeddings is not None:
-            x = x + self.pos_embeddings[pos]
-        rope = None
-        if self.config.arch == "llama":
-            rope = (self.rope_cos[pos], self.rope_sin[pos])  # (T, D) each, or (B, T, D) per row
-            if pos.dim() == 2:
-                rope = (rope[0][:, None], rope[1][:, None])  # (B, 1, T, D): broadcast over heads
-        if cache is None:
-            key_pos = input_pos
-        else:
-            key_pos = torch.arange(cache.prepare(input_pos), device=tokens.device)
-        mask = attention_mask(input_pos, key_pos, pad_lengths)
-        if self._compiled_decode is not None and T == 1 and not torch.is_grad_enabled():
-            logits = self._compiled_decode(x, rope, cache, mask)
-            return logits if logits_indices is None else logits.flatten(0, 1)[logits_indices]
-        return self.forward_layers(x, rope, cache, mask, logits_indices)
+            return input_pos.clamp_min(0)  # (B, T)
+        return input_pos if pad_lengths is None else (input_pos[None, :] - pad_lengths[:, None]).clamp_min(0)
 
     def forward_layers(self, x: torch.Tensor, rope, cache, mask, logits_indices=None) -> torch.Tensor:
         """The blocks, the final norm and the output projection: x (B, T, C) -> (B, T, V) float32
