@@ -16,8 +16,8 @@ from minillm.generation import generate_batch, prefill
 from minillm.speculative import NgramProposer, speculative_generate
 from minillm.kv_cache import Int8KVCache
 from minillm.files import atomic_write, check_output_path
-from minillm.quant import gguf_quant
-from minillm.quant.gguf_quant import write_gguf
+from minillm.formats import gguf_quant
+from minillm.formats.gguf_quant import write_gguf
 
 
 def run(*args, env=None):
