@@ -1,9 +1,12 @@
 """Command line: ``python -m minillm <command>``.
 
 Commands: generate, bench decode | spec | quant, distill-draft, roofline, perplexity, quantize, tour,
-fragmentation, serve-bench, serve, exercises. Each technique folder registers its own (``quant.cli``, ``speculative.cli``,
-``roofline.cli``, ``paged.cli``, ``exercises.cli``) with ``set_defaults(func=...)``; the options they
-share are in ``minillm.options``. Bad input exits with status 2 and a message naming the option.
+fragmentation, serve-bench, serve, exercises. ``generate`` and ``bench decode`` are here; the others register
+themselves with ``set_defaults(func=...)``: the technique folders' commands (``quant.cli``: perplexity,
+quantize; ``speculative.cli``: distill-draft; ``roofline.cli``), the lab's benchmarks (``lab.tour``,
+``lab.spec``, ``lab.quant``, ``lab.fragmentation``, ``lab.serve_bench_cli``), ``server.cli`` and
+``exercises.cli``; the options they share are in ``minillm.options``. Bad input exits with status 2 and a
+message naming the option.
 
 Other tools call these; the options and the JSON keys are kept stable.
 """
@@ -13,22 +16,24 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .bench import (LLAMACPP_INSTALL, bench_decode, bench_decode_llamacpp, format_bench, format_bench_llamacpp,
-                    llamacpp_available)
 from .exercises import cli as exercises_cli
-from .files import check_output_path, runs_folder
 from .generation import generate
-from .paged import cli as paged_cli
-from .paged import serve_cli
+from .lab import fragmentation as fragmentation_cli
+from .lab import quant as bench_quant_cli
+from .lab import serve_bench_cli
+from .lab import spec as bench_spec_cli
+from .lab import tour as tour_cli
+from .lab.decode import bench_decode, format_bench
+from .lab.llamacpp import bench_decode_llamacpp, format_bench_llamacpp
+from .lab.peers import LLAMACPP_INSTALL, llamacpp_available
 from .options import add_model_args, at_least, is_quantized_file, load, print_json
 from .quant import cli as quant_cli
 from .roofline import cli as roofline_cli
-from .server import cli as server_cli  # FastAPI loads only when `serve` runs
 from .sampling import SamplingParams
+from .server import cli as server_cli  # FastAPI loads only when `serve` runs
 from .speculative import cli as speculative_cli
 from .speculative import speculative_generate
 from .timing import warn_if_busy
-from .tour import format_tour, tour
 
 
 class StopStringPrinter:
@@ -158,16 +163,6 @@ def _bench_decode_llamacpp(args) -> int:
     return 0
 
 
-def cmd_tour(args) -> int:
-    if args.out is not None:
-        check_output_path(args.out, "--out", folder=True)  # before minutes of measuring
-    model, tokenizer = load(args)
-    report = tour(model, tokenizer, new_tokens=args.new_tokens, figures=args.out,
-                  quantized=is_quantized_file(args.model))
-    print_json(report) if args.json else print(format_tour(report))
-    return 0
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -209,18 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(bd)
     bd.set_defaults(func=cmd_bench_decode, measures_speed=True)
 
-    t = sub.add_parser("tour", help="every technique vs its naive baseline on the embedded model")
-    t.add_argument("--new-tokens", type=at_least(2), default=128)
-    t.add_argument("--out", default=None, help=f"folder for its figure (default: $MINILLM_FIGURES, else "
-                   f"{runs_folder()}, which git ignores)")
-    add_model_args(t)
-    t.set_defaults(func=cmd_tour, measures_speed=True)
-
+    tour_cli.register(sub)
     roofline_cli.register(sub)
-    speculative_cli.register(sub, bench)
-    quant_cli.register(sub, bench)
-    paged_cli.register(sub)
-    serve_cli.register(sub)
+    bench_spec_cli.register(bench)
+    speculative_cli.register(sub)
+    quant_cli.register(sub)
+    bench_quant_cli.register(bench)
+    fragmentation_cli.register(sub)
+    serve_bench_cli.register(sub)
     server_cli.register(sub)
     exercises_cli.register(sub)
     return parser

@@ -1,8 +1,9 @@
 """What every subcommand of ``python -m minillm`` shares: argument types, the model options and
 loading a model from them, checks that run before a model is loaded, and strict JSON output.
 
-Each command module (``minillm.cli`` and the ``cli.py`` of each technique folder) registers its
-subcommands with ``parser.set_defaults(func=...)``; ``minillm.cli.main`` calls ``args.func(args)``.
+Each command module (``minillm.cli``, the ``cli.py`` of a technique folder, the lab's benchmarks, the
+server's and the exercises' ``cli.py``) registers its subcommands with ``parser.set_defaults(func=...)``;
+``minillm.cli.main`` calls ``args.func(args)``.
 """
 
 from __future__ import annotations

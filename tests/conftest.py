@@ -37,7 +37,7 @@ def tokenizer(model_and_tokenizer):
 @pytest.fixture(scope="session")
 def hf_model(model_path):
     """transformers' LlamaForCausalLM on the same GGUF: the oracle."""
-    from minillm.bench import load_transformers_peer
+    from minillm.lab.peers import load_transformers_peer
 
     return load_transformers_peer(model_path)
 

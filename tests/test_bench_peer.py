@@ -9,7 +9,9 @@ from helpers import TINY, tiny_llama_weights, write_tiny_gguf
 
 import minillm.cli
 from minillm import load_model
-from minillm.bench import decode_bytes_per_token, gguf_bytes_per_token, llamacpp_available, weight_bytes_per_token
+from minillm.lab.decode import decode_bytes_per_token, weight_bytes_per_token
+from minillm.lab.llamacpp import gguf_bytes_per_token
+from minillm.lab.peers import llamacpp_available
 from minillm.cli import main
 from minillm.formats.gguf import read_gguf
 from minillm.quant import QuantConfig, QuantLinear, quantize_model

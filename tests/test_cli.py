@@ -106,7 +106,7 @@ def test_generate_with_ngram_draft_streams_the_same_text():
 
 
 def test_bench_spec_reports_every_workload_and_the_gamma_sweep():
-    from minillm.speculative.bench import INPUT_GROUNDED, SPEC_WORKLOADS
+    from minillm.lab.spec import INPUT_GROUNDED, SPEC_WORKLOADS
 
     p = run("bench", "spec", "--new-tokens", "6", "--gammas", "1,3", "--json")
     assert p.returncode == 0, p.stderr

@@ -9,7 +9,7 @@ import pytest
 from helpers import write_tiny_gguf
 
 from minillm.cli import main
-from minillm.paged.serve_cli import register, serve_bench_kwargs
+from minillm.lab.serve_bench_cli import register, serve_bench_kwargs
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from minillm import LLM, SamplingParams, load_model
 from minillm.generation import generate, generate_cached
 from minillm.paged import LLMEngine, pack_rows, pack_rows_naive
-from minillm.paged.batching import choose_row_width, measure_row_costs
+from minillm.lab.engine_costs import measure_row_costs
+from minillm.paged.batching import choose_row_width
 
 V = 300
 PROMPT_LENS, OUT_LENS = [5, 14, 23, 3, 31, 9], [6, 17, 3, 25, 8, 12]
@@ -263,8 +264,8 @@ def test_serve_bench_modes_agree_and_the_command_prints_json(tiny_with_tokenizer
     import argparse
     import json
 
-    from minillm.paged.serve_bench import format_report, serve_bench
-    from minillm.paged.serve_cli import register
+    from minillm.lab.serve_bench import format_report, serve_bench
+    from minillm.lab.serve_bench_cli import register
 
     model, tok = tiny_with_tokenizer
     report = serve_bench(model, tok, num_requests=5, scale=1 / 32, max_num_seqs=3, sharing_requests=2,
@@ -288,7 +289,7 @@ def test_serve_bench_modes_agree_and_the_command_prints_json(tiny_with_tokenizer
 def test_linear_floor_sums_each_steps_tokens_and_sampled_rows(tiny, monkeypatch):
     """The linear-layer floor of serve-bench: each step's blocks at its token count and the output layer
     at its sampled rows, interpolated between timed row counts (timings replaced by known ones here)."""
-    from minillm.paged import serve_bench
+    from minillm.lab import serve_bench
 
     engine = LLMEngine(tiny, max_num_batched_tokens=16)
     run(engine, [(str(i), p, greedy(n)) for i, (p, n) in enumerate(zip(prompts(), OUT_LENS))])

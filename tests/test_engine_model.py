@@ -6,7 +6,7 @@ import torch
 
 from minillm import LLM, SamplingParams, generate_cached
 from minillm.data import play_text
-from minillm.paged.serve_bench import tour_row
+from minillm.lab.tour import engine_row
 
 
 def test_greedy_requests_equal_generate_cached_on_the_real_model(model, tokenizer):
@@ -39,7 +39,7 @@ def test_chat_and_text_prompts(model, tokenizer):
                                                         tokenizer=tokenizer).tokens
 
 
-def test_tour_row(model, tokenizer):
-    row = tour_row(model, tokenizer, new_tokens=4, num_requests=2)
+def test_tour_engine_row(model, tokenizer):
+    row = engine_row(model, tokenizer, new_tokens=4, num_requests=2)
     assert set(row) == {"technique", "baseline", "baseline_tokens_per_s", "tokens_per_s", "speedup", "check"}
     assert row["check"] == "greedy tokens identical"

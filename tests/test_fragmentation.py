@@ -1,14 +1,13 @@
 """The fragmentation lab: the share of reserved KV memory holding tokens, by hand and on the traces,
-its JSON and its command (minillm.paged.fragmentation, minillm.paged.cli)."""
+its JSON and its command (minillm.paged.fragmentation, minillm.lab.fragmentation)."""
 
 import argparse
 import json
 
 import pytest
 
-from minillm.paged import TRACES, fork_example, kv_utilization, make_trace, run_lab
-from minillm.paged.cli import register
-from minillm.paged.fragmentation import BLOCK_SIZES
+from minillm.lab.fragmentation import BLOCK_SIZES, fork_example, register, run_lab
+from minillm.paged import TRACES, kv_utilization, make_trace
 
 
 def test_utilization_by_hand():

@@ -287,7 +287,7 @@ def test_writer_refuses_an_unknown_type(tiny_k, tmp_path):
 
 @needs_llama_cpp
 def test_tiny_q4_k_m_has_llama_cpps_bytes(tiny_k, tmp_path):
-    from minillm.quant.kquants_bench import compare_blocks, llamacpp_quantize
+    from minillm.lab.kquants import compare_blocks, llamacpp_quantize
 
     src, _, ours = tiny_k
     theirs = llamacpp_quantize(src, tmp_path / "tiny-llamacpp.gguf")
@@ -327,7 +327,7 @@ def test_real_model_q4_k_m_file(model_path, smollm2_q4_k_m, reader):
 def test_llama_cpp_loads_our_q4_k_m_and_it_equals_its_own(model_path, smollm2_q4_k_m, tmp_path):
     import llama_cpp
 
-    from minillm.quant.kquants_bench import compare_blocks, llamacpp_quantize
+    from minillm.lab.kquants import compare_blocks, llamacpp_quantize
 
     theirs = llamacpp_quantize(model_path, tmp_path / "llamacpp-q4_k_m.gguf")
     report = compare_blocks(smollm2_q4_k_m, theirs)

@@ -677,7 +677,7 @@ def test_calibration_tokens_are_seeded_windows_of_the_calibration_play(tokenizer
 def test_avenues_name_real_options_and_recovery_is_the_issues_formula():
     import dataclasses
 
-    from minillm.quant.avenues import AVENUES, gptq_avenues, recovery
+    from minillm.lab.avenues import AVENUES, gptq_avenues, recovery
 
     assert recovery(31.0, 36.0, 29.0) == pytest.approx(5 / 7)  # (RTN - method) / (RTN - float)
     fields = {f.name for f in dataclasses.fields(Recipe)}

@@ -70,7 +70,7 @@ def test_a_kl_table_is_optimized_with_its_own_power_and_no_block_norms(tiny, cal
 
 
 def test_bitrate_rows_refuses_an_unknown_quantizer_or_uniform_method(tiny):
-    from minillm.quant.sensitivity import bitrate_rows
+    from minillm.lab.bitrate_rows import bitrate_rows
 
     with pytest.raises(ValueError, match="rtn or gptq"):
         bitrate_rows(tiny, None, {}, [3.0], method="awq")

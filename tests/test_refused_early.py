@@ -73,7 +73,7 @@ def test_the_commands_draw_into_a_git_ignored_folder_unless_told():
     args = build_parser().parse_args(["bench", "quant"])
     assert args.out.startswith("figures/runs/")
     assert build_parser().parse_args(["tour"]).out is None  # tour then uses tour.runs_folder()
-    from minillm.tour import runs_folder
+    from minillm.lab.tour import runs_folder
 
     assert str(runs_folder()) in ("figures/runs", os.environ.get("MINILLM_FIGURES"))
     ignored = subprocess.run(["git", "check-ignore", "-q", "figures/runs/x.png"], cwd=os.path.dirname(__file__) + "/..")

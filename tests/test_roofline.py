@@ -69,7 +69,7 @@ def test_ridge_points():
 
 
 def test_weights_of_embedded_model(model):
-    from minillm.bench import weight_bytes_per_token
+    from minillm.lab.decode import weight_bytes_per_token
 
     assert decode_cost(model.config, 1, 0).weight_bytes == weight_bytes_per_token(model)
     assert torch.float32 == model.dtype

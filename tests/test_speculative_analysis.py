@@ -3,7 +3,8 @@ grid, and the figures of notebooks 04 / 04a (written as PNGs). No model needed."
 
 import pytest
 
-from minillm.speculative import SpeculativeStats, expected_tokens_per_pass, plots
+from minillm.lab import spec_plots as plots
+from minillm.speculative import SpeculativeStats, expected_tokens_per_pass
 from minillm.speculative.analysis import (
     acceptance_counts,
     alpha_for_speedup,

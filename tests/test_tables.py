@@ -1,23 +1,27 @@
-"""The README's and docs' result tables are rebuilt from the committed JSON (minillm.tables)."""
+"""The README's and docs' result tables are rebuilt from the committed JSON (tools/tables: repository tooling,
+run from the repository's root, outside the package)."""
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
-from minillm import tables
-from minillm.tables import decode as decode_tables
-from minillm.tables import paged as paged_tables
+from tools import tables
+from tools.tables import decode as decode_tables
+from tools.tables import paged as paged_tables
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
 
 
 def test_committed_tables_are_rebuilt_from_the_committed_json():
-    # a table edited by hand, or JSON re-recorded without `python -m minillm.tables`, shows up here
-    assert tables.rebuild(check=True) == [], "run `python -m minillm.tables` and commit the result"
+    # a table edited by hand, or JSON re-recorded without `python -m tools.tables`, shows up here
+    assert tables.rebuild(ROOT, check=True) == [], "run `python -m tools.tables` and commit the result"
 
 
 def test_every_file_holds_the_markers_of_its_tables():
     for rel, names in tables.FILES.items():
-        text = (tables.ROOT / rel).read_text(encoding="utf-8")
+        text = (ROOT / rel).read_text(encoding="utf-8")
         found = [m["name"] for m in tables.MARKER.finditer(text)]
         assert found == names, rel
         assert set(names) <= set(tables.TABLES), rel
@@ -286,15 +290,15 @@ def test_speculative_tables_from_notebook_04(tmp_path):
     assert "| rewrite | 48 | 24 (6.30x) | 24 (7.90x) | 12.00 | 6.10x / 7.50x, 12.00 |" in text
 
 
-# ---- python -m minillm.tables on records it cannot read: exit 2 naming the file; 1 stays "out of date"
+# ---- python -m tools.tables on records it cannot read: exit 2 naming the file; 1 stays "out of date"
 
 def _checkout(tmp_path):
     """A copy of the Markdown files with tables and of figures/, for ``main --root``."""
     for rel in {**tables.FILES, **tables._quant.FILES}:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text((tables.ROOT / rel).read_text(encoding="utf-8"), encoding="utf-8")
+        (tmp_path / rel).write_text((ROOT / rel).read_text(encoding="utf-8"), encoding="utf-8")
     (tmp_path / "figures").mkdir()
-    for path in (tables.ROOT / "figures").glob("*.json"):
+    for path in (ROOT / "figures").glob("*.json"):
         (tmp_path / "figures" / path.name).write_bytes(path.read_bytes())
     return tmp_path
 
@@ -349,7 +353,7 @@ def test_a_binary_quantization_report_exits_2_naming_it(tmp_path, capsys):
     (root / "figures" / "05_kquants.json").write_bytes(b"\x89PNG\r\n\x1a\n\xff")
     assert tables.main(["--check", "--root", str(root)]) == 2
     err = capsys.readouterr().err
-    assert "05_kquants.json: is not UTF-8 text" in err and "kquants_bench" in err, err
+    assert "05_kquants.json: is not UTF-8 text" in err and "minillm.lab.kquants" in err, err
 
 
 def test_out_of_date_stays_exit_1_and_a_bad_record_rewrites_nothing(tmp_path, capsys):
@@ -365,6 +369,6 @@ def test_out_of_date_stays_exit_1_and_a_bad_record_rewrites_nothing(tmp_path, ca
     assert tables.main(["--root", str(root)]) == 2
     assert readme.read_text() == stale
     assert "fragmentation.json: not valid JSON" in capsys.readouterr().err
-    frag.write_bytes((tables.ROOT / "figures" / "fragmentation.json").read_bytes())
+    frag.write_bytes((ROOT / "figures" / "fragmentation.json").read_bytes())
     assert tables.main(["--root", str(root)]) == 0 and "| tour |" in readme.read_text()
     assert tables.main(["--check", "--root", str(root)]) == 0

@@ -1,10 +1,10 @@
-"""docs/quantization.md's tables are built from the quantization commands' reports (minillm.tables.quant)."""
+"""docs/quantization.md's tables are built from the quantization commands' reports (tools/tables/quant.py)."""
 
 import json
 
 import pytest
 
-from minillm.tables import quant as tables_quant
+from tools.tables import quant as tables_quant
 
 
 def _row(method, bits, group, ppl, **kw):
@@ -82,7 +82,7 @@ def test_avenues_goal_reads_the_defaults_row(tmp_path):
 
 
 def test_a_missing_report_names_its_command(tmp_path):
-    with pytest.raises(FileNotFoundError, match="kquants_bench"):
+    with pytest.raises(FileNotFoundError, match="minillm.lab.kquants"):
         tables_quant.kquants(tmp_path)
 
 

@@ -36,7 +36,7 @@ import numpy as np
 
 from ..generation import generate_batch, generate_cached
 from ..paged.engine import LLMEngine
-from ..paged.serve_bench import BenchRequest, _greedy, make_requests
+from .serve_bench import BenchRequest, _greedy, make_requests
 from ..timing import dtype_name, machine
 
 GOALS = {"engine_vs_static_rate": 2.0, "http_vs_in_process": 0.8}
@@ -413,7 +413,7 @@ def cmd_online(args) -> int:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, progress=not args.json)
     report["figure"] = str(plot_latency(report, out / "online_latency.png"))
-    from ..tables import record
+    from .records import record
 
     report["record"] = str(record(report, out / "online.json", "python -m minillm " + " ".join(sys.argv[1:])))
     if args.json:

@@ -1,6 +1,6 @@
 """PagedAttention's memory side (Kwon et al. 2023, arXiv 2309.06180, Sec. 4): KV blocks in one pool,
 a block table per sequence, copy-on-write after a fork, prefix caching, attention over blocks, and
-the fragmentation lab (Sec. 3, Fig. 2).
+what paging saves (Sec. 3, Fig. 2).
 
 * ``BlockManager`` (block_manager.py): free queue, reference counts, block tables, slot_mapping,
   fork / copy-on-write, prefix caching; ``NoFreeBlocksError`` when the pool runs out.
@@ -10,13 +10,15 @@ the fragmentation lab (Sec. 3, Fig. 2).
 * ``generate_paged`` (generate.py): ``generate_cached`` on a paged cache.
 * The engine (issue 18): ``LLM`` / ``LLMEngine`` (llm.py, engine.py: continuous batching in vLLM's API),
   ``Scheduler`` (scheduler.py), ``pack_flat`` / ``pack_rows`` (batching.py), ``Sequence`` / ``RequestOutput``
-  (sequence.py), beam search (beam.py), ``python -m minillm serve-bench`` (serve_bench.py, serve_cli.py).
-* ``run_lab`` / ``format_table`` / ``kv_utilization`` (fragmentation.py): the share of reserved KV
-  memory holding tokens under reservation and paging; figures in plots.py;
-  ``python -m minillm fragmentation`` (cli.py, ``register``).
+  (sequence.py), beam search (beam.py).
+* ``kv_utilization`` and the request traces (fragmentation.py): the share of reserved KV memory holding
+  tokens under reservation and paging.
+
+What measures all this lives in ``minillm.lab``: ``serve-bench`` (serve_bench.py), the fragmentation
+lab and its figures (fragmentation.py), the attention paths' and row costs' timings (engine_costs.py).
 """
 
-from .attention import measure_attention_paths, paged_attention
+from .attention import paged_attention
 from .block_manager import (
     BlockManager,
     DoubleFreeError,
@@ -33,16 +35,14 @@ from .engine import LLMEngine
 from .llm import LLM
 from .scheduler import Scheduler
 from .sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, SequenceStatus
-from .fragmentation import TRACES, format_table, kv_utilization, make_trace, run_lab
+from .fragmentation import TRACES, kv_utilization, make_trace
 from .generate import generate_paged
-from .plots import fork_example, plot_fork_cow, plot_memory_vs_block_size
 
 __all__ = [
     "LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "LLMEngine",
     "RequestMetrics", "RequestOutput", "Scheduler", "Sequence", "SequenceStatus", "beam_search_naive", "pack_flat",
     "pack_rows", "pack_rows_naive",
     "BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PagedKVCache", "PrefixCacheStats", "TRACES",
-    "UnknownSequenceError", "blocks_for", "fork_example", "format_table", "generate_paged", "hash_block_tokens",
-    "kv_utilization", "make_trace", "measure_attention_paths", "paged_attention", "plot_fork_cow",
-    "plot_memory_vs_block_size", "run_lab",
+    "UnknownSequenceError", "blocks_for", "generate_paged", "hash_block_tokens", "kv_utilization", "make_trace",
+    "paged_attention",
 ]

@@ -18,8 +18,6 @@ kernel (vLLM's CUDA kernel) is what makes the block-wise form pay.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -150,45 +148,3 @@ def attend_blockwise(qt: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     y[index.reshape(-1)] = out.transpose(1, 2).reshape(-1, H, D)
     return y[:N]
 
-
-def measure_attention_paths(seq_lens=(64, 512, 2048), block_size: int = 16, n_heads: int = 9, n_kv_heads: int = 3,
-                            head_dim: int = 64, repeats: int = 7) -> dict[int, dict[str, float]]:
-    """Milliseconds per call of one decode query's attention (B=1), median of ``repeats`` timings,
-    for each number of cached tokens: "contiguous" (SDPA on one (1, Hkv, S, D) tensor), "indexed"
-    (``index_select`` of the slots from a shuffled pool into a reused buffer, then SDPA) and
-    "blockwise" (``paged_attention``). On the CPU, float32; a benchmark, not a test."""
-    gen = torch.Generator().manual_seed(0)
-    H, Hkv, D = n_heads, n_kv_heads, head_dim
-    out = {}
-    for S in seq_lens:
-        nb = -(-S // block_size)
-        k_pool, v_pool = (torch.randn(2 * nb, block_size, Hkv, D, generator=gen) for _ in range(2))
-        table = torch.randperm(2 * nb, generator=gen)[:nb]  # blocks out of order, half the pool unused
-        slots = (table[:, None] * block_size + torch.arange(block_size)).reshape(-1)[:S]
-        buf_k, buf_v = torch.empty(S, Hkv, D), torch.empty(S, Hkv, D)
-        k, v = (torch.randn(1, Hkv, S, D, generator=gen) for _ in range(2))
-        q = torch.randn(1, H, 1, D, generator=gen)
-
-        def indexed():
-            torch.index_select(k_pool.view(-1, Hkv, D), 0, slots, out=buf_k)
-            torch.index_select(v_pool.view(-1, Hkv, D), 0, slots, out=buf_v)
-            F.scaled_dot_product_attention(q, buf_k[None].transpose(1, 2), buf_v[None].transpose(1, 2),
-                                           enable_gqa=True)
-
-        paths = {"contiguous": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "indexed": indexed,
-                 "blockwise": lambda: paged_attention(q, k_pool, v_pool, table[None], torch.tensor([S]),
-                                                      torch.tensor([[S - 1]]))}
-        out[S] = {name: _median_ms(f, repeats) for name, f in paths.items()}
-    return out
-
-
-@torch.inference_mode()
-def _median_ms(f, repeats: int, calls: int = 20) -> float:
-    f()  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            f()
-        times.append((time.perf_counter() - t0) / calls)
-    return 1e3 * statistics.median(times)

@@ -22,7 +22,7 @@ reads S = the longest sequence's positions; the engine's ``bucketed`` read group
 that S bounds what a row reads). Decode rows want T = 1 (any wider row is padding), a prefill
 chunk wants few rows (each row costs S key reads). ``choose_row_width`` tries every power of two up to
 the longest span (and the longest span itself) and keeps the cheapest by this model, with
-``KEY_COST`` = c_key / c_token. ``measure_row_costs`` measures both on a model: SmolLM2-135M, float32,
+``KEY_COST`` = c_key / c_token. ``lab.engine_costs.measure_row_costs`` measures both on a model: SmolLM2-135M, float32,
 one thread on the shared 2-core CPU, gave c_token 2.0 ms and c_key 12.8 us (ratio 0.0064). End to end,
 on serve-bench's 64 requests, 0.05 (wider rows, fewer of them) ran at 94.5 output tokens/s and 0.0064
 at 85.8 (one run each, same minute), so ``KEY_COST`` stays 0.05: the forward-level fit leaves out
@@ -36,7 +36,6 @@ the baseline with the same result (tests/test_engine.py checks that their logits
 from __future__ import annotations
 
 import itertools
-import time
 from dataclasses import dataclass
 
 import torch
@@ -141,30 +140,3 @@ def pack_rows_naive(spans: list[tuple[int, int, list[int]]], max_seq_len: int = 
         raise ValueError("spans: give at least one span, each with at least one token")
     return _to_rows(spans, max(len(ids) for _, _, ids in spans), device)
 
-
-@torch.inference_mode()
-def measure_row_costs(model, num_rows: int = 32, short: int = 64, long: int = 1024, chunk: int = 64) -> dict:
-    """c_token and c_key of the cost model (seconds; median of 3 forwards on a ``PagedKVCache``):
-    c_key from num_rows decode rows at ``long`` vs ``short`` keys, c_token from one row of ``chunk`` tokens
-    vs one token. Returns {"c_token_s", "c_key_s", "key_cost"} (key_cost = c_key / c_token)."""
-    def forward(B, T, S):
-        cache = PagedKVCache(model.config, B * -(-S // 16) + B, 16, dtype=model.dtype, device=model.device)
-        for i in range(B):
-            cache.add_sequence(i)
-            if S > T:
-                cache.manager.grow(i, S - T)
-        tokens = torch.zeros((B, T), dtype=torch.long, device=model.device)
-        pos = torch.arange(S - T, S, device=model.device)[None].expand(B, T).contiguous()
-        times = []
-        for _ in range(3):
-            for i in range(B):
-                cache.manager.truncate(i, S - T)
-            cache.set_rows(range(B))
-            start = time.perf_counter()
-            model(tokens, pos, cache)
-            times.append(time.perf_counter() - start)
-        return sorted(times)[1]
-
-    c_key = (forward(num_rows, 1, long) - forward(num_rows, 1, short)) / (num_rows * (long - short))
-    c_token = (forward(1, chunk, chunk) - forward(1, 1, chunk)) / (chunk - 1)
-    return {"c_token_s": c_token, "c_key_s": c_key, "key_cost": c_key / c_token}

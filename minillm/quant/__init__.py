@@ -8,15 +8,16 @@
     recipe.py     ``Recipe``: a run's options in one frozen dataclass; GPTQ's presets ``PAPER`` and ``BEST``
     pipeline.py   ``quantize_model(model, recipe, calib)``: block by block, in execution order, on calibration text
     checkpoint.py save / load a quantized model (safetensors)
-    kquants_bench.py  our Q4_K_M file vs llama.cpp's (the block encoders and the GGUF writer are in
-                  ``minillm.formats``: gguf_quant.py, kquants.py)
     head.py       the output layer (and the tied embedding) in int8 or int4
     bitrate.py    variable bitrate as ExLlamaV2 does it: measure each layer's options, pick under a bpw budget
-    bitrate_cli.py  its commands: quantize --bpw, bench quant --bpw
+    bitrate_cli.py  its command: quantize --bpw
     sensitivity.py  its end-to-end measurement: each layer's KL cost on the model's output
-    avenues.py    ``bench quant --avenues``: each GPTQ avenue's perplexity in one run
-    bench.py      ``bench quant``: the table of methods x bits x group sizes
-    cli.py        ``python -m minillm perplexity | quantize | bench quant``
+    cli.py        ``python -m minillm perplexity | quantize``
+
+llama.cpp's block encoders and the GGUF writer are in ``minillm.formats`` (gguf_quant.py, kquants.py). What
+measures the methods is in the lab: ``bench quant``'s table (``minillm.lab.quant``), the GPTQ avenues
+(``lab.avenues``), variable bitrate against uniform settings (``lab.bitrate``, ``lab.bitrate_rows``) and our
+Q4_K_M file beside llama.cpp's (``lab.kquants``).
 
 Conventions (those of GPTQ / AutoGPTQ / vLLM): a weight W is (out_features, in_features);
 ``codes`` are unsigned integers in [0, 2^bits - 1]; ``scales`` and ``zeros`` are

@@ -1,20 +1,19 @@
-"""The variable-bitrate commands, registered by ``minillm.quant.cli``: ``quantize --bpw B`` (measure or
-read a measurement, optimize, quantize, save) and ``bench quant --bpw LIST`` (``bitrate.bitrate_bench`` and
-its figures). The technique itself is ``minillm.quant.bitrate``; its end-to-end measurement
-``minillm.quant.sensitivity``."""
+"""The variable-bitrate command ``quantize --bpw B``, registered by ``minillm.quant.cli``: measure (or read a
+measurement), optimize, quantize, save. The technique itself is ``minillm.quant.bitrate``; its end-to-end
+measurement ``minillm.quant.sensitivity``. ``bench quant --bpw LIST`` (the benchmark against uniform
+settings, its figures) is the lab's ``minillm.lab.bitrate``, which reads or writes measurements as
+``load_or_measure`` does."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-from pathlib import Path
 
 import torch
 
-from .bitrate import (DEFAULT_OPTIONS, UNIFORM_METHODS, bitrate_bench, format_bench, format_choice, format_measurement,
-                      measure, model_bpw, optimize, parse_budgets, plot_bits_per_layer, plot_ppl_vs_bpw,
-                      quantize_variable, save_result)
+from .bitrate import (DEFAULT_OPTIONS, format_choice, format_measurement, measure, model_bpw, optimize, quantize_variable,
+                      save_result)
 from .head import quantize_output
 from .pipeline import LAYERS, calibration_tokens, linear_of
 from .recipe import Recipe
@@ -27,7 +26,7 @@ from .sensitivity import measure_logits
 MEASURES = ("kl", "block")
 
 
-def _measure_help(quantizer_flag: str) -> str:
+def measure_help(quantizer_flag: str) -> str:
     return (f"with --bpw: kl (default: each layer's KL cost on the model's output, one layer rounded by RTN at a "
             f"time, on 2 windows, whatever {quantizer_flag} says) or block (ExLlamaV2's: each block's output error "
             f"with the {quantizer_flag} quantizer; for gptq plain GPTQ, each layer on float inputs)")
@@ -40,21 +39,7 @@ def add_quantize_args(p) -> None:
                    "for this average of bits per weight (codes + float16 scales + zeros); replaces --bits/--group-size")
     p.add_argument("--measurement", default=None,
                    help="with --bpw: a measurement JSON to read (it is written there when the file does not exist)")
-    p.add_argument("--measure", choices=MEASURES, default=None, help=_measure_help("--quant"))
-
-
-def add_bench_args(p) -> None:
-    p.add_argument("--bpw", default=None, metavar="LIST",
-                   help="instead of the table: variable bitrate at these budgets (e.g. 2.5,3,3.5,4,4.5) beside "
-                   "uniform RTN/GPTQ/AWQ at every measured option; writes 05b_bitrate.json and its figures beside --out")
-    p.add_argument("--uniform", default=",".join(UNIFORM_METHODS),
-                   help="with --bpw: the uniform methods to run beside it (comma-separated, or 'none')")
-    p.add_argument("--measurement", default=None,
-                   help="with --bpw: a measurement JSON to read (written there when the file does not exist)")
-    p.add_argument("--measure", choices=MEASURES, default=None, help=_measure_help("--bpw-quant"))
-    p.add_argument("--bpw-quant", choices=("gptq", "rtn"), default="gptq",
-                   help="with --bpw: the quantizer of the measurement and of the variable rows (default gptq; rtn: "
-                   "the cheap variant, measured on 2 windows)")
+    p.add_argument("--measure", choices=MEASURES, default=None, help=measure_help("--quant"))
 
 
 def measure_pass(model, calib: torch.Tensor, method: str, how: str = "kl", options=DEFAULT_OPTIONS,
@@ -94,7 +79,7 @@ def check_table(table: dict, model) -> None:
                          "measure again")
 
 
-def _load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
+def load_or_measure(args, model, calib, method: str, progress: bool) -> dict:
     if args.measurement and os.path.exists(args.measurement):
         try:
             with open(args.measurement, encoding="utf-8") as f:
@@ -131,7 +116,7 @@ def cmd_quantize_bpw(args, recipe: Recipe, load, check_output_path, save_quantiz
         raise ValueError(f"bpw: variable bitrate quantizes asymmetric codes with dynamic groups; drop {', '.join(unsupported)}")
     model, tokenizer = load(args)
     calib = calibration_tokens(tokenizer, args.calib_samples, args.calib_seqlen)
-    table = _load_or_measure(args, model, calib, args.quant, progress=not args.json)
+    table = load_or_measure(args, model, calib, args.quant, progress=not args.json)
     result = optimize(table, args.bpw)
     report = quantize_variable(model, result["choice"], calib, recipe, progress=not args.json)
     report["quant_head"] = recipe.quant_head
@@ -146,33 +131,3 @@ def cmd_quantize_bpw(args, recipe: Recipe, load, check_output_path, save_quantiz
             "objective": result["objective"], "layer_configs": report["layer_configs"],
             "measured_errors": {r["name"]: dict(zip([f"{b}b_g{g}" for b, g in table["options"]], r["errors"]))
                                 for r in table["layers"]}}
-
-
-def cmd_bench_bitrate(args, load, check_output_path, print_json, provenance: dict | None = None) -> int:
-    """``bench quant --bpw LIST``: the variable-bitrate table and its two figures (05b_bitrate_*.png);
-    ``provenance`` (command, date, load) heads the JSON."""
-    budgets = parse_budgets(args.bpw)
-    methods = [] if args.uniform.strip() == "none" else [m.strip() for m in args.uniform.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ("rtn", "gptq", "awq", "awq+gptq")]
-    if bad:
-        raise ValueError(f"uniform: {bad} are not methods; use rtn, gptq, awq, awq+gptq or 'none'")
-    out = args.out if args.out != args.default_out else str(Path(args.default_out).with_name("05b_bitrate.json"))
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    check_output_path(out, "--out", suffix=".json")
-    model, tokenizer = load(args)
-    calib = calibration_tokens(tokenizer, args.calib_samples, 512)  # the calibration the bench's rows use
-    table = _load_or_measure(args, model, calib, args.bpw_quant, progress=not args.json)
-    result = bitrate_bench(model, tokenizer, budgets, table, uniform_methods=methods, method=args.bpw_quant,
-                           max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples, progress=not args.json)
-    result = {**(provenance or {}), **result}
-    path = save_result(result, out)
-    plot_ppl_vs_bpw(result, path.with_name("05b_bitrate_ppl.png"))
-    plot_bits_per_layer(result, path.with_name("05b_bitrate_bits.png"))
-    if args.json:
-        print_json(result)
-    else:
-        print(format_measurement(result["measurement"]))
-        for v in result["variable"]:
-            print(format_choice(v))
-        print(format_bench(result) + f"\nwrote {path} and its figures beside it")
-    return 0

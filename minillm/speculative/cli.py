@@ -1,4 +1,5 @@
-"""``python -m minillm bench spec`` and ``distill-draft``, and the ``--draft`` option of ``generate``."""
+"""``python -m minillm distill-draft``, and the ``--draft`` option of ``generate`` (which ``bench spec``,
+in ``minillm.lab.spec``, shares)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,8 @@ import sys
 
 from ..data import CALIBRATION_PLAY, play_text
 from ..loading import load_model
-from ..options import add_model_args, at_least, check_model_path, int_list, load, print_json
+from ..options import add_model_args, at_least, check_model_path, load, print_json
 from ..files import check_output_path
-from .bench import bench_spec, format_spec, format_sweep, sweep_gamma
 from .draft import distill_draft, save_llama_checkpoint
 from .proposers import DraftModelProposer, NgramProposer
 
@@ -46,26 +46,6 @@ def make_proposer(args, model, ctx: int):
     return DraftModelProposer(load_draft(args, model), ctx)
 
 
-def cmd_bench_spec(args) -> int:
-    if args.draft != "ngram":
-        check_draft(args.draft)
-    model, tokenizer = load(args)
-    draft = None if args.draft == "ngram" else load_draft(args, model)
-    report = bench_spec(model, tokenizer, num_speculative_tokens=args.num_speculative_tokens,
-                        new_tokens=args.new_tokens, repeats=args.repeats, draft=draft, draft_name=args.draft,
-                        progress=not args.json)
-    if args.gammas:
-        report["sweep"] = sweep_gamma(model, tokenizer, gammas=args.gammas, new_tokens=args.new_tokens,
-                                      repeats=args.repeats, draft=draft, progress=not args.json)
-    if args.json:
-        print_json(report)
-        return 0
-    print(format_spec(report))
-    if args.gammas:
-        print(format_sweep(report["sweep"]))
-    return 0
-
-
 def cmd_distill_draft(args) -> int:
     check_output_path(args.out, "--out", folder=True, sources=[args.model] if args.model else ())
     model, tokenizer = load(args)
@@ -85,18 +65,8 @@ def cmd_distill_draft(args) -> int:
     return 0
 
 
-def register(sub, bench) -> None:
-    """Add ``bench spec`` (under ``bench``'s subparsers) and ``distill-draft`` (under ``sub``)."""
-    bs = bench.add_parser("spec", help="plain cached decode vs speculative decoding on workloads, predicted and measured")
-    bs.add_argument("--num-speculative-tokens", type=at_least(1), default=4)
-    bs.add_argument("--new-tokens", type=at_least(2), default=64)
-    bs.add_argument("--repeats", type=at_least(1), default=1)
-    bs.add_argument("--draft", default="ngram", help="'ngram' (prompt lookup, default) or a draft model path")
-    bs.add_argument("--gammas", type=int_list(1), default=None,
-                    help="also sweep gamma on the input-grounded workloads, e.g. 1,2,3,4,6,8")
-    add_model_args(bs)
-    bs.set_defaults(func=cmd_bench_spec, measures_speed=True)
-
+def register(sub) -> None:
+    """Add ``distill-draft`` under ``sub``."""
     dd = sub.add_parser("distill-draft", help="build a draft model for speculative decoding: the target's first "
                         "layers, distilled on the target's own distributions (a few minutes on a CPU)")
     dd.add_argument("--out", required=True, help="folder to write (config.json + model.safetensors; created "

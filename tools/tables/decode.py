@@ -1,6 +1,6 @@
 """The decode tables: docs/kv_cache.md (notebook 02), docs/roofline.md (notebook 01), docs/decode.md
 (``bench decode``, ``bench decode --peer llamacpp``) and docs/speculative.md (notebook 04), each from its record
-(``minillm.tables`` says how tables are rebuilt)."""
+(``tools.tables`` says how tables are rebuilt)."""
 
 from __future__ import annotations
 

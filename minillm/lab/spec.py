@@ -1,4 +1,4 @@
-"""``bench spec``: plain cached decoding vs speculative decoding on chat workloads, with the
+"""``python -m minillm bench spec``: plain cached decoding vs speculative decoding on chat workloads, with the
 speedup predicted from measured alpha, draft cost and verify cost beside the measured one, and a
 sweep over gamma (num_speculative_tokens).
 
@@ -13,11 +13,13 @@ import statistics
 from tqdm.auto import tqdm
 
 from ..generation import generate_cached
+from ..options import add_model_args, at_least, int_list, load, print_json
 from ..sampling import SamplingParams
 from ..timing import dtype_name, machine, measure_verify
-from .decode import predicted_speedup, speculative_generate
-from .proposers import DraftModelProposer, NgramProposer
-from .rejection import expected_tokens_per_pass, leviathan_speedup
+from ..speculative.decode import predicted_speedup, speculative_generate
+from ..speculative.proposers import DraftModelProposer, NgramProposer
+from ..speculative.cli import check_draft, load_draft
+from ..speculative.rejection import expected_tokens_per_pass, leviathan_speedup
 
 PASSAGE = ("The old lighthouse keeper climbed the spiral stairs every evening to light the great lamp. Ships passed "
            "safely by the rocks all night, and in the morning he walked down to the harbour to talk with the "
@@ -188,3 +190,36 @@ def format_sweep(report: dict) -> str:
     for name, b in report["best"].items():
         lines.append(f"best gamma, {name}: predicted {b['predicted']}, measured {b['measured']}")
     return "\n".join(lines)
+
+
+def cmd_bench_spec(args) -> int:
+    if args.draft != "ngram":
+        check_draft(args.draft)
+    model, tokenizer = load(args)
+    draft = None if args.draft == "ngram" else load_draft(args, model)
+    report = bench_spec(model, tokenizer, num_speculative_tokens=args.num_speculative_tokens,
+                        new_tokens=args.new_tokens, repeats=args.repeats, draft=draft, draft_name=args.draft,
+                        progress=not args.json)
+    if args.gammas:
+        report["sweep"] = sweep_gamma(model, tokenizer, gammas=args.gammas, new_tokens=args.new_tokens,
+                                      repeats=args.repeats, draft=draft, progress=not args.json)
+    if args.json:
+        print_json(report)
+        return 0
+    print(format_spec(report))
+    if args.gammas:
+        print(format_sweep(report["sweep"]))
+    return 0
+
+
+def register(bench) -> None:
+    """Add ``bench spec`` under ``bench``'s subparsers."""
+    bs = bench.add_parser("spec", help="plain cached decode vs speculative decoding on workloads, predicted and measured")
+    bs.add_argument("--num-speculative-tokens", type=at_least(1), default=4)
+    bs.add_argument("--new-tokens", type=at_least(2), default=64)
+    bs.add_argument("--repeats", type=at_least(1), default=1)
+    bs.add_argument("--draft", default="ngram", help="'ngram' (prompt lookup, default) or a draft model path")
+    bs.add_argument("--gammas", type=int_list(1), default=None,
+                    help="also sweep gamma on the input-grounded workloads, e.g. 1,2,3,4,6,8")
+    add_model_args(bs)
+    bs.set_defaults(func=cmd_bench_spec, measures_speed=True)

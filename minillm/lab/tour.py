@@ -4,18 +4,20 @@ one table (measured in one process, so that the ratios hold whatever the machine
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 from pathlib import Path
 
-from .bench import plot_step_times
-from .data import BENCH_PROMPT
-from .files import runs_folder
-from .generation import generate, generate_cached, generate_naive
-from .paged.serve_bench import tour_row as engine_row
-from .quant import QuantConfig
-from .quant.pipeline import quantize_model
-from .sampling import SamplingParams
-from .speculative.bench import SPEC_WORKLOADS, compare_once
-from .timing import dtype_name, machine
+from ..data import BENCH_PROMPT
+from ..files import check_output_path, runs_folder
+from ..generation import generate, generate_cached, generate_naive
+from ..options import add_model_args, at_least, is_quantized_file, load, print_json
+from ..quant import QuantConfig
+from ..quant.pipeline import quantize_model
+from ..sampling import SamplingParams
+from ..timing import dtype_name, machine
+from .decode import plot_step_times
+from .serve_bench import _greedy, make_requests, run_engine, run_sequential
+from .spec import SPEC_WORKLOADS, compare_once
 
 
 def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT, figures: str | Path | None = None,
@@ -23,7 +25,7 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
     """Every technique so far against its naive baseline on the embedded model, as one table.
 
     Naive vs KV-cached generation (contiguous, dynamic, int8; same greedy tokens, tokens/s, speedup), the
-    paged engine's continuous batching vs one request at a time (``minillm.paged.serve_bench.tour_row``),
+    paged engine's continuous batching vs one request at a time (``engine_row``),
     speculative decoding with n-gram drafts vs plain cached decoding on an input-grounded chat prompt, and
     4-bit weights (RTN, group 64, torch's int4 kernel) vs float32 weights. Writes
     tour_decode_step_time.png into ``figures`` (default ``runs_folder()``: figures/runs, git-ignored).
@@ -63,6 +65,23 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
             "new_tokens": new_tokens, "rows": rows, "figures": [str(fig)]}
 
 
+def engine_row(model, tokenizer, new_tokens: int = 128, num_requests: int = 8) -> dict:
+    """The tour's engine row: ``num_requests`` prompts cut from a play (ShareGPT-like prompt lengths x 1/4),
+    each generating ``new_tokens`` greedy tokens, through the engine vs one at a time with ``generate_cached``
+    (output tokens/s over the wall time of all of them, ``minillm.lab.serve_bench``'s modes); the check
+    compares their greedy tokens."""
+    reqs = [replace(r, max_tokens=new_tokens) for r in make_requests(tokenizer, num_requests)]
+    generate_cached(model, reqs[0].prompt_token_ids, _greedy(2))  # warm-up
+    seq = run_sequential(model, reqs)
+    eng = run_engine(model, reqs, max_num_seqs=num_requests)
+    same = sum(a == b for a, b in zip(seq["tokens"], eng["tokens"]))
+    return {"technique": "paged engine (continuous batching)",
+            "baseline": f"one request at a time, {num_requests} requests",
+            "baseline_tokens_per_s": seq["output_tokens_per_s"], "tokens_per_s": eng["output_tokens_per_s"],
+            "speedup": eng["output_tokens_per_s"] / seq["output_tokens_per_s"],
+            "check": "greedy tokens identical" if same == num_requests else f"{same}/{num_requests} requests' greedy tokens equal"}
+
+
 def speculative_row(model, tokenizer, new_tokens: int) -> dict:
     """The tour's speculative-decoding row: prompt lookup (gamma 4) vs plain cached decoding, greedy,
     on the "rewrite" workload of ``bench spec`` (the answer copies the prompt), via ``compare_once``."""
@@ -99,3 +118,23 @@ def format_tour(report: dict) -> str:
                      f"{r['tokens_per_s']:8.1f} {r['speedup']:7.1f}x  {r['check']}")
     lines.append("figures: " + ", ".join(report["figures"]))
     return "\n".join(lines)
+
+
+def cmd_tour(args) -> int:
+    if args.out is not None:
+        check_output_path(args.out, "--out", folder=True)  # before minutes of measuring
+    model, tokenizer = load(args)
+    report = tour(model, tokenizer, new_tokens=args.new_tokens, figures=args.out,
+                  quantized=is_quantized_file(args.model))
+    print_json(report) if args.json else print(format_tour(report))
+    return 0
+
+
+def register(sub) -> None:
+    """Add ``tour`` under ``sub``."""
+    t = sub.add_parser("tour", help="every technique vs its naive baseline on the embedded model")
+    t.add_argument("--new-tokens", type=at_least(2), default=128)
+    t.add_argument("--out", default=None, help=f"folder for its figure (default: $MINILLM_FIGURES, else "
+                   f"{runs_folder()}, which git ignores)")
+    add_model_args(t)
+    t.set_defaults(func=cmd_tour, measures_speed=True)

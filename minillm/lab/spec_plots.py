@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from ..files import save_figure
-from .analysis import acceptance_counts
+from ..speculative.analysis import acceptance_counts
 
 
 def _pyplot():

@@ -10,13 +10,17 @@ measures, against the float model (the dequantized Q4_1 weights of the shipped G
 * decode tokens/s at batch 1 (greedy, the fast int4 path where the layout allows it);
 * the output error of every layer on its calibration inputs (for the per-layer figure).
 
-``python -m minillm bench quant`` runs it and writes ``figures/05_quant_table.json`` plus the
-figures; notebook 05 reads that file and reruns a few rows live.
+``python -m minillm bench quant`` runs it (the command is at the end of this file) and writes
+``figures/05_quant_table.json`` plus the figures; notebook 05 reads that file and reruns a few rows live.
+``bench quant --avenues`` runs ``minillm.lab.avenues`` instead, ``bench quant --bpw`` ``minillm.lab.bitrate``.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,14 +30,19 @@ from tqdm.auto import tqdm
 
 from ..data import BENCH_PROMPT, CALIBRATION_PLAY, HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity, reference_logprobs
-from ..files import atomic_write, dumps_strict, save_figure
+from ..files import atomic_write, check_output_path, dumps_strict, runs_folder, save_figure
 from ..generation import generate_cached
+from ..options import add_model_args, at_least, load, print_json
 from ..sampling import SamplingParams
 from ..timing import machine
-from .checkpoint import save_quantized
-from .pipeline import CALIB_SAMPLES, calibration_tokens, quantize_model
-from .qlinear import QuantLinear
-from .recipe import BEST, Recipe
+from .avenues import AVENUES, cmd_gptq_avenues
+from .bitrate import add_bench_args, cmd_bench_bitrate
+from .records import provenance
+from ..quant.checkpoint import save_quantized
+from ..quant.cli import bpw_only
+from ..quant.pipeline import CALIB_SAMPLES, calibration_tokens, quantize_model
+from ..quant.qlinear import QuantLinear
+from ..quant.recipe import BEST, Recipe
 
 # the issue's table: float, then each method at 4 bits (group 32, 64, per channel) and 3 bits (32, 64)
 TABLE_CONFIGS = [(m, b, g) for m in ("rtn", "gptq", "awq", "awq+gptq") for b, g in ((4, 32), (4, 64), (4, -1), (3, 32), (3, 64))]
@@ -223,3 +232,56 @@ def plot_layer_errors(table: dict, path: str | Path | None = None, bits: int = 3
     if path is not None:
         save_figure(fig, path)
     return fig
+
+
+# ---- the command ----------------------------------------------------------------------------------
+
+def cmd_bench_quant(args) -> int:
+    bpw_only(args)
+    if args.avenues:
+        return cmd_gptq_avenues(args)
+    if args.bpw:  # variable bitrate beside uniform settings (lab/bitrate.py)
+        return cmd_bench_bitrate(args)
+    if args.out == args.default_out:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    check_output_path(args.out, "--out", suffix=".json")
+    model, tokenizer = load(args)
+    configs = [c for c in TABLE_CONFIGS if c[2] == 64] if args.quick else TABLE_CONFIGS
+    table = quant_table(model, tokenizer, configs, max_tokens=args.max_tokens or 4096, calib_samples=args.calib_samples,
+                        gptq_mse=args.mse, progress=not args.json)
+    table = {**provenance(), **table}
+    out = save_table(table, args.out)
+    figs = out.parent
+    plot_ppl_vs_bits(table, figs / "05_ppl_vs_bits.png")
+    plot_layer_errors(table, figs / "05_layer_errors.png")
+    if args.json:
+        print_json(table)
+    else:
+        print(format_table(table) + f"\nwrote {out} and its figures beside it", file=sys.stdout)
+    return 0
+
+
+def register(bench) -> None:
+    """Add ``bench quant`` under ``bench``'s subparsers: the table, or ``--avenues`` (``minillm.lab.avenues``),
+    or ``--bpw`` (``minillm.lab.bitrate``)."""
+    runs = runs_folder()
+    bq = bench.add_parser("quant", help="the quantization table: RTN/GPTQ/AWQ/AWQ+GPTQ at 4 and 3 bits")
+    bq.add_argument("--max-tokens", type=at_least(2), default=None,
+                    help="held-out tokens scored (default 4096; 8192 with --avenues)")
+    bq.add_argument("--calib-samples", type=at_least(1), default=CALIB_SAMPLES,
+                    help=f"calibration windows of 512 tokens (default {CALIB_SAMPLES})")
+    bq.add_argument("--mse", action=argparse.BooleanOptionalAction, default=True, help="GPTQ with each group's range "
+                    "searched (default: on; --no-mse: min/max group ranges, and AWQ+GPTQ then keeps AWQ's clip)")
+    bq.add_argument("--avenues", nargs="?", const="all", default=None, metavar="NAMES",
+                    help="instead of the table: GPTQ 4-bit group 64 with each avenue (more/longer calibration, "
+                    "dampening, column order, range search, true sequential, v2), float and RTN in the same run, "
+                    "on the first 8192 held-out tokens; NAMES: comma-separated, default all of "
+                    + ", ".join(AVENUES) + ". Writes 05_gptq_avenues.json beside --out")
+    add_bench_args(bq)
+    bq.add_argument("--quick", action="store_true", help="only 4-bit group 64 and 3-bit group 64")
+    bq.add_argument("--out", default=f"{runs}/05_quant_table.json",
+                    help="the table (JSON; its figures go beside it). Default: $MINILLM_FIGURES/05_quant_table.json, "
+                         "else figures/runs/05_quant_table.json (git-ignored; figures/05_quant_table.json is notebook "
+                         "05's committed table)")
+    add_model_args(bq)
+    bq.set_defaults(func=cmd_bench_quant, measures_speed=True, default_out=f"{runs}/05_quant_table.json")

@@ -1,5 +1,5 @@
 """docs/paged.md's tables: the fragmentation lab, paged against contiguous decode (``bench decode``) and
-``serve-bench``, each from its record (``minillm.tables`` says how tables are rebuilt)."""
+``serve-bench``, each from its record (``tools.tables`` says how tables are rebuilt)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Our Q4_K_M file beside llama.cpp's and the shipped Q4_1: block bytes, size and perplexity.
 
-``python -m minillm.quant.kquants_bench --out figures/05_kquants.json`` writes minillm's Q4_K_M of the
+``python -m minillm.lab.kquants --out figures/05_kquants.json`` writes minillm's Q4_K_M of the
 embedded model (``formats.gguf_quant.write_gguf``), has llama.cpp quantize the same file to Q4_K_M (through
 llama-cpp-python's ``llama_model_quantize``, an optional extra: without it the llama.cpp rows are left
 out), compares the two tensor by tensor (type and bytes), and scores all the files with minillm in one
@@ -123,7 +123,7 @@ def run(out: str | Path, work: str | Path | None = None, max_tokens: int = 4096,
     work.mkdir(parents=True, exist_ok=True)
     ours = write_gguf(src, work / "smollm2-q4_k_m.minillm.gguf", "q4_k_m", progress=progress)
     files = {"shipped Q4_1": src, "minillm Q4_K_M": ours}
-    report = {"date": datetime.date.today().isoformat(), "command": "python -m minillm.quant.kquants_bench",
+    report = {"date": datetime.date.today().isoformat(), "command": "python -m minillm.lab.kquants",
               "load": os.getloadavg()[0], "text": HELD_OUT_PLAY, "max_tokens": max_tokens, "seqlen": 512}
     try:
         import llama_cpp
@@ -142,7 +142,7 @@ def run(out: str | Path, work: str | Path | None = None, max_tokens: int = 4096,
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minillm.quant.kquants_bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minillm.lab.kquants", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=str(runs_folder() / "05_kquants.json"), help="the report (JSON)")
     p.add_argument("--work", default=None, help="folder for the two Q4_K_M files (default: figures/runs)")
     p.add_argument("--max-tokens", type=int, default=4096, help="held-out tokens taken (whole windows of 512)")

@@ -1,8 +1,8 @@
 """docs/quantization.md's result tables, rebuilt from the JSON that the quantization benchmarks write.
 
-Those commands write their own reports rather than ``minillm.tables`` records (notebooks 05, 05a and 05b
+Those commands write their own reports rather than ``minillm.lab.records`` records (notebooks 05, 05a and 05b
 read the same files), so each report carries its provenance itself: ``command``, ``date`` and, where the
-command records it, the machine's ``load``. ``minillm.tables`` finds these builders through ``TABLES``.
+command records it, the machine's ``load``. ``tools.tables`` finds these builders through ``TABLES``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 from . import FIGURES, MET, RecordError, _table, read_json
 
 WRITERS = {"05_quant_table.json": "`python -m minillm bench quant --out figures/05_quant_table.json`",
-           "05_kquants.json": "`python -m minillm.quant.kquants_bench --out figures/05_kquants.json`",
+           "05_kquants.json": "`python -m minillm.lab.kquants --out figures/05_kquants.json`",
            "05b_bitrate.json": "`python -m minillm bench quant --bpw 2.5,3,3.5,4,4.5 --out figures/05b_bitrate.json` "
-                               "(its end-to-end rows: `python -m minillm.quant.sensitivity --result RESULT.json --out figures/05b_bitrate.json`)",
+                               "(its end-to-end rows: `python -m minillm.lab.bitrate_rows --result RESULT.json --out figures/05b_bitrate.json`)",
            "05_gptq_avenues.json": "`python -m minillm bench quant --avenues --out figures/05_gptq_avenues.json`"}
 READS = {"quant_table": ["05_quant_table.json"], "kquants": ["05_kquants.json"], "bitrate": ["05b_bitrate.json"],
          "gptq_avenues": ["05_gptq_avenues.json"]}
@@ -28,7 +28,7 @@ def read_report(name: str, folder: Path = FIGURES) -> dict:
 
     Raises:
         FileNotFoundError: the JSON is not there (the error names the command that writes it).
-        RecordError (a ValueError): it cannot be read (``minillm.tables.read_json``: not valid JSON, binary,
+        RecordError (a ValueError): it cannot be read (``minillm.lab.records.read_json``: not valid JSON, binary,
             NUL bytes, empty) or is not a JSON object; named with the command that rewrites it.
     """
     rep = read_json(folder / name, WRITERS[name])

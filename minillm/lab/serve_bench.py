@@ -6,7 +6,7 @@ and FasterTransformer; Sec. 6.3-6.4 sharing: 6.1-30.5% memory saved by parallel 
 by beam search) and Yu et al. 2022 (Orca, Sec. 5: continuous over static batching).
 
 The requests (``make_requests``): prompt and output lengths from the fragmentation lab's log-normal
-traces (``fragmentation.make_trace``: ShareGPT-like mean 161 / 338 tokens, Alpaca-like 19 / 58), each
+traces (``minillm.paged.fragmentation.make_trace``: ShareGPT-like mean 161 / 338 tokens, Alpaca-like 19 / 58), each
 length multiplied by ``scale`` (default 1/4 so that the sequential mode fits minutes on a 2-core CPU),
 prompts cut at seeded offsets from a play (``minillm.data.play_text``), every request arriving at time 0,
 greedy, EOS ignored (each request runs to its drawn length).
@@ -32,11 +32,12 @@ from tqdm.auto import tqdm
 from ..data import HELD_OUT_PLAY, play_text
 from ..generation import generate_batch, generate_cached
 from ..model import Decoder, ModelConfig
+from ..paged.beam import BeamSearchParams
+from ..paged.engine import LLMEngine
+from ..paged.fragmentation import MAX_SEQ_LEN, TRACES, kv_utilization, make_trace
 from ..sampling import SamplingParams
 from ..timing import dtype_name, machine
-from .beam import BeamSearchParams
-from .engine import LLMEngine
-from .fragmentation import MAX_SEQ_LEN, TRACES, kv_utilization, make_trace
+from .peers import load_transformers_peer
 
 PAPER = {"throughput_vs_orca": "2-4x (Sec. 6.2)", "parallel_sampling_saved": "6.1-30.5% (Sec. 6.3)",
          "beam_search_saved": "37.6-66.3% (Sec. 6.3)", "kv_utilization": 0.963,
@@ -212,22 +213,6 @@ def linear_floor(model, records) -> dict:
     return {"linear_s": float(blocks.sum() + head.sum()), "grid": {m: list(t[m]) for m in grid}}
 
 
-def load_peer(model_path=None, dtype=torch.float32):
-    """transformers' LlamaForCausalLM on the same GGUF, with paged attention for its continuous batching
-    (as ``minillm.bench.load_transformers_peer``, which this folder may not import)."""
-    import transformers
-    from transformers import AutoModelForCausalLM
-
-    from ..loading import default_model_path
-
-    transformers.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    path = default_model_path() if model_path is None else model_path
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype,
-                                              attn_implementation="paged|sdpa")
-    return hf.eval()
-
-
 def run_transformers(hf, reqs: list[BenchRequest], max_num_seqs: int = 64, kv_tokens: int | None = None) -> dict:
     """transformers' continuous batching (``ContinuousBatchingManager``, paged|sdpa attention on the CPU),
     each request with its own max_new_tokens, EOS never ending one (eos_token_id -1), greedy.
@@ -331,7 +316,8 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
             elif name == "static":
                 modes[name] = run_static(model, reqs, max_num_seqs)
             else:
-                modes[name] = run_transformers(load_peer(dtype=model.dtype), reqs, max_num_seqs,
+                hf = load_transformers_peer(dtype=model.dtype, attn_implementation="paged|sdpa")
+                modes[name] = run_transformers(hf, reqs, max_num_seqs,
                                                kv_tokens=modes["engine"]["num_blocks"] * block_size)
             bar.update(len(reqs))
     engine = modes["engine"].pop("engine")
@@ -403,18 +389,3 @@ def format_report(report: dict) -> str:
             lines.append(f"goal {k}: {v['measured']:.3g} vs {v['goal']} -> {'held' if v['held'] else 'NOT met'}")
     return "\n".join(lines)
 
-
-def tour_row(model, tokenizer, new_tokens: int = 128, num_requests: int = 8) -> dict:
-    """The tour's row: ``num_requests`` prompts cut from a play (ShareGPT-like prompt lengths x 1/4), each
-    generating ``new_tokens`` greedy tokens, through the engine vs one at a time with ``generate_cached``
-    (output tokens/s over the wall time of all of them); the check compares their greedy tokens."""
-    reqs = [replace(r, max_tokens=new_tokens) for r in make_requests(tokenizer, num_requests)]
-    generate_cached(model, reqs[0].prompt_token_ids, _greedy(2))  # warm-up
-    seq = run_sequential(model, reqs)
-    eng = run_engine(model, reqs, max_num_seqs=num_requests)
-    same = sum(a == b for a, b in zip(seq["tokens"], eng["tokens"]))
-    return {"technique": "paged engine (continuous batching)",
-            "baseline": f"one request at a time, {num_requests} requests",
-            "baseline_tokens_per_s": seq["output_tokens_per_s"], "tokens_per_s": eng["output_tokens_per_s"],
-            "speedup": eng["output_tokens_per_s"] / seq["output_tokens_per_s"],
-            "check": "greedy tokens identical" if same == num_requests else f"{same}/{num_requests} requests' greedy tokens equal"}

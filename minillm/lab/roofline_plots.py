@@ -4,14 +4,16 @@ read ceiling, and the compiled decode's waterfall from the bound down to eager.
 
 Each function draws with matplotlib's object-oriented API (no pyplot state, so a notebook shows only
 what it displays), saves the figure through ``minillm.files.save_figure`` and returns the path.
-matplotlib is imported when a figure is drawn, so that importing the roofline costs nothing for those who
+matplotlib is imported when a figure is drawn, so that importing the lab costs nothing for those who
 only measure.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..files import save_figure
-from .ceilings import Ceilings
+from ..roofline.ceilings import Ceilings
 
 
 def _figure(width: float, height: float):
@@ -30,8 +32,6 @@ def plot_roofline(ceilings: Ceilings, rows: list[dict], path, dtype: str = "floa
     measured forwards of ``compare`` placed on it. Decode labels sit below their points and prefill labels
     above, so that neighbours of the two kinds (decode B=16 and prefill T=16 have nearly the same
     intensity) do not overlap."""
-    import numpy as np
-
     bw, peak = ceilings.bandwidth, ceilings.matmul_flops[dtype]
     x = np.logspace(-1, 3.5, 200)
     fig, ax = _figure(7, 4.5)
@@ -87,8 +87,6 @@ def plot_linear_layouts(layouts: dict[int, dict[str, float]], weight_bytes: floa
         weight_bytes: bytes of the linear weights read per step.
         read_bandwidth: the ceiling, bytes/s (``Ceilings.bandwidth``, whichever of copy and read was faster).
     """
-    import numpy as np
-
     names = list(dict.fromkeys(n for per in layouts.values() for n in per))
     fig, ax = _figure(7.5, 0.45 * len(names) * len(layouts) + 1.5)
     height = 0.8 / len(layouts)

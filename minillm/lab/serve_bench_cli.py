@@ -1,6 +1,6 @@
 """``python -m minillm serve-bench``: the engine against one request at a time, static batches and
-(``--peer``) transformers' continuous batching on the same requests (``minillm.paged.serve_bench``;
-Kwon et al. 2023, Sec. 6)."""
+(``--peer``) transformers' continuous batching on the same requests (``minillm.lab.serve_bench``;
+Kwon et al. 2023, Sec. 6); ``--online``: latency against request rate (``minillm.lab.online``)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import torch
 
 from ..kv_cache import kv_cache_bytes
 from ..options import add_model_args, at_least, load, print_json
+from ..paged.block_manager import blocks_for
+from ..paged.engine import DEFAULT_KV_BYTES
+from ..paged.fragmentation import MAX_SEQ_LEN, TRACES
 from ..timing import available_memory
-from .block_manager import blocks_for
-from .engine import DEFAULT_KV_BYTES
-from .fragmentation import MAX_SEQ_LEN, TRACES
+from .online import cmd_online
 from .serve_bench import format_report, request_lengths, serve_bench
 
 # --quick's defaults; an explicit --requests or --scale still wins (the report says what ran)
@@ -92,9 +93,7 @@ def check_against_model(args, model, tokenizer, lengths: list[tuple[int, int]]) 
 
 def cmd_serve_bench(args) -> int:
     """Run the modes, print the table (``--json``: one line of strict JSON); returns the exit code (0)."""
-    if args.online:  # latency against request rate: the lab's harness, reached only from this command
-        from ..lab.online import cmd_online
-
+    if args.online:  # latency against request rate: the lab's harness
         if args.scale is None:  # None tells serve_bench_kwargs "not given"; the harness reads a number
             args.scale = DEFAULTS["scale"]
         return cmd_online(args)

@@ -1,12 +1,14 @@
 """The README's and docs' result tables, rebuilt from the JSON that the benchmark commands and the
 notebooks write (``figures/*.json``), so that a table never drifts from the run that produced it.
+Repository tooling: it rewrites files of this repository, so it is not part of the ``minillm`` package
+(nor of its wheel). Run it from the repository's root (or give ``--root``):
 
-    python -m minillm.tables                 rewrite every table between its markers
-    python -m minillm.tables --check         exit 1 (and name the file) where a file is out of date
+    python -m tools.tables                   rewrite every table between its markers
+    python -m tools.tables --check           exit 1 (and name the file) where a file is out of date
     (either)                                 exit 2, naming the record and what is wrong with it, where a
                                              record cannot be read (cut short, not JSON, binary, NUL bytes)
                                              or holds a value its table cannot use (a null, another type)
-    python -m minillm.tables record OUT -- CMD ...
+    python -m tools.tables record OUT -- CMD ...
                                              run ``python -m minillm CMD ... --json`` and keep its report
                                              in OUT with the command, the date and the machine's load
 
@@ -17,114 +19,47 @@ which builder fills it from which JSON: the README's headline here, the decode t
 commands' own reports, not records). Each builder ends its table with the command and date that
 produced the JSON, so a reader can tell what was measured when. A record is
 ``{"command", "date", "load", "report"}``: ``report`` is what the command printed with ``--json``, or
-what a notebook measured (``record`` below).
+what a notebook measured (``minillm.lab.records``, which writes and reads them).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-from ..files import atomic_write, dumps_strict
+from minillm.files import atomic_write
+from minillm.lab import records
+from minillm.lab.records import RecordError, read_json, record
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+ROOT = Path(".")  # the repository: the current directory, unless --root says otherwise
 FIGURES = ROOT / "figures"
 
 
-# ---------------------------------------------------------------------------------------------- records
-
-def load_average() -> str:
-    """The 1/5/15-minute load averages, as ``uptime`` prints them (``"n/a"`` where the OS has none)."""
-    try:
-        return " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
-def record(report: dict, path: str | os.PathLike, command: str) -> Path:
-    """Write ``report`` to ``path`` as a record: the command that measured it, today's UTC date and the
-    machine's load average beside it. Notebooks call this with their measurements."""
-    rec = {"command": command, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-           "load": load_average(), "report": report}
-    with atomic_write(path) as tmp:
-        tmp.write_text(dumps_strict(rec, indent=1) + "\n", encoding="utf-8")
-    return Path(path)
-
-
-def record_command(out: str | os.PathLike, argv: list[str]) -> Path:
-    """Run ``python -m minillm ARGV --json`` and record its report in ``out``.
+def record_command(out: str | Path, argv: list[str], root: Path = ROOT) -> Path:
+    """Run ``python -m minillm ARGV --json`` in ``root`` and record its report in ``out``.
 
     Raises:
         RuntimeError: the command failed (its exit status and the end of its error output are named).
     """
     argv = [a for a in argv if a != "--json"] + ["--json"]
-    proc = subprocess.run([sys.executable, "-m", "minillm", *argv], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "minillm", *argv], capture_output=True, text=True, cwd=root)
     if proc.returncode != 0:
         raise RuntimeError(f"python -m minillm {' '.join(argv)} exited {proc.returncode}: {proc.stderr[-2000:]}")
     return record(json.loads(proc.stdout), out, "python -m minillm " + " ".join(argv))
 
 
-class RecordError(ValueError):
-    """A record (or report) in ``figures/`` that cannot be read, or holds values its table cannot use; the
-    message names the file, what is wrong and the command that rewrites it. ``--check`` exits 2 on it,
-    so that "out of date" (exit 1) never stands for "unreadable"."""
-
-
-def read_json(path: Path, writer: str) -> object:
-    """The JSON in ``path``, which ``writer`` (a command or notebook) rewrites.
-
-    Raises:
-        FileNotFoundError: the file is not there.
-        RecordError: it cannot be read as JSON text: a folder or an unreadable file, empty, binary (not
-            UTF-8), holding NUL bytes (what a write cut short by a crash can leave), or not valid JSON (cut
-            short, edited by hand); each named, with ``writer``.
-    """
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: not found; {writer} writes it")
-    try:
-        data = path.read_bytes()
-    except OSError as e:  # a folder in its place, no permission
-        raise RecordError(f"{path}: cannot be read ({e.strerror or e}); rewrite it with {writer}") from None
-    if not data.strip():
-        raise RecordError(f"{path}: is empty; rewrite it with {writer}")
-    nul = data.find(b"\0")
-    if nul >= 0:  # checked before decoding: NULs are valid UTF-8, and JSON's error would not say so
-        raise RecordError(f"{path}: holds NUL bytes (the first at byte {nul}; a write cut short by a crash leaves "
-                          f"them), so it is not a JSON record; rewrite it with {writer}")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise RecordError(f"{path}: is not UTF-8 text (byte {e.start} is {data[e.start]:#04x}; a binary file?), so "
-                          f"it is not a JSON record; rewrite it with {writer}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        cut = "" if text.rstrip().endswith(("}", "]")) else " (it does not end with } or ]: cut short?)"
-        raise RecordError(f"{path}: not valid JSON ({e}){cut}; rewrite it with {writer}") from None
-
-
 def read_record(name: str, folder: Path = FIGURES) -> dict:
-    """The record ``folder/name``.
+    """The record ``folder/name`` (``minillm.lab.records.read_record``), its errors naming the command or
+    notebook that rewrites it (``WRITERS``).
 
     Raises:
-        FileNotFoundError: the JSON is not there (the error names the command or notebook that writes it).
-        RecordError (a ValueError): it cannot be read (``read_json``), is not a record, or its report is
-            not an object (null, say); the error names the file and what rewrites it.
+        FileNotFoundError, RecordError: as ``minillm.lab.records.read_record``.
     """
-    path, writer = folder / name, WRITERS.get(name, "its benchmark")
-    rec = read_json(path, writer)
-    if not isinstance(rec, dict) or not {"command", "date", "report"} <= set(rec):
-        raise RecordError(f"{path}: not a record (needs command, date, report); rewrite it with {writer}")
-    if not isinstance(rec["report"], dict):
-        raise RecordError(f"{path}: its report is {json.dumps(rec['report'])[:40]}, not an object; rewrite it with "
-                          f"{writer}")
-    return rec
+    return records.read_record(name, folder, WRITERS.get(name, "its benchmark"))
 
 
 def _source(rec: dict) -> str:
@@ -221,7 +156,7 @@ TABLES = {"headline": headline, **_decode.TABLES, **_paged.TABLES}
 FILES = {"README.md": ["headline"], **_decode.FILES, **_paged.FILES}
 READS = {"headline": ["tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json"],
          **_decode.READS, **_paged.READS}
-WRITERS = {name: f"`python -m minillm.tables record figures/{name} -- {cmd}`" for name, cmd in (
+WRITERS = {name: f"`python -m tools.tables record figures/{name} -- {cmd}`" for name, cmd in (
     ("tour.json", "tour"), ("bench_decode.json", "bench decode"),
     ("bench_decode_llamacpp.json", "bench decode --peer llamacpp"), ("serve_bench.json", "serve-bench --peer"),
     ("fragmentation.json", "fragmentation"))}
@@ -310,15 +245,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["record"]:
         if len(argv) < 4 or argv[2] != "--":
-            print("usage: python -m minillm.tables record OUT.json -- COMMAND [ARGS...]", file=sys.stderr)
+            print("usage: python -m tools.tables record OUT.json -- COMMAND [ARGS...]", file=sys.stderr)
             return 2
         print(record_command(argv[1], argv[3:]))
         return 0
-    parser = argparse.ArgumentParser(prog="python -m minillm.tables", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.tables", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date "
                         "(2, with or without --check, where a record cannot be read or tabulated)")
     parser.add_argument("--root", type=Path, default=ROOT, help="the repository whose README and docs to rebuild, "
-                        "from its figures/ (default: this checkout)")
+                        "from its figures/ (default: the current directory)")
     args = parser.parse_args(argv)
     try:
         changed = rebuild(args.root, check=args.check)

@@ -16,6 +16,7 @@ the JSON after every row (a stopped run keeps the rows it finished).
 from __future__ import annotations
 
 import copy
+import os
 import time
 from pathlib import Path
 
@@ -23,10 +24,12 @@ import torch
 
 from ..data import CALIBRATION_PLAY, HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity
-from ..files import atomic_write, dumps_strict
+from ..files import atomic_write, check_output_path, dumps_strict
+from ..options import load, print_json
 from ..timing import machine
-from .pipeline import CALIB_SAMPLES, calibration_tokens, quantize_model
-from .recipe import BEST, Recipe
+from .records import provenance
+from ..quant.pipeline import CALIB_SAMPLES, calibration_tokens, quantize_model
+from ..quant.recipe import BEST, Recipe
 
 # name -> (what changes, the fields of Recipe.of("gptq", ...) that change: "recipe" the preset, the others
 # BEST's fields); calib = (windows, tokens per window)
@@ -124,3 +127,24 @@ def format_avenues(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"| {r['name']} | {r['change']} | {r['perplexity']:.2f} | {r['recovery']:.1%} |")
     return "\n".join(lines)
+
+
+def cmd_gptq_avenues(args) -> int:
+    """``bench quant --avenues``: GPTQ 4-bit group 64 with each avenue (``AVENUES``), in one run."""
+    out = args.out if args.out != args.default_out else str(Path(args.default_out).with_name("05_gptq_avenues.json"))
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    check_output_path(out, "--out", suffix=".json")
+    names = None if args.avenues == "all" else [n.strip() for n in args.avenues.split(",")]
+    if names is not None and not set(names) <= set(AVENUES):
+        raise ValueError(f"avenues: unknown {sorted(set(names) - set(AVENUES))}; choose from all, "
+                         + ", ".join(AVENUES))
+    model, tokenizer = load(args)
+    max_tokens = 8192 if args.max_tokens is None else args.max_tokens
+    log = (lambda line: None) if args.json else (lambda line: print(line, flush=True))
+    result = gptq_avenues(model, tokenizer, names, max_tokens=max_tokens, out=out, progress=not args.json, log=log,
+                          provenance=provenance())
+    if args.json:
+        print_json(result)
+    else:
+        print(format_avenues(result) + f"\nwrote {out}")
+    return 0
