@@ -2,6 +2,9 @@
 the requests it touched and says so; the prefix cache never serves keys and values that were not written;
 ``LLM.generate`` owns its requests; one driver thread; bounds, leaks and vLLM's names. Tiny random models."""
 
+import functools
+import os
+import signal
 import threading
 
 import pytest
@@ -23,6 +26,10 @@ class Interrupt(BaseException):
     """Stands in for KeyboardInterrupt (a BaseException, as Ctrl-C and a Jupyter kernel interrupt raise)."""
 
 
+class InjectedError(RuntimeError):
+    """Stands in for an ordinary error (a CUDA out-of-memory error, a bug in a tokenizer)."""
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return random_decoder(V, scale=0.3)
@@ -41,6 +48,7 @@ REQUESTS = [
     (ids(17, 3), SamplingParams(max_tokens=12, ignore_eos=True)),
     (ids(4, 4), SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=7, n=2)),
     (ids(11, 5), SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.7, seed=11)),
+    (ids(3, 9), SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, seed=3, n=2)),  # forks copy on write
 ]
 
 
@@ -59,11 +67,11 @@ def drive(engine, reqs, fail=None):
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     done, aborted, errors = {}, set(), []
     for _ in range(500):
-        if not engine.has_unfinished_requests() and not engine._failed:
+        if not engine.has_unfinished_requests():  # outputs a failed step left count too
             break
         try:
             outs = engine.step()
-        except Interrupt as e:
+        except (Interrupt, InjectedError) as e:
             errors.append(e)
             continue
         for out in outs:
@@ -83,7 +91,7 @@ def assert_empty(engine):
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
-def once(fn, at, exc=Interrupt):
+def _once(fn, at, exc=Interrupt):
     """``fn`` that raises ``exc`` on its ``at``-th call (1-based), and works otherwise."""
     calls = [0]
 
@@ -113,8 +121,9 @@ class RaisingAfter:
         return getattr(self.model, name)
 
 
-def inject(engine, point, at, monkeypatch):
-    """Make the ``at``-th call at ``point`` of the engine's step raise."""
+def inject(engine, point, at, monkeypatch, exc=None):
+    """Make the ``at``-th call at ``point`` of the engine's step raise ``exc`` (default ``Interrupt``)."""
+    once = functools.partial(_once, exc=exc or Interrupt)
     if point == "schedule":
         engine.scheduler.schedule = once(engine.scheduler.schedule, at)
     elif point == "grow":  # inside the scheduler's reservation, after other sequences reserved
@@ -130,31 +139,39 @@ def inject(engine, point, at, monkeypatch):
         monkeypatch.setattr(sampler_module, "sample", once(sampler_module.sample, at))
     elif point == "append":
         engine._append = once(engine._append, at)
+    elif point == "hash":  # naming a block, inside a reservation (after its copy-on-write)
+        engine.manager.hash_fn = once(engine.manager.hash_fn, at)
+    elif point == "record":
+        engine.stats.record_step = once(engine.stats.record_step, at)
+    elif point == "commit":
+        engine.stats.add = once(engine.stats.add, at)
     elif point == "beam":
         engine._beam_step = once(engine._beam_step, at)
 
 
-POINTS = ["schedule", "grow", "pack", "layer", "after_forward", "sample", "append"]
+POINTS = ["schedule", "grow", "hash", "pack", "layer", "after_forward", "sample", "record", "commit", "append"]
 
 
 @pytest.mark.parametrize("point", POINTS)
-@pytest.mark.parametrize("at", [1, 2, 5])
-def test_a_failed_step_changes_nothing_or_aborts_and_says_so(tiny, point, at, monkeypatch):
+@pytest.mark.parametrize("at,exc", [(1, Interrupt), (2, InjectedError), (5, Interrupt)])
+def test_a_failed_step_changes_nothing_or_aborts_and_says_so(tiny, point, at, exc, monkeypatch):
     """An exception at any point of a step, at the first, second or fifth call there: afterwards every
     request either finishes with its solo tokens or is reported aborted, every block is free, nothing
     is left behind; then the same prompts again (prefix-cache hits on what the failed step touched)
     give their solo tokens."""
-    engine = LLMEngine(tiny, block_size=4, num_blocks=24, max_num_batched_tokens=16)
-    inject(engine, point, at, monkeypatch)
+    engine = LLMEngine(tiny, block_size=4, num_blocks=24, max_num_batched_tokens=16, record_logits=True)
+    inject(engine, point, at, monkeypatch, exc)
     reqs = [(str(i), p, params) for i, (p, params) in enumerate(REQUESTS)]
     done, aborted, errors = drive(engine, reqs)
     assert len(errors) == 1, "the injected error reaches the caller exactly once"
     assert set(done) | aborted == {r for r, _, _ in reqs} and not set(done) & aborted
-    if point not in ("append",):
+    if point not in ("append", "commit"):
         assert not aborted, "before appending, a failed step is undone: nothing is aborted"
     for rid, prompt, params in reqs:
         if rid in done:
             assert done[rid] == solo(tiny, prompt, params), rid
+            if params.n == 1:  # no logits kept from an undone step
+                assert len(engine.logits[(rid, 0)]) == len(done[rid][0]), rid
     assert_empty(engine)
     again, aborted2, errors2 = drive(engine, [(f"again{r}", p, params) for r, p, params in reqs])
     assert not aborted2 and not errors2
@@ -171,7 +188,7 @@ def test_interrupted_prefill_leaves_no_findable_block(tiny):
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     llm = LLM(tiny, block_size=4, num_blocks=40, max_num_batched_tokens=64)
     layer = tiny.layers[1]
-    layer.forward = once(layer.forward, 1)
+    layer.forward = _once(layer.forward, 1)
     try:
         with pytest.raises(Interrupt):
             llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
@@ -192,7 +209,7 @@ def test_interrupted_generate_leaves_nothing_and_retry_is_correct(tiny):
     llm = LLM(tiny, block_size=4, num_blocks=40)
     prompts = [{"prompt_token_ids": p} for p, _ in REQUESTS[:4]]
     params = [p for _, p in REQUESTS[:4]]
-    llm.llm_engine._append = once(llm.llm_engine._append, 6)
+    llm.llm_engine._append = _once(llm.llm_engine._append, 6)
     with pytest.raises(Interrupt):
         llm.generate(prompts, params, use_tqdm=False)
     del llm.llm_engine._append
@@ -369,3 +386,78 @@ def test_stop_token_ids_end_a_request_with_vllms_stop_reason(tiny):
     first = free.index(stop)
     assert out.outputs[0].token_ids == free[:first + 1] == generate_cached(tiny, prompt, params).tokens
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
+
+
+def test_a_failed_append_keeps_the_other_requests_outputs(tiny):
+    """A request whose append fails is aborted; another request that finished in the same step is still
+    reported (by the next step), and has_unfinished_requests says so until then."""
+    engine = LLMEngine(tiny, block_size=4, num_blocks=24)
+    real = engine._append
+
+    def append(req, seq, token, logprob):
+        if req.request_id == "a":
+            raise InjectedError("in a's append")
+        return real(req, seq, token, logprob)
+    engine._append = append
+    engine.add_request("a", {"prompt_token_ids": ids(5, 1)}, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("b", {"prompt_token_ids": ids(6, 2)}, SamplingParams(max_tokens=1, ignore_eos=True))
+    with pytest.raises(InjectedError):
+        engine.step()
+    assert engine.has_unfinished_requests() and not engine.requests
+    with pytest.raises(ValueError, match="request_id: 'b' is already running"):
+        engine.add_request("b", {"prompt_token_ids": [1]}, SamplingParams(max_tokens=1))
+    outs = {o.request_id: o for o in engine.step()}
+    assert outs["a"].finished and outs["a"].outputs[0].finish_reason == "abort"
+    assert outs["b"].finished and outs["b"].outputs[0].token_ids == solo(tiny, ids(6, 2), SamplingParams(
+        max_tokens=1, ignore_eos=True))[0]
+    assert not engine.has_unfinished_requests()
+    assert_empty(engine)
+
+
+def test_outputs_of_a_failed_step_survive_another_failure_and_an_abort_lets_them_go(tiny):
+    engine = LLMEngine(tiny, block_size=4, num_blocks=24)
+    engine._append = _once(engine._append, 1, InjectedError)
+    engine.add_request("a", {"prompt_token_ids": ids(5, 1)}, SamplingParams(max_tokens=3, ignore_eos=True))
+    with pytest.raises(InjectedError):
+        engine.step()
+    engine.scheduler.schedule = _once(engine.scheduler.schedule, 1, InjectedError)
+    engine.add_request("c", {"prompt_token_ids": ids(4, 3)}, SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(InjectedError):
+        engine.step()
+    assert [o.request_id for o in engine.step()] == ["a", "c"]  # a's abort, then c's first token
+    engine.abort_request("c")
+    engine._append = _once(engine._append, 1, InjectedError)
+    engine.add_request("d", {"prompt_token_ids": ids(4, 4)}, SamplingParams(max_tokens=2, ignore_eos=True))
+    with pytest.raises(InjectedError):
+        engine.step()
+    engine.abort_request("d")  # the caller lets it go: its pending output goes too
+    assert not engine.has_unfinished_requests()
+    assert_empty(engine)
+
+
+def test_ctrl_c_during_bookkeeping_waits_for_a_whole_state(tiny):
+    """A real SIGINT delivered while the scheduler moves a sequence between its lists, or while a step
+    appends, is raised once the state is whole: the step is undone (or completed, its outputs returned
+    by the next step), and the requests then give their solo tokens."""
+    for where in ("add_running", "_append"):
+        engine = LLMEngine(tiny, block_size=4, num_blocks=24, max_num_batched_tokens=16)
+        owner = engine.scheduler if where == "add_running" else engine
+        real = getattr(owner, where)
+        sent = []
+
+        def hook(*args, real=real, sent=sent):
+            if not sent:
+                sent.append(True)
+                os.kill(os.getpid(), signal.SIGINT)  # arrives in the middle of the bookkeeping
+            return real(*args)
+        setattr(owner, where, hook)
+        reqs = [(str(i), p, params) for i, (p, params) in enumerate(REQUESTS[:4])]
+        for rid, prompt, params in reqs:
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        with pytest.raises(KeyboardInterrupt):
+            engine.step()
+        done, aborted, errors = drive(engine, [])
+        assert not aborted and not errors
+        for rid, prompt, params in reqs:
+            assert done[rid] == solo(tiny, prompt, params), (where, rid)
+        assert_empty(engine)

@@ -117,6 +117,7 @@ class BlockManager:
         self._freed: set[int] = set()
         self._uncommitted: set[int] = set()  # named since ``begin``: their K/V is not written yet
         self._in_step = False  # between begin and commit / rollback
+        self.step_copies: list[tuple[int, int]] = []  # copy-on-write made since begin (a rollback makes them again)
         self.stats = PrefixCacheStats()
 
     # ---- queries -------------------------------------------------------------------------------
@@ -239,9 +240,12 @@ class BlockManager:
             i = cur // bs
             old = table[i]
             if self.ref_counts[old] > 1:  # shared: the first write copies it
-                table[i] = self._take()
+                new = self._take()
+                if self._in_step:
+                    self.step_copies.append((old, new))
+                table[i] = new
                 self.ref_counts[old] -= 1
-                copies.append((old, table[i]))
+                copies.append((old, new))
             elif old in self._cached:  # a full cached block cut by truncate: its content changes now
                 self._uncache(old)
         while len(table) < blocks_for(n, bs):
@@ -273,11 +277,13 @@ class BlockManager:
     def begin(self) -> None:
         """A step starts: blocks named from now on wait for ``commit`` (outside a step, a name holds at once)."""
         self._uncommitted.clear()
+        self.step_copies = []
         self._in_step = True
 
     def commit(self) -> None:
         """The forward that writes the blocks named since ``begin`` succeeded: they stay findable."""
         self._uncommitted.clear()
+        self.step_copies = []
         self._in_step = False
 
     def rollback(self) -> None:
@@ -287,6 +293,7 @@ class BlockManager:
             if block in self._cached:
                 self._uncache(block)
         self._uncommitted.clear()
+        self.step_copies = []
         self._in_step = False
 
     def fork(self, parent_id: int, child_id: int, token_ids: list[int] | None = None) -> None:
@@ -346,7 +353,8 @@ class BlockManager:
         if self.ref_counts[block] == 0:
             if block in self._uncommitted:  # named for a forward that will not write it now
                 self._uncommitted.discard(block)
-                self._uncache(block)
+                if block in self._cached:
+                    self._uncache(block)
             self._free[block] = None  # at the back: evicted last
             if block not in self._cached:
                 self._free.move_to_end(block, last=False)  # holds nothing reusable: taken first
@@ -387,7 +395,7 @@ class BlockManager:
             block = table[i]
             if block not in self._cached and h not in self._hash_to_block:
                 parent = (table[i - 1], self._times_taken[table[i - 1]]) if i else None
+                if self._in_step:  # first: a name given halfway is still forgotten by a rollback
+                    self._uncommitted.add(block)
                 self._cached[block] = _CachedBlock(h, block_tokens, parent)
                 self._hash_to_block[h] = block
-                if self._in_step:
-                    self._uncommitted.add(block)

@@ -40,9 +40,10 @@ from .beam import BeamSearchParams, beam_step
 from .block_manager import blocks_for
 from .cache import ATTENTION_PATHS, FLAT_PATHS, PagedKVCache
 from .sampler import draw_tokens, sample_generator
-from .scheduler import Scheduler
+from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, RequestMetrics, RequestOutput, Sequence, prompt_ids, request_output
 from .stats import EngineStats, StepRecord, runs_of
+from .signals import interrupts_deferred
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "check_engine_args"]
 
@@ -124,7 +125,7 @@ class LLMEngine:
         self._generators: dict[tuple[str, int], torch.Generator] = {}  # (request, sample index), made at first use
         self._stoppers: dict[str, Stopper] = {}
         self._beam_logprobs: dict[int, torch.Tensor] = {}  # seq_id -> (V,) of a beam waiting for its siblings
-        self._failed: list[RequestOutput] = []  # requests a failed step aborted: the next step returns them
+        self._pending: list[RequestOutput] = []  # outputs of a step that raised: the next step returns them
         self._driver = threading.RLock()
         self._next_seq_id = self._arrivals = 0
 
@@ -166,8 +167,9 @@ class LLMEngine:
         """
         with self.driving():
             params = GREEDY if params is None else params
-            if request_id in self.requests:
-                raise ValueError(f"request_id: {request_id!r} is already running; give each request its own id")
+            if request_id in self.requests or any(out.request_id == request_id for out in self._pending):
+                raise ValueError(f"request_id: {request_id!r} is already running (or its last output is not yet "
+                                 "returned by step); give each request its own id")
             if not isinstance(params, (SamplingParams, BeamSearchParams)):
                 raise ValueError(f"params: must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
             text, ids = prompt_ids(prompt, self.tokenizer)
@@ -212,17 +214,20 @@ class LLMEngine:
             RuntimeError: another thread is driving the engine (``driving``).
         """
         ids = list(request_id) if isinstance(request_id, Iterable) and not isinstance(request_id, str) else [request_id]
-        with self.driving():
+        with self.driving(), interrupts_deferred():
             for rid in ids:
                 req = self.requests.get(rid) if _hashable(rid) else None
                 if req is not None:
                     self._abort(req)
+            gone = {rid for rid in ids if _hashable(rid)}
+            self._pending = [out for out in self._pending if out.request_id not in gone]  # the caller let them go
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """Whether a request runs, waits, or has an output that the next ``step`` returns."""
+        return bool(self.requests or self._pending)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + len(self._pending)
 
     def block_table(self, request_id: str, index: int = 0) -> list[int]:
         """The physical blocks of a running sequence (``BlockManager.block_table``)."""
@@ -242,22 +247,39 @@ class LLMEngine:
                 requests wait (a bug: the add-time check guarantees that the oldest request fits alone).
         """
         with self.driving():
-            outputs, self._failed = self._failed, []
+            outputs, self._pending = self._pending, []
             start = time.perf_counter()
             try:
-                plan = self._schedule()
+                with interrupts_deferred():  # bookkeeping: an interrupt waits for the forward
+                    plan = self._schedule()
                 if not plan.scheduled:
+                    self.manager.commit()
                     return outputs
                 runs = runs_of(plan.scheduled)
                 ready, logits = self._forward(plan)
+                record = self.stats.record_step(runs, plan.preempted, self._shape, len(ready), self.manager,
+                                                self.scheduler.running, start)
                 draws = self._draw(ready, logits)
             except BaseException:
-                self._rollback()
+                self._pending[:0] = outputs  # not lost: the next step returns them
+                with interrupts_deferred():
+                    self._rollback()
                 raise
-            self._commit(plan, start)
-            record = self.stats.record_step(runs, plan.preempted, self._shape, len(ready), self.manager,
-                                            self.scheduler.running, start)
-            outputs += self._append_all(ready, draws)
+            try:
+                with interrupts_deferred():
+                    try:
+                        self._commit(plan, start, record)
+                    except BaseException:  # computed but not committed: its requests end, and say so
+                        for rid in dict.fromkeys(s.request_id for s, _ in plan.scheduled):
+                            req = self.requests.get(rid)
+                            if req is not None:
+                                self._abort(req)
+                                outputs.append(request_output(req, self._decode))
+                        raise
+                    self._append_all(ready, draws, outputs)
+            except BaseException:
+                self._pending[:0] = outputs  # not lost: the next step returns them
+                raise
             record.end = time.perf_counter()
             return outputs
 
@@ -305,24 +327,27 @@ class LLMEngine:
         try:
             for i, seq in enumerate(ready):
                 req = self.requests[seq.request_id]
-                if self.record_logits:
-                    self.logits.setdefault((req.request_id, seq.index), []).append(logits[i].float().cpu())
                 if req.is_beam_search:
                     self._beam_logprobs[seq.seq_id] = torch.log_softmax(logits[i], dim=-1)  # (V,), as the naive search
                     plans.append(None)
                     continue
                 ks = range(req.params.n) if not req.forked else [seq.index]
                 plans.append((req.params, [None if req.params.greedy else self._generator(req, k) for k in ks]))
-            return draw_tokens(logits, plans)
+            draws = draw_tokens(logits, plans)
         except BaseException:
             for seq in ready:
                 self._beam_logprobs.pop(seq.seq_id, None)
             raise
+        if self.record_logits:
+            for i, seq in enumerate(ready):
+                self.logits.setdefault((seq.request_id, seq.index), []).append(logits[i].float().cpu())
+        return draws
 
-    def _commit(self, plan, start: float) -> None:
-        """The forward wrote every scheduled token: they count as computed, and the blocks named for them
-        stay in the prefix cache."""
+    def _commit(self, plan, start: float, record) -> None:
+        """The forward wrote every scheduled token: they count as computed, the blocks named for them stay
+        in the prefix cache, the step's record is kept, and the plan is done (nothing left to undo)."""
         self.manager.commit()
+        self.scheduler.plan = SchedulerOutput()
         for seq, n in plan.scheduled:
             req = self.requests[seq.request_id]
             if req.num_cached_tokens is None:  # its first admission: what the prefix cache served
@@ -330,24 +355,25 @@ class LLMEngine:
                 self.stats.prompt_tokens += len(req.prompt_token_ids)
                 self.stats.cached_tokens += req.num_cached_tokens
             seq.num_computed_tokens += n
+        self.stats.add(record)
 
     def _rollback(self) -> None:
         """Undo the step that just failed (module docstring): copy-on-write made again, since a
         reservation that stays keeps its copy, then the scheduler's plan undone."""
-        plan = self.scheduler.plan
         held = {b for s in self.scheduler.running if self.manager.holds(s.seq_id)
                 for b in self.manager.block_table(s.seq_id)}
-        self.cache.copy_blocks([(src, dst) for src, dst in plan.copies if dst in held])
+        self.cache.copy_blocks([(src, dst) for src, dst in self.manager.step_copies if dst in held])
         self.scheduler.rollback()
 
-    def _append_all(self, ready: list[Sequence], draws) -> list[RequestOutput]:
+    def _append_all(self, ready: list[Sequence], draws, outputs: list[RequestOutput]) -> None:
         """Append each ready sequence's draws (forking a request's first sample into n), run the beam
-        steps, finish what stopped; returns the touched requests' outputs. A request whose append raises
-        is aborted (its output says so), the others keep their tokens, and the first error is raised."""
+        steps, finish what stopped; adds the touched requests' outputs to ``outputs``. A request whose
+        append raises is aborted (its output says so), the others keep their tokens, and the first error
+        is raised once all are done."""
         touched: dict[str, list] = {}
         for seq, drawn in zip(ready, draws):
             touched.setdefault(seq.request_id, []).append((seq, drawn))
-        outputs, error = [], None
+        error = None
         for rid, items in touched.items():
             req = self.requests[rid]
             try:
@@ -361,16 +387,15 @@ class LLMEngine:
                 if req.is_beam_search:
                     self._beam_step(req)
                 outputs.append(request_output(req, self._decode))
-            except BaseException as e:  # noqa: B036  (an interrupt too: this request's state may be half-appended)
+            except BaseException as e:  # noqa: B036  (its state may be half-appended: it ends, and says so)
                 error = error or e
                 self._abort(req)
-                self._failed.append(request_output(req, self._decode))
+                outputs.append(request_output(req, self._decode))
                 continue
             if req.is_finished:
                 self._forget(req)
         if error is not None:
             raise error
-        return outputs
 
     # ---- sequences -----------------------------------------------------------------------------
     def _new_sequence(self, req: Request, index: int, token_ids: list[int]) -> Sequence:

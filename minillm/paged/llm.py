@@ -116,8 +116,9 @@ class LLM:
         with engine.driving():
             if engine.has_unfinished_requests():
                 raise RuntimeError(f"LLM.generate: the engine holds {engine.get_num_unfinished_requests()} requests "
-                                   "added through llm_engine.add_request; generate would run them and drop their "
-                                   "outputs, so step them to the end with llm_engine.step() or abort them first")
+                                   "added through llm_engine.add_request (or their outputs, not yet returned by "
+                                   "step); generate would run them and drop their outputs, so step them to the end "
+                                   "with llm_engine.step() or abort them first")
             ids = []
             try:
                 for prompt, p in zip(prompts, params):

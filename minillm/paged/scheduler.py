@@ -98,9 +98,11 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and queue it to be recomputed (Kwon et al., Sec. 4.5)."""
         self.running.remove(seq)
-        self.manager.free(seq.seq_id)
-        seq.num_computed_tokens = 0
-        self.add(seq)
+        try:
+            self.manager.free(seq.seq_id)
+            seq.num_computed_tokens = 0
+        finally:  # whatever happens, it is in one of the lists
+            self.add(seq)
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (the module docstring's two phases) and reserve its blocks. Sequences with
@@ -140,9 +142,15 @@ class Scheduler:
                         seq.num_computed_tokens = 0
                 if not reserved:
                     break
+                out.admitted.append(seq)  # first: a rollback from here on sends it back to waiting
                 self.waiting.pop(0)
-                self.add_running(seq)
-                out.admitted.append(seq)
+                try:
+                    self.add_running(seq)
+                finally:
+                    if seq not in self.running:  # interrupted between the lists: it waits again
+                        self.manager.free(seq.seq_id)
+                        seq.num_computed_tokens = 0
+                        self.add(seq)
                 budget -= out.planned[seq.seq_id]
         out.scheduled = [(s, out.planned[s.seq_id]) for s in self.running if s.seq_id in out.planned]
         held = {b for s, _ in out.scheduled for b in self.manager.block_table(s.seq_id)}
@@ -171,6 +179,7 @@ class Scheduler:
             if self.manager.holds(seq.seq_id):
                 self.manager.free(seq.seq_id)
                 seq.num_computed_tokens = 0
+        self.plan = SchedulerOutput()  # undone: a second rollback has nothing to undo
         for seq in self.running:
             if self.manager.num_tokens(seq.seq_id) > seq.num_computed_tokens:
                 self.manager.truncate(seq.seq_id, seq.num_computed_tokens, keep_token_ids=True)

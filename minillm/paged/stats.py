@@ -41,7 +41,7 @@ class EngineStats:
         """After a step's forward, before its tokens are appended: what ran (``runs``, from ``runs_of``),
         what was preempted, the blocks in use, the slots of them holding tokens (shared blocks once) and
         the blocks the running sequences would hold unshared. Returns the record (its ``end`` is the
-        start until the engine sets it)."""
+        start until the engine sets it); ``add`` keeps it."""
         filled: dict[int, int] = {}
         unshared = 0
         for seq in running:
@@ -50,12 +50,14 @@ class EngineStats:
             unshared += len(table)
             for j, block in enumerate(table):
                 filled[block] = max(filled.get(block, 0), min(manager.block_size, n - j * manager.block_size))
-        rec = StepRecord(len(self.records), runs, [(s.request_id, s.index) for s in preempted], shape,
-                         manager.num_used_blocks, sum(filled.values()), unshared, start, start, sampled)
+        return StepRecord(len(self.records), runs, [(s.request_id, s.index) for s in preempted], shape,
+                          manager.num_used_blocks, sum(filled.values()), unshared, start, start, sampled)
+
+    def add(self, rec: StepRecord) -> None:
+        """Keep a step's record (once the step has committed)."""
         self.records.append(rec)
         self.steps += 1
-        self.preemptions += len(preempted)
-        return rec
+        self.preemptions += len(rec.preempted)
 
     def summary(self, block_size: int) -> dict:
         """peak_blocks, mean_blocks (per step), kv_utilization (slots holding tokens / slots of used

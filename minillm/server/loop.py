@@ -284,12 +284,14 @@ class EngineLoop:
         except Exception as e:
             # A step that fails in its forward or sampling is undone (the requests stay, and a retry would
             # compute the same, or fail the same); one that fails appending aborts the requests it could not
-            # append to. The clients of those that vanished are told; if none vanished, every request is
-            # aborted and told, so that a step that keeps failing cannot spin.
+            # append to, and the next step returns their outputs ("abort") with those of the requests that
+            # finished in it. So: if some requests left the engine, the next step tells their clients; if
+            # none did, every request is aborted and told, so that a step that keeps failing cannot spin.
             self._failures += 1
             log.exception("engine step failed")
-            lost = [rid for rid in self._streams if rid not in self.engine.requests] or list(self._streams)
-            self._fail(lost, f"the engine's step failed ({type(e).__name__}: {e}); the request was aborted")
+            if not any(rid not in self.engine.requests for rid in self._streams):
+                self._fail(list(self._streams), f"the engine's step failed ({type(e).__name__}: {e}); the "
+                           "request was aborted")
             return
         deliveries = []
         for out in outputs:
