@@ -40,8 +40,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import PagedKVCache
-
 KEY_COST = 0.05  # c_key / c_token in token-rows per key position of a row (see the module docstring)
 
 
