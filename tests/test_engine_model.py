@@ -21,7 +21,7 @@ def test_greedy_requests_equal_generate_cached_on_the_real_model(model, tokenize
         tokens = out.outputs[0].token_ids
         with torch.inference_mode():
             ref = model(torch.tensor([p + tokens]), torch.arange(len(p) + len(tokens)))[0, len(p) - 1:-1]
-        torch.testing.assert_close(torch.stack(llm.llm_engine.logits[(str(i), 0)]), ref, atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.stack(llm.llm_engine.logits[(out.request_id, 0)]), ref, atol=1e-4, rtol=0)
         assert tokens == generate_cached(model, p, sp).tokens
     assert llm.llm_engine.manager.num_free_blocks == 12
 
