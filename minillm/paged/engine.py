@@ -256,8 +256,8 @@ class LLMEngine:
                     self.manager.commit()
                     return outputs
                 runs = runs_of(plan.scheduled)
-                ready, logits = self._forward(plan)
-                record = self.stats.record_step(runs, plan.preempted, self._shape, len(ready), self.manager,
+                ready, logits, shape = self._forward(plan)
+                record = self.stats.record_step(runs, plan.preempted, shape, len(ready), self.manager,
                                                 self.scheduler.running, start)
                 draws = self._draw(ready, logits)
             except BaseException:
@@ -267,15 +267,7 @@ class LLMEngine:
                 raise
             try:
                 with interrupts_deferred():
-                    try:
-                        self._commit(plan, start, record)
-                    except BaseException:  # computed but not committed: its requests end, and say so
-                        for rid in dict.fromkeys(s.request_id for s, _ in plan.scheduled):
-                            req = self.requests.get(rid)
-                            if req is not None:
-                                self._abort(req)
-                                outputs.append(request_output(req, self._decode))
-                        raise
+                    self._commit(plan, start, record, outputs)
                     self._append_all(ready, draws, outputs)
             except BaseException:
                 self._pending[:0] = outputs  # not lost: the next step returns them
@@ -303,9 +295,10 @@ class LLMEngine:
         self.cache.copy_blocks(out.copies)
         return out
 
-    def _forward(self, plan) -> tuple[list[Sequence], torch.Tensor]:
+    def _forward(self, plan) -> tuple[list[Sequence], torch.Tensor, tuple[int, int]]:
         """One forward over every scheduled token; returns the sequences that caught up with their known
-        tokens (they sample) and their next-token logits (R, V): the output layer runs at those rows only."""
+        tokens (they sample), their next-token logits (R, V) (the output layer runs at those rows only)
+        and the forward's (B, T)."""
         spans = [(s.seq_id, s.num_computed_tokens, s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
                  for s, n in plan.scheduled]
         if self.layout == "flat":
@@ -314,10 +307,9 @@ class LLMEngine:
             rows = pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width)
         self.cache.set_rows(rows.seq_ids, rows.widths, reserved=True)
         ready = [s for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens]
-        self._shape = rows.shape
         logits = self.model(rows.tokens, rows.input_pos, self.cache,
                             logits_indices=rows.logits_indices([s.seq_id for s in ready]))
-        return ready, logits
+        return ready, logits, rows.shape
 
     def _draw(self, ready: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
         """What each ready sequence draws (``sampler.draw_tokens``): one token per sample it becomes (a
@@ -343,19 +335,28 @@ class LLMEngine:
                 self.logits.setdefault((seq.request_id, seq.index), []).append(logits[i].float().cpu())
         return draws
 
-    def _commit(self, plan, start: float, record) -> None:
+    def _commit(self, plan, start: float, record, outputs: list[RequestOutput]) -> None:
         """The forward wrote every scheduled token: they count as computed, the blocks named for them stay
-        in the prefix cache, the step's record is kept, and the plan is done (nothing left to undo)."""
-        self.manager.commit()
-        self.scheduler.plan = SchedulerOutput()
-        for seq, n in plan.scheduled:
-            req = self.requests[seq.request_id]
-            if req.num_cached_tokens is None:  # its first admission: what the prefix cache served
-                req.num_cached_tokens, req.metrics.first_scheduled_time = seq.num_computed_tokens, start
-                self.stats.prompt_tokens += len(req.prompt_token_ids)
-                self.stats.cached_tokens += req.num_cached_tokens
-            seq.num_computed_tokens += n
-        self.stats.add(record)
+        in the prefix cache, the step's record is kept, and the plan is done (nothing left to undo). If
+        that fails halfway, the step's requests end ("abort") and their outputs join ``outputs``."""
+        try:
+            self.manager.commit()
+            self.scheduler.plan = SchedulerOutput()
+            for seq, n in plan.scheduled:
+                req = self.requests[seq.request_id]
+                if req.num_cached_tokens is None:  # its first admission: what the prefix cache served
+                    req.num_cached_tokens, req.metrics.first_scheduled_time = seq.num_computed_tokens, start
+                    self.stats.prompt_tokens += len(req.prompt_token_ids)
+                    self.stats.cached_tokens += req.num_cached_tokens
+                seq.num_computed_tokens += n
+            self.stats.add(record)
+        except BaseException:
+            for rid in dict.fromkeys(s.request_id for s, _ in plan.scheduled):
+                req = self.requests.get(rid)
+                if req is not None:
+                    self._abort(req)
+                    outputs.append(request_output(req, self._decode))
+            raise
 
     def _rollback(self) -> None:
         """Undo the step that just failed (module docstring): copy-on-write made again, since a

@@ -38,26 +38,18 @@ def draw_tokens(logits: torch.Tensor, plans: list) -> list[list[tuple[int, float
     lse = torch.logsumexp(logits, dim=-1)  # (R,)
     if not torch.isfinite(lse).all():
         check_logits(logits)
-    greedy = [i for i, plan in enumerate(plans) if plan is not None and plan[0].greedy]
-    picked = logits if len(greedy) == len(plans) else logits[greedy]  # every row greedy: no (R, V) copy
-    greedy_tokens = dict(zip(greedy, picked.argmax(-1))) if greedy else {}
-    saved, rows, parts = [], [], []
+    slots = [(i, plan[0], g) for i, plan in enumerate(plans) if plan is not None for g in plan[1]]  # g None: greedy
+    if not slots:
+        return [None] * len(plans)
+    index = torch.tensor([i for i, _, _ in slots], device=logits.device)
+    greedy = any(g is None for _, _, g in slots)
+    tokens = logits.argmax(-1)[index] if greedy else index.new_empty(len(slots))  # (K,): one argmax for every row
+    saved = []
     try:
-        for i, plan in enumerate(plans):
-            if plan is None:
-                continue
-            params, generators = plan
-            for g in generators:
-                if i in greedy_tokens:
-                    parts.append(greedy_tokens[i].view(1))
-                else:
-                    saved.append((g, g.get_state()))
-                    parts.append(sample(logits[i:i + 1], params, g))
-                rows.append(i)
-        if not parts:
-            return [None] * len(plans)
-        tokens = torch.cat(parts)  # (K,) on the logits' device
-        index = torch.tensor(rows, device=logits.device)
+        for j, (i, params, g) in enumerate(slots):
+            if g is not None:
+                saved.append((g, g.get_state()))
+                tokens[j:j + 1] = sample(logits[i:i + 1], params, g)
         chosen = logits[index, tokens].double() - lse[index].double()
         host = torch.stack([tokens.double(), chosen]).tolist()  # token ids < 2**53: exact in float64
     except BaseException:

@@ -129,8 +129,8 @@ class Scheduler:
             budget -= n
             i += 1
         if not out.preempted:
-            while (self.waiting and budget > 0
-                   and sum(s.seats for s in self.running) + self.waiting[0].seats <= self.max_num_seqs):
+            seats = sum(s.seats for s in self.running)
+            while self.waiting and budget > 0 and seats + self.waiting[0].seats <= self.max_num_seqs:
                 seq = self.waiting[0]
                 cached = self.manager.allocate(seq.seq_id, seq.token_ids)
                 try:
@@ -152,16 +152,18 @@ class Scheduler:
                         seq.num_computed_tokens = 0
                         self.add(seq)
                 budget -= out.planned[seq.seq_id]
+                seats += seq.seats
         out.scheduled = [(s, out.planned[s.seq_id]) for s in self.running if s.seq_id in out.planned]
-        held = {b for s, _ in out.scheduled for b in self.manager.block_table(s.seq_id)}
-        out.copies = [(src, dst) for src, dst in out.copies if dst in held]  # a preempted victim's copies go
+        if self.manager.step_copies:  # the copy-on-write of this plan, less a preempted victim's
+            held = {b for s, _ in out.scheduled for b in self.manager.block_table(s.seq_id)}
+            out.copies = [(src, dst) for src, dst in self.manager.step_copies if dst in held]
         return out
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Slots for the sequence's next n tokens (and its copy-on-write); False, changing nothing, when
         the pool cannot give them."""
         try:
-            out.copies += self.manager.grow(seq.seq_id, seq.num_computed_tokens + n)
+            self.manager.grow(seq.seq_id, seq.num_computed_tokens + n)  # its copies: manager.step_copies
         except NoFreeBlocksError:
             return False
         out.planned[seq.seq_id] = n
