@@ -33,11 +33,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from ..files import check_output_path, runs_folder, save_figure
 from ..generation import generate_batch, generate_cached
+from ..options import load, print_json
 from ..paged.engine import LLMEngine
-from .serve_bench import BenchRequest, _greedy, make_requests
 from ..timing import dtype_name, machine
+from .records import record
+from .serve_bench import BenchRequest, _greedy, make_requests
 
 GOALS = {"engine_vs_static_rate": 2.0, "http_vs_in_process": 0.8}
 PAPER = {"rate_vs_reservation": "2-4x the request rate at the same normalised latency (Sec. 6.2, Fig. 12)"}
@@ -360,7 +364,6 @@ def plot_latency(report: dict, path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ..files import save_figure
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     styles = {"engine": ("tab:blue", "o-", "engine (continuous batching, paged)"),
@@ -383,10 +386,6 @@ def plot_latency(report: dict, path) -> Path:
 def cmd_online(args) -> int:
     """``serve-bench --online``: parse the rates, load the model, run, print (``--json``: one line), write the
     figure and the record under ``--out``; returns the exit code (0)."""
-    import torch
-
-    from ..files import check_output_path, runs_folder
-    from ..options import load, print_json
 
     try:
         rates = [float(r) for r in args.rate.split(",") if r.strip()]
@@ -413,7 +412,6 @@ def cmd_online(args) -> int:
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                           ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, progress=not args.json)
     report["figure"] = str(plot_latency(report, out / "online_latency.png"))
-    from .records import record
 
     report["record"] = str(record(report, out / "online.json", "python -m minillm " + " ".join(sys.argv[1:])))
     if args.json:
