@@ -356,8 +356,8 @@ def goals(report: dict) -> dict:
     return g
 
 
-def format_report(report: dict) -> str:
-    """The table: one row per mode, then memory, sharing and goals."""
+def format_report(report: dict, goals: bool = True) -> str:
+    """The table: one row per mode, then memory, sharing and (``goals``) the command's goals."""
     lines = [f"machine: {report['machine']}", f"{report['num_requests']} requests, {report['trace']}-like lengths x "
              f"{report['scale']} (mean prompt {report['mean_prompt']:.0f}, output {report['mean_output']:.0f} tokens), "
              f"all at t=0, greedy, {report['dtype']}, block {report['block_size']}, max_num_seqs "
@@ -384,7 +384,7 @@ def format_report(report: dict) -> str:
         s = report["sharing"]
         lines.append(f"sharing saves: n={s['width']} sampling {100 * s['parallel_sampling']:.1f}% (paper 6.1-30.5%), "
                      f"beam width {s['width']} {100 * s['beam_search']:.1f}% (paper 37.6-66.3%)")
-    for k, v in report["goals"].items():
+    for k, v in (report["goals"] if goals else {}).items():
         if v["measured"] is not None:
             lines.append(f"goal {k}: {v['measured']:.3g} vs {v['goal']} -> {'held' if v['held'] else 'NOT met'}")
     return "\n".join(lines)
