@@ -1,4 +1,4 @@
-"""The engine around a step (issue 29): a step that raises anywhere leaves the engine as before or aborts
+"""The engine around a step: a step that raises anywhere leaves the engine as before or aborts
 the requests it touched and says so; the prefix cache never serves keys and values that were not written;
 ``LLM.generate`` owns its requests; one driver thread; bounds, leaks and vLLM's names. Tiny random models."""
 

@@ -339,7 +339,7 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
 
 
 def goals(report: dict) -> dict:
-    """Each goal of issue 18 with its measured value and whether it held (None where not measured)."""
+    """Each of the engine's serving goals with its measured value and whether it held (None where not measured)."""
     m, g = report["modes"], {}
     e = m["engine"]["output_tokens_per_s"]
     for name, key in (("sequential", "engine_vs_sequential"), ("static", "engine_vs_static"),

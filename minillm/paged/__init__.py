@@ -8,7 +8,7 @@ what paging saves (Sec. 3, Fig. 2).
   the cache interface, so ``minillm.model.Decoder.forward`` runs on it, for ragged batches too.
 * ``paged_attention`` (attention.py): block-wise attention with an online softmax (the kernel's algorithm).
 * ``generate_paged`` (generate.py): ``generate_cached`` on a paged cache.
-* The engine (issue 18): ``LLM`` / ``LLMEngine`` (llm.py, engine.py: continuous batching in vLLM's API),
+* The engine: ``LLM`` / ``LLMEngine`` (llm.py, engine.py: continuous batching in vLLM's API),
   ``Scheduler`` (scheduler.py), ``pack_flat`` / ``pack_rows`` (batching.py), ``Sequence`` / ``RequestOutput``
   (sequence.py), beam search (beam.py).
 * ``kv_utilization`` and the request traces (fragmentation.py): the share of reserved KV memory holding

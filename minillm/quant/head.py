@@ -16,10 +16,9 @@ For a tied model the embedding lookup then reads the same quantized matrix: ``Qu
 gathers the codes, scales and zeros of the looked-up rows and dequantizes only those, so the
 embedding costs no second copy. An untied model's embedding stays as it is.
 
-Round to nearest only (no calibration). Measured on Hamlet with 4-bit blocks (docs/decode.md): the int8
-head costs nothing measurable (perplexity -0.05%, KL 0.002 nats/token from the float-head model), the
-int4 head +5.7% perplexity (KL 0.077): fast, but past issue 20's 2% budget. ``minillm.evaluation.perplexity``
-with ``reference=`` measures the cost.
+Round to nearest only (no calibration). The int8 head costs nothing measurable in perplexity; the int4
+head is faster but past the course's quality budget (docs/quantization.md gives the measurements).
+``minillm.evaluation.perplexity`` with ``reference=`` measures the cost.
 """
 
 from __future__ import annotations
