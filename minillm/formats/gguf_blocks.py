@@ -1,67 +1,15 @@
 """llama.cpp's GGUF block formats, dequantized with minillm's own code.
 
-A quantized GGUF tensor is a sequence of *blocks*; each block covers consecutive weights of one
-row and stores one or more scales next to the packed integer codes. The layouts below are ggml's
-(``ggml/src/ggml-common.h``: ``block_q8_0``, ``block_q4_K`` etc.; see also the GGUF specification,
-ggml repository ``docs/gguf.md``).
+A quantized GGUF tensor is a sequence of blocks; each covers consecutive weights of one row and stores
+its scales beside the packed integer codes (ggml's ``ggml-common.h``; the GGUF specification). The
+"legacy" formats (Q8_0, Q4_0, Q4_1, Q5_0) hold 32 weights with one float16 scale (and offset); the
+k-quants (Q4_K, Q6_K) hold super-blocks of 256 weights whose sub-block scales are quantized too.
+docs/formats.md draws every layout byte by byte.
 
-**The "legacy" formats: blocks of 32 weights, one float16 scale (and offset) each**::
-
-    Q8_0  34 bytes: d (f16) | qs[32] (int8)               w[j] = d * qs[j]
-    Q4_0  18 bytes: d (f16) | qs[16] (two 4-bit codes)    w[j] = d * (lo(qs[j]) - 8)
-                                                           w[j + 16] = d * (hi(qs[j]) - 8)
-    Q4_1  20 bytes: d (f16) | m (f16) | qs[16]             w[j] = d * lo(qs[j]) + m
-                                                           w[j + 16] = d * hi(qs[j]) + m
-    Q5_0  22 bytes: d (f16) | qh[4] | qs[16]               w[j] = d * (lo(qs[j]) + 16 * bit j of qh - 16)
-                                                           w[j + 16] = d * (hi(qs[j]) + 16 * bit j+16 of qh - 16)
-
-The nibble order: the low nibbles of the 16 bytes hold weights 0..15 of the block and the
-high nibbles hold weights 16..31 (not interleaved pairs). Q5_0's fifth bits sit in one
-little-endian 32-bit word ``qh``, bit j for weight j. Bits per weight: Q8_0 8.5, Q4_0 4.5,
-Q4_1 5.0, Q5_0 5.5 (a float16 scale over 32 weights costs 0.5 bit per weight).
-
-**The k-quants ("K"): super-blocks of 256 weights whose sub-block scales are quantized too.**
-A float16 scale per 32 weights costs 0.5 bit per weight; k-quants (llama.cpp PR #1684, 2023)
-cut a row into super-blocks of ``QK_K = 256`` weights, give each *sub-block* a small integer scale
-(6 bits in Q4_K, 8 bits in Q6_K), and keep only one or two float16 numbers per super-block that
-scale those integer scales. So there are two levels of quantization: weights -> codes within a
-sub-block, sub-block scales -> codes within the super-block.
-
-::
-
-    Q4_K 144 bytes = 4.5 bits/weight: 8 sub-blocks of 32, affine (scale and min per sub-block)
-        d (f16) | dmin (f16) | scales[12] | qs[128]
-        sub-block j (weights 32j .. 32j+31):   w = d * sc[j] * q - dmin * m[j]   q in 0..15
-        sc[j], m[j]: 6-bit, packed 8 + 8 of them into the 12 bytes:
-            j < 4:  sc[j] = scales[j] & 63                      m[j] = scales[j + 4] & 63
-            j >= 4: sc[j] = (scales[j + 4] & 15) | (scales[j - 4] >> 6) << 4
-                    m[j]  = (scales[j + 4] >> 4) | (scales[j] >> 6) << 4
-            (bytes 0..7 carry the low 6 bits of sc[0..3], m[0..3] and, in their top 2 bits, the
-            high bits of sc[4..7], m[4..7]; bytes 8..11 carry the low nibbles of sc[4..7], m[4..7])
-        codes: qs[32g + l] holds sub-block 2g's weight l (low nibble) and sub-block 2g+1's weight
-            l (high nibble), g = 0..3
-
-    Q6_K 210 bytes = 6.5625 bits/weight: 16 sub-blocks of 16, symmetric, int8 scales
-        ql[128] (low 4 bits) | qh[64] (high 2 bits) | scales[16] (int8) | d (f16)
-        sub-block s (weights 16s .. 16s+15):   w = d * scales[s] * (q - 32)   q in 0..63
-        codes, per half h = 0, 1 of 128 weights (ql[64h:], qh[32h:]), l = 0..31:
-            weight l      : ql[l] & 15      | (qh[l] >> 0 & 3) << 4
-            weight l + 32 : ql[l + 32] & 15 | (qh[l] >> 2 & 3) << 4
-            weight l + 64 : ql[l] >> 4      | (qh[l] >> 4 & 3) << 4
-            weight l + 96 : ql[l + 32] >> 4 | (qh[l] >> 6 & 3) << 4
-
-What the names mean: the digit is the bits per code, "_0" a symmetric block (scale only), "_1" an
-affine one (scale and offset), "_K" the super-block layout above. The suffixes of llama.cpp's file
-types (Q4_K_S, Q4_K_M, Q4_K_L) are *recipes*: which tensors get more bits (``minillm.formats.kquants``);
-a "Q4_K_M file" mixes Q4_K with Q6_K (and, for rows that 256 does not divide, the 32-weight
-fallbacks Q5_0 and Q8_0).
-
-Everything is computed in float32 in the same order as the reference (``d * q`` then ``+ m``;
-``(d * sc) * q - dmin * m``), so the results are bit-identical to ``gguf.quants.dequantize`` (tested
-on every tensor of the embedded model and on hand-built and random blocks). Each k-quant has a
-per-block loop (``dequantize_q4_k_naive``, ``dequantize_q6_k_naive``) written as the C reads,
-beside the vectorized version, tested to agree. Other block types (Q2_K, Q3_K, Q5_K, IQ formats)
-go through ``gguf.quants``.
+Everything is computed in float32 in the reference's order, so the results are bit-identical to
+``gguf.quants.dequantize`` (tested on every tensor of the embedded model and on random blocks). Each
+k-quant has a per-block loop written as the C reads (``dequantize_q4_k_naive``, ``dequantize_q6_k_naive``)
+beside the vectorized version, tested to agree. Other block types go through ``gguf.quants``.
 """
 
 from __future__ import annotations

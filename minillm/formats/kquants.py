@@ -1,37 +1,16 @@
 """llama.cpp's k-quant quantizers (Q4_K, Q6_K), written with torch, and its Q4_K_M recipe.
 
-The layouts are in ``minillm.formats.gguf_blocks``: a super-block of 256 weights holds sub-blocks of 32
-(Q4_K) or 16 (Q6_K) weights, each with a small integer scale, and one or two float16 numbers that
-scale those integer scales. Quantizing is therefore done twice:
+Quantizing is done twice: each sub-block gets a real-valued scale (and, for Q4_K, a min) from a
+weighted search around round-to-nearest (``make_qkx2_quants``, ``make_qx_quants``); then the sub-block
+scales are themselves quantized against the super-block's largest one, and the weights re-rounded
+against the scales as stored. This is llama.cpp's reference path (``quantize_row_q4_K_ref`` /
+``quantize_row_q6_K_ref``, the one ``llama-quantize`` takes without an importance matrix), float
+operation for float operation; tests compare the vectorized functions with the per-block loops
+(``quantize_q4_k_naive``, ``quantize_q6_k_naive``) and with llama.cpp where it is installed.
 
-1. **Each sub-block gets a real-valued scale (and, for Q4_K, a min) from a search.** Round-to-nearest
-   with the sub-block's own range is the start; then a few slightly larger or smaller scales are tried,
-   and for each the best scale and min *for the codes it produced* are fitted by weighted least
-   squares; the candidate with the lowest weighted squared error wins (``make_qkx2_quants`` for Q4_K:
-   21 candidates, weights ``sqrt(mean x^2) + |x|``; ``make_qx_quants`` for Q6_K: 18,
-   weights ``x^2``, symmetric). Weighting by magnitude spends the error budget where the weights
-   matter most.
-2. **The 8 (16) sub-block scales are themselves quantized** against the super-block's largest one:
-   6-bit codes times a float16 ``d`` (and 6-bit mins times ``dmin``) for Q4_K, int8 codes times a
-   float16 ``d`` for Q6_K. The weights are then re-rounded against the scales as stored, so each
-   code fits the scale the file really holds.
-
-This is llama.cpp's reference path (``quantize_row_q4_K_ref`` / ``quantize_row_q6_K_ref`` and their
-helpers in ``ggml/src/ggml-quants.c``), the one ``llama-quantize`` takes without an importance
-matrix. Sums are accumulated left to right in float32 (``_sum``), ``nearest_int`` is ggml's
-magic-number rounding, and divisions and square roots are correctly rounded, so that the float
-arithmetic is the C's, operation for operation. The ``gguf`` package has no k-quant quantizer to
-compare with; the tests compare the vectorized functions with the per-block loops
-(``quantize_q4_k_naive``, ``quantize_q6_k_naive``) and with llama.cpp itself where llama-cpp-python
-is installed.
-
-**The recipe (Q4_K_M).** "Q4_K_M" is not a block type but a choice of type per tensor
-(``llama_tensor_get_type`` in llama.cpp's ``src/llama-quant.cpp``): Q4_K everywhere, except Q6_K for
-``attn_v`` and ``ffn_down`` in the layers ``use_more_bits`` picks (the first and last eighth of the
-layers and every third one between), and Q6_K for the output layer (which a tied embedding is).
-A type whose block does not divide the row falls back to a 32-weight type: Q4_K -> Q5_0,
-Q6_K -> Q8_0, and an output/tied-embedding row that 256 does not divide -> Q8_0. "_S" and "_L"
-recipes give fewer or more tensors the larger type.
+"Q4_K_M" is a choice of type per tensor (``q4_k_m_types``): Q4_K everywhere, Q6_K for some
+``attn_v`` / ``ffn_down`` layers and the output layer, 32-weight fallbacks where 256 does not divide a
+row. docs/formats.md gives the search, the scale packing and the recipe in full.
 """
 
 from __future__ import annotations
