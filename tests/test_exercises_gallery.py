@@ -13,10 +13,11 @@ from minillm.quant import rtn_quantize
 
 
 def run(name, fn):
-    """check(name, fn) with its printed lines captured: (report, text)."""
+    """check(name, fn) with its printed lines captured: (report, text). The package's code stays on: the
+    wrong answers below are written with it for brevity (tests/test_grading_rules.py switches it off)."""
     out = io.StringIO()
     with redirect_stdout(out):
-        report = check(name, fn)
+        report = check(name, fn, forbid=False)
     return report, out.getvalue()
 
 

@@ -1,9 +1,12 @@
 """``exercises check`` against students who break the rules: a function that never returns or kills its
-kernel fails within the timeout, SIGTERM stops the grader and its kernel, a kernel that forges a passing
-report earns nothing (the answers are judged in the grader's process), and a syntax error names its cell.
-Each notebook runs in a real Jupyter kernel."""
+kernel fails within the timeout, a cell that floods the output is stopped and the rest graded, SIGTERM stops
+the grader and its kernel, a kernel that forges a passing report earns nothing (the answers are judged in
+the grader's process), a function that wraps the package scores zero in the gradebook, and a syntax error
+names its cell. Each notebook runs in a real Jupyter kernel."""
 
+import csv
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,9 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 PID_CELL = "import os, torch\nopen('kernel.pid', 'w').write(str(os.getpid()))"
 
 
-def notebook(folder: Path, *cells: str) -> Path:
-    folder.mkdir(exist_ok=True)
-    path = folder / "05_block_table.ipynb"
+def notebook(folder: Path, *cells: str, name: str = "05_block_table.ipynb") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
     nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells]), path)
     return path
 
@@ -60,9 +63,10 @@ def test_a_kernel_that_dies_fails_the_function_that_killed_it(tmp_path):
     code, text = cli("check", str(path), "--timeout", "30")
     assert code == 1, text
     assert "check slot_mapping: FAILED: the kernel died while your function ran" in text
-    assert "check needs_new_block: FAILED: not checked: the kernel stopped before its checks" in text
-    assert "blocks_needed: 3/11 cases passed" in text  # judged before the kernel died (1, 15 and 16 tokens: 1)
-    assert "stopped: the kernel died in the checks of slot_mapping" in text
+    # the notebook runs again without the checks that killed it: the functions after it are graded
+    assert re.search(r"needs_new_block: (\d+)/\1 cases passed \(all passed\)", text), text
+    assert "blocks_needed: 3/11 cases passed" in text  # 1, 15 and 16 tokens: 1 block
+    assert "stopped: the kernel died in the checks of slot_mapping" in text and "graded without it" in text
 
 
 @pytest.mark.slow
@@ -142,3 +146,38 @@ def test_answers_cross_from_the_kernel_as_data_only(tmp_path):
     assert all(type(a) is Answer for a in answers)
     report = grade(ex, cases, [ex.expected(c) for c in cases], answers)
     assert not report.passed and "should be a torch.Tensor of shape (10,), got ndarray" in report.failures[0].hint
+
+
+@pytest.mark.slow
+def test_a_cell_that_floods_the_output_is_stopped_and_the_rest_graded(tmp_path):
+    path = notebook(tmp_path, "def blocks_needed(num_tokens, block_size):\n    return -(-num_tokens // block_size)",
+                    "while True:\n    print('x' * 1000)", "x = 1")
+    code, text = cli("check", str(path), "--timeout", "60", "--max-output", "100000")
+    assert "stopped: cell 2 (`while True:`) printed more than 100,000 characters (--max-output); its kernel was " \
+           "killed; graded without it" in text, text
+    assert re.search(r"blocks_needed: (\d+)/\1 cases passed", text) and len(text) < 20_000
+
+
+@pytest.mark.slow
+def test_a_folder_of_submissions_becomes_a_gradebook_and_a_wrapped_function_scores_zero(tmp_path):
+    own = "def kv_cache_size(config, batch_size, seq_len, dtype):\n    return (2 * batch_size * seq_len * " \
+          "config.n_layers * config.n_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size())"
+    wrapped = "from minillm import kv_cache_bytes as kvb\n\ndef kv_cache_size(config, batch_size, seq_len, " \
+              "dtype):\n    return kvb(config, batch_size, seq_len, torch.empty((), dtype=dtype).element_size())"
+    folder = tmp_path / "submissions"
+    notebook(folder / "alice", "import torch", own, name="02_kv_cache_size.ipynb")
+    notebook(folder / "bob", "import torch", wrapped, name="02_kv_cache_size.ipynb")
+    (tmp_path / "cases.py").write_text(
+        "from minillm.exercises import Case\nfrom minillm import ModelConfig\nimport torch\n"
+        "CASES = {'kv_cache_size': [Case('teacher: one layer, one head', (ModelConfig(n_layers=1, n_kv_heads=1, "
+        "n_heads=1, head_dim=4, dim=4), 1, 3, torch.float32), 96, points=3)]}\n")
+    code, text = cli("check", str(folder), "--grading", "--seed", "7", "--cases", str(tmp_path / "cases.py"),
+                     "--csv", str(tmp_path / "grades.csv"), "--timeout", "120")
+    assert code == 1, text
+    assert "teacher: one layer, one head" in text and "hidden model 1 " in text, text
+    assert "your function called minillm.kv_cache.kv_cache_bytes" in text
+    rows = list(csv.DictReader(open(tmp_path / "grades.csv")))
+    # 9 practice cases, 4 hidden ones from the seed, and the teacher's case worth 3 points: 16 points
+    assert [(r["student"], r["exercise"], r["points"], r["max_points"], r["status"]) for r in rows] == [
+        ("alice", "kv_cache_size", "16", "16", "passed"), ("bob", "kv_cache_size", "0", "16", "forbidden")]
+    assert cli("check", str(folder), "--grading")[0] == 2  # no hidden cases named: refused before grading

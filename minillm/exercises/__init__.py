@@ -17,6 +17,7 @@ it follows). Teachers: notebooks/exercises/README.md.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 from .checker import Answer, Case, CaseResult, Exercise, Failure, Report, answer, grade
@@ -25,17 +26,20 @@ from .ex_cache import ROPE, UPDATE
 from .ex_cost import COST, KV_SIZE
 from .ex_quant import AWQ, GPTQ
 from .ex_sampling import TOP_P, VERIFY
+from .forbid import ForbiddenCallError, forbidden
 
 # in the order of the story: cost model, KV cache, paging, speculative decoding, quantization, sampling
 EXERCISES: dict[str, Exercise] = {ex.name: ex for ex in (
     COST, KV_SIZE, UPDATE, ROPE, *BLOCK_EXERCISES, COPY_ON_WRITE, VERIFY, GPTQ, AWQ, TOP_P)}
 
 
-def check(name: str, fn: Callable, verbose: bool = True) -> Report:
+def check(name: str, fn: Callable, verbose: bool = True, *, forbid: bool = True) -> Report:
     """Run the student's ``fn`` on every case of exercise ``name``; print a line per case if verbose.
 
     Cases are the same at every call (seeded with ``checker.SEED``). Nothing the student's function
-    raises escapes: it is reported, in words, as that case's failure.
+    raises escapes: it is reported, in words, as that case's failure. While it runs, the package code
+    it replaces raises ``ForbiddenCallError`` (``forbid.py``): a function that calls it earns 0 points
+    (``forbid=False`` leaves it on: the tests run the package's own implementation through the check).
 
     Returns:
         ``Report`` with ``passed`` and ``failures`` (each with its case name, expected, got and hint).
@@ -50,8 +54,15 @@ def check(name: str, fn: Callable, verbose: bool = True) -> Report:
         raise TypeError(f"fn: pass the function itself (check({name!r}, {name})), got {type(fn).__name__}")
     ex = EXERCISES[name]
     cases = ex.cases()
+
+    def answers():  # the package code the exercise replaces raises while the student's function runs
+        for c in cases:
+            with forbidden(name, ex.forbidden) if forbid else contextlib.nullcontext():
+                ans = answer(fn, c.args)
+            yield ans
+
     # lazy: each case is called and judged in turn, so that a slow or stuck case shows where it is
-    report = grade(ex, cases, (ex.expected(c) for c in cases), (answer(fn, c.args) for c in cases),
+    report = grade(ex, cases, (ex.expected(c) for c in cases), answers(),
                    on_result=lambda result: print(result.line()) if verbose else None)
     if verbose:
         if report.unwritten:  # not written yet: one line says it for every case
@@ -84,4 +95,4 @@ def what_we_measured(measured: dict[str, str], *reports: Report):
     return Markdown("\n".join(lines))
 
 
-__all__ = ["EXERCISES", "Answer", "Case", "CaseResult", "Exercise", "Failure", "Report", "check", "what_we_measured"]
+__all__ = ["EXERCISES", "Answer", "ForbiddenCallError", "Case", "CaseResult", "Exercise", "Failure", "Report", "check", "what_we_measured"]

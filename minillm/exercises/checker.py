@@ -37,13 +37,14 @@ class Case:
 
     ``expected`` is the known answer of a hand-made case; None for a random case, whose answer the
     package's implementation (``Exercise.reference``) gives; ``reference_kwargs`` are passed to it only
-    (the seed a random source was drawn from, say).
+    (the seed a random source was drawn from, say); ``points`` the case earns when it passes.
     """
 
     name: str
     args: tuple
     expected: Any = None
     reference_kwargs: dict = field(default_factory=dict)
+    points: float = 1.0
 
 
 @dataclass
@@ -63,6 +64,8 @@ class CaseResult:
     expected: str = ""
     got: str = ""
     hint: str = ""
+    points: float = 0.0  # earned
+    max_points: float = 1.0
 
     def line(self) -> str:
         if self.passed:
@@ -78,10 +81,11 @@ class Report:
     name: str
     results: list[CaseResult] = field(default_factory=list)
     unwritten: str = ""  # the hint when the function is not written yet (each case raised NotImplementedError)
+    forbidden: str = ""  # the message when the function called the implementation it replaces (0 points)
 
     @property
     def passed(self) -> bool:
-        return bool(self.results) and all(r.passed for r in self.results)
+        return bool(self.results) and not self.forbidden and all(r.passed for r in self.results)
 
     @property
     def failures(self) -> list[CaseResult]:
@@ -91,10 +95,21 @@ class Report:
     def hints(self) -> list[str]:
         return [r.hint for r in self.failures]
 
+    @property
+    def points(self) -> float:
+        return 0.0 if self.forbidden else sum(r.points for r in self.results)
+
+    @property
+    def max_points(self) -> float:
+        return sum(r.max_points for r in self.results)
+
     def summary(self) -> str:
         n_ok = sum(r.passed for r in self.results)
         verdict = "all passed" if self.passed else f"{len(self.failures)} failed"
-        return f"{self.name}: {n_ok}/{len(self.results)} cases passed ({verdict})"
+        text = f"{self.name}: {n_ok}/{len(self.results)} cases passed ({verdict}), {self.points:g}/{self.max_points:g} points"
+        if self.forbidden:
+            text += " (0: it calls the implementation it replaces)"
+        return text
 
     def __str__(self) -> str:
         return "\n".join([f"check {self.name}"] + [r.line() for r in self.results] + [self.summary()])
@@ -118,6 +133,8 @@ class Exercise:
         judge: (case, expected, got, args after the call, made ``portable``: tensors stay tensors, a config
             becomes a ``Foreign``; read the case's own from ``case.args``) -> None when right, else a ``Failure``.
         error_hint: (case, the error's name, its first line) -> a hint for a function that raised, or None.
+        forbidden: dotted paths of the package functions the student's function replaces: while its cases
+            run they raise (``forbid.py``; the checker's own ``ex_*`` functions always do).
     """
 
     name: str
@@ -129,10 +146,25 @@ class Exercise:
     random_cases: Callable[[torch.Generator], list[Case]]
     judge: Callable[[Case, Any, Any, tuple], Failure | None]
     error_hint: Callable[[Case, str, str], str | None] = lambda case, error, message: None
+    forbidden: tuple[str, ...] = ()
 
     def cases(self) -> list[Case]:
-        """The hand-made cases, then the random ones (the same at every call: seeded with ``SEED``)."""
+        """The practice cases: hand-made, then random (the same at every call: seeded with ``SEED``)."""
         return self.hand_cases() + self.random_cases(torch.Generator().manual_seed(SEED))
+
+    def grading_cases(self, seed: int | None = None, extra: list[Case] = ()) -> list[Case]:
+        """The practice cases, then cases the student has never seen: random ones drawn with the teacher's
+        ``seed`` (named "hidden N ...") and the teacher's own ``extra`` cases.
+
+        Raises:
+            ValueError: ``seed`` is the practice seed (its cases are the practice cases).
+        """
+        if seed == SEED:
+            raise ValueError(f"seed: {seed} is the practice cases' seed; choose another number and keep it to yourself")
+        hidden = [] if seed is None else self.random_cases(torch.Generator().manual_seed(seed))
+        for case in hidden:
+            case.name = "hidden " + case.name.removeprefix("random ")
+        return self.cases() + hidden + list(extra)
 
     def expected(self, case: Case) -> Any:
         """The case's known answer, or the reference's answer on a copy of its arguments."""
@@ -220,12 +252,16 @@ def judge_answer(ex: Exercise, case: Case, expected: Any, ans: Answer) -> CaseRe
     """One case's result: the student's answer judged against the expected one."""
     if ans.error == "NotImplementedError":
         return CaseResult(case.name, False, describe(expected), "NotImplementedError",
-                          f"not written yet ({ans.message}): replace the raise with your code")
+                          f"not written yet ({ans.message}): replace the raise with your code", 0.0, case.points)
+    if ans.error == "ForbiddenCallError":
+        return CaseResult(case.name, False, describe(expected), f"your function called {ans.message.split(' is ')[0]}"
+                          f"{ans.where}", "the check switches off the package code this exercise replaces: compute "
+                          "the answer with your own code (torch and Python are fine)", 0.0, case.points)
     if ans.error:
         hint = ex.error_hint(case, ans.error, ans.message) or \
             "read the error and the docstring's shapes; try this case by hand"
         return CaseResult(case.name, False, describe(expected),
-                          f"your function raised {ans.error}: {ans.message}{ans.where}", hint)
+                          f"your function raised {ans.error}: {ans.message}{ans.where}", hint, 0.0, case.points)
     try:
         failure = ex.judge(case, expected, ans.got, ans.args)
     except Exception as e:  # an answer so odd that comparing it fails: say what came back
@@ -233,8 +269,8 @@ def judge_answer(ex: Exercise, case: Case, expected: Any, ans: Answer) -> CaseRe
                           f"the answer could not be compared ({type(e).__name__}: {first_line(e)}); "
                           f"return what the signature says: {ex.signature}")
     if failure is None:
-        return CaseResult(case.name, True)
-    return CaseResult(case.name, False, failure.expected, failure.got, failure.hint)
+        return CaseResult(case.name, True, points=case.points, max_points=case.points)
+    return CaseResult(case.name, False, failure.expected, failure.got, failure.hint, 0.0, case.points)
 
 
 def run_case(ex: Exercise, fn: Callable, case: Case) -> CaseResult:
@@ -246,14 +282,18 @@ def grade(ex: Exercise, cases: list[Case], expected: Iterable, answers: Iterable
           on_result: Callable[[CaseResult], None] = lambda result: None) -> Report:
     """The report of every case (``expected`` and ``answers`` may be lazy: a case is judged when
     reached, and ``on_result`` sees each result as it comes). A function not written yet (its first
-    case raises ``NotImplementedError``) gets one failure per case and ``Report.unwritten`` says so."""
+    case raises ``NotImplementedError``) gets one failure per case and ``Report.unwritten`` says so; one
+    that calls the implementation it replaces in any case (``ForbiddenCallError``) earns no points."""
     report = Report(ex.name)
     for i, (case, want, ans) in enumerate(zip(cases, expected, answers)):
         result = judge_answer(ex, case, want, ans)
         if i == 0 and ans.error == "NotImplementedError":
-            report.results = [CaseResult(c.name, False, "", "NotImplementedError", result.hint) for c in cases]
+            report.results = [CaseResult(c.name, False, "", "NotImplementedError", result.hint, 0.0, c.points)
+                              for c in cases]
             report.unwritten = result.hint
             break
+        if ans.error == "ForbiddenCallError" and not report.forbidden:
+            report.forbidden = ans.message
         report.results.append(result)
         on_result(result)
     return report

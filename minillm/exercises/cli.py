@@ -1,4 +1,4 @@
-"""``python -m minillm exercises build | check NOTEBOOK... | list``.
+"""``python -m minillm exercises build | check NOTEBOOK_OR_FOLDER... [--grading --seed N --csv FILE] | list``.
 
 ``register(subparsers)`` adds the command to minillm's parser; each action's ``func(args)`` returns
 the exit code (``check``: 0 only when every function of every notebook passes; 128 + the signal's
@@ -29,10 +29,20 @@ def register(subparsers) -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="execute students' notebooks and print the report of each function in them; "
                        "exit 0 when every check passes, 1 when one fails, 2 when a path is not a notebook, "
                        "128 + the signal's number when SIGINT or SIGTERM stops it (its kernel killed)")
-    c.add_argument("notebooks", nargs="+", type=Path, help="student notebooks (.ipynb)")
+    c.add_argument("notebooks", nargs="+", type=Path, help="student notebooks (.ipynb), or folders of them")
     c.add_argument("--timeout", type=int, default=600,
                    help="seconds per cell, the checks of each function included; a cell that runs longer is "
-                        "stopped (its kernel killed) and fails the notebook (default 600)")
+                        "stopped (its kernel killed), and the notebook is graded without it (default 600)")
+    c.add_argument("--grading", action="store_true",
+                   help="add cases the students have never seen (from --seed and/or --cases) to the practice ones")
+    c.add_argument("--seed", type=int, default=None, help="with --grading: the teacher's seed of the hidden "
+                   "random cases (keep it to yourself; not 0, the practice seed)")
+    c.add_argument("--cases", type=Path, default=None, help="with --grading: a Python file of the teacher's "
+                   "own cases, CASES = {'function name': [Case(...)]} (kept outside the students' reach)")
+    c.add_argument("--csv", type=Path, default=None, help="write the gradebook: student, notebook, exercise, "
+                   "points, max_points, status")
+    c.add_argument("--max-output", type=int, default=None, help="characters a notebook may print in all; a cell "
+                   "that prints more is stopped and skipped (default 1,000,000)")
     c.set_defaults(func=run_check)
     ls = sub.add_parser("list", help="the exercises: function, signature, notebook")
     ls.set_defaults(func=run_list)
@@ -69,23 +79,40 @@ def run_build(args) -> int:
 
 
 def run_check(args) -> int:
-    from .grading import GradingStopped, NotANotebookError, check_notebook
+    from .gradebook import load_cases, notebooks_in, write_csv
+    from .grading import MAX_OUTPUT, GradingStopped, NotANotebookError, check_notebook
+
+    def refuse(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 2
 
     if args.timeout <= 0:
-        print(f"error: --timeout {args.timeout}: give the seconds a cell may run, a whole number above 0 "
-              f"(default 600)", file=sys.stderr)
-        return 2
-    ok, unreadable = True, False
-    for path in args.notebooks:
+        return refuse(f"--timeout {args.timeout}: give the seconds a cell may run, a whole number above 0 "
+                      "(default 600)")
+    if args.grading and args.seed is None and args.cases is None:
+        return refuse("--grading needs cases the students have not seen: --seed N (a number you keep to "
+                      "yourself) and/or --cases FILE")
+    if not args.grading and (args.seed is not None or args.cases is not None):
+        return refuse("--seed and --cases choose the hidden cases of --grading; add --grading")
+    if args.seed == 0:
+        return refuse("--seed 0 draws the practice cases the students see; choose another number")
+    try:
+        extra = load_cases(args.cases) if args.cases else None
+    except (OSError, ValueError, SyntaxError) as e:
+        return refuse(f"{e}" if isinstance(e, ValueError) else f"--cases {args.cases}: cannot be read ({e})")
+    ok, unreadable, rows = True, False, []
+    for path, student in notebooks_in(args.notebooks):
         print(f"== {path}", flush=True)
         try:
-            result = check_notebook(path, args.timeout)
+            result = check_notebook(path, args.timeout, grading=args.grading, seed=args.seed, extra=extra,
+                                    max_output=args.max_output or MAX_OUTPUT)
         except NotANotebookError as e:  # bad input, not a failing grade
             print(f"error: {e}", file=sys.stderr)
             unreadable = True
             continue
         except ValueError as e:  # a notebook without the exercises: a failing grade
             print(f"error: {e}")
+            rows.append((student, path.name, "", 0, 0, "no exercise"))
             ok = False
             continue
         except GradingStopped as e:  # the shell's convention: 128 + the signal's number
@@ -95,10 +122,14 @@ def run_check(args) -> int:
             print(text)
         for line in result.cell_errors:
             print(line)
-        if result.stopped:
-            print(f"stopped: {result.stopped}")
+        for line in filter(None, result.stopped.splitlines()):
+            print(f"stopped: {line}")
         print(f"{path}: {'PASSED' if result.passed else 'FAILED'}", flush=True)
+        rows += [(student, path.name, name, f"{p:g}", f"{m:g}", status) for name, (p, m, status) in result.scores.items()]
         ok &= result.passed
+    if args.csv:
+        write_csv(rows, args.csv)
+        print(f"wrote {args.csv} ({len(rows)} rows)")
     return 2 if unreadable else 0 if ok else 1
 
 

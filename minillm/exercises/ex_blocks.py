@@ -65,7 +65,8 @@ def judge_blocks_needed(case: Case, expected, got, args) -> Failure | None:
     elif got == n // bs:
         hint = "a partly filled last block still takes a whole block: round up, not down"
     else:
-        hint = "blocks = ceil(num_tokens / block_size)"
+        hint = (f"work it out by hand: {n} tokens, {bs} slots per block; how many blocks do the full ones take, "
+                "and does a partly filled last block count?")
     return Failure(describe(expected), describe(got), hint)
 
 
@@ -75,6 +76,7 @@ BLOCKS_NEEDED = Exercise(
     notebook="05_block_table.ipynb",
     follows="PagedAttention's rule: ceil(num_tokens / block_size) (minillm.paged.blocks_for)",
     reference=reference_blocks_needed,
+    forbidden=("minillm.paged.block_manager.blocks_for", "minillm.paged.block_manager.BlockManager.blocks_needed"),
     hand_cases=lambda: [
         Case("an empty sequence holds no block", (0, 16), 0),
         Case("one token takes one block", (1, 16), 1),
@@ -133,8 +135,13 @@ def judge_slot_mapping(case: Case, expected, got, args) -> Failure | None:
                                                           "pos // block_size, the offset pos % block_size"),
     ]
     hint = first_match(got, mutants, lambda a, b: torch.equal(a.long(), b.long()))
-    return Failure(describe(expected), describe(got),
-                   hint or "slot = block_table[pos // block_size] * block_size + pos % block_size")
+    if hint is None:
+        i = int((got.long() != expected).nonzero()[0])
+        p = int(positions[i])
+        hint = (f"position {p} goes to slot {int(expected[i])}, yours is {int(got[i])}: which logical block holds "
+                f"position {p}, which physical block is that in block_table, and which slot of the pool does that "
+                "block start at?")
+    return Failure(describe(expected), describe(got), hint)
 
 
 SLOT_MAPPING = Exercise(
@@ -144,6 +151,7 @@ SLOT_MAPPING = Exercise(
     follows=("PagedAttention's slot_mapping (vLLM's name): "
              "block_table[pos // block_size] * block_size + pos % block_size"),
     reference=reference_slot_mapping,
+    forbidden=("minillm.paged.block_manager.BlockManager.slot_mapping", "minillm.paged.attention.padded_slots"),
     hand_cases=slot_cases,
     random_cases=slot_random,
     judge=judge_slot_mapping,
@@ -181,6 +189,7 @@ NEEDS_NEW_BLOCK = Exercise(
     notebook="05_block_table.ipynb",
     follows="PagedAttention's append rule: a new block when the token lands at a multiple of block_size",
     reference=reference_needs_new_block,
+    forbidden=("minillm.paged.block_manager.BlockManager.blocks_needed",),
     hand_cases=lambda: [
         Case("the first token of an empty sequence", (0, 16), True),
         Case("the 6th token goes into the first block", (5, 16), False),
@@ -294,9 +303,11 @@ def judge_cow(case: Case, expected, got, args) -> Failure | None:
     same_blocks = sorted(answer[2]) == sorted(expected[2])
     if hint is None and answer[3] == expected[3] and same_blocks and answer[2] != expected[2]:
         hint = "take the first free block (free_blocks[0]) and keep the others in order"
+    parts = [what for what, a, b in zip(("block_table", "ref_counts", "free_blocks", "copy"), answer, expected)
+             if a != (None if b is None else tuple(b) if what == "copy" else list(b))]
     return Failure(describe(expected), describe(answer), hint or (
-        "at a block boundary take free_blocks[0]; else, if the last block is shared (reference count > 1), copy it "
-        "into free_blocks[0], move this sequence to the copy and update both reference counts"))
+        f"your {' and '.join(parts)} differ: does the new token open a new block here, is the last block shared, "
+        "and what must each list say afterwards?"))
 
 
 COPY_ON_WRITE = Exercise(
@@ -306,6 +317,7 @@ COPY_ON_WRITE = Exercise(
     notebook="06_copy_on_write.ipynb",
     follows="PagedAttention's copy-on-write (Kwon et al. 2023, Sec. 4.4), written out in reference_append",
     reference=reference_append,
+    forbidden=("minillm.paged.block_manager.BlockManager.grow", "minillm.paged.block_manager.BlockManager.fork"),
     hand_cases=cow_cases,
     random_cases=cow_random,
     judge=judge_cow,

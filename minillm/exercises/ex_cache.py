@@ -104,6 +104,7 @@ UPDATE = Exercise(
     notebook="03_kv_cache_update.ipynb",
     follows="minillm.kv_cache.KVCache.prepare / update",
     reference=reference_update,
+    forbidden=("minillm.kv_cache.KVCache.update",),
     hand_cases=update_cases,
     random_cases=update_random,
     judge=judge_update,
@@ -183,9 +184,11 @@ def judge_rope(case: Case, expected, got, args) -> Failure | None:
         (lambda: _rope(x, pos, base, exponent=1), "frequency i is base^(-2i / D) for i < D/2"),
     ]
     hint = first_match(got, mutants, same_tensor)
-    return Failure(describe(expected), describe(got),
-                   hint or "out = x * cos + rotate_half(x) * sin at angles p * base^(-2i/D); "
-                           "check one position by hand")
+    wrong = (got.double() - expected.double()).abs() > 1e-4 + 1e-4 * expected.double().abs()  # (B, H, T, D)
+    t, d = (int(i) for i in wrong.nonzero()[0, 2:]) if wrong.any() else (0, 0)
+    return Failure(describe(expected), describe(got), hint or (
+        f"the first wrong value is token {t} (position {start + t}), dimension {d}: work that token out by hand "
+        f"(its position, the dimension it is paired with, the pair's frequency and the sign of each term)"))
 
 
 ROPE = Exercise(
@@ -194,6 +197,7 @@ ROPE = Exercise(
     notebook="04_rope_offset.ipynb",
     follows="minillm.model.rope_tables / apply_rope",
     reference=reference_rope,
+    forbidden=("minillm.model.rope_tables", "minillm.model.apply_rope"),
     hand_cases=rope_cases,
     random_cases=rope_random,
     judge=judge_rope,

@@ -123,6 +123,7 @@ COST = Exercise(
     notebook="01_arithmetic_intensity.ipynb",
     follows="minillm.roofline.forward_cost (causal_prefill=True)",
     reference=reference_cost,
+    forbidden=("minillm.roofline.forward_cost",),
     hand_cases=cost_cases,
     random_cases=cost_random,
     judge=judge_cost,
@@ -180,8 +181,11 @@ def judge_kv(case: Case, expected, got, args) -> Failure | None:
                          "(float32 4, float16/bfloat16 2, int8 1)"),
               (1 / size, "multiply by the bytes per element of the dtype")]
     hint = next((h for r, h in ratios if r != 1 and expected and close(got, expected * r)), None)
-    return Failure(describe(expected), describe(got),
-                   hint or "2 x batch x seq_len x n_layers x n_kv_heads x head_dim x bytes per element")
+    # two mistakes at once match no single one: say how far off it is, and what to compare, not the formula
+    return Failure(describe(expected), describe(got), hint or (
+        f"your size is {float(got) / expected:.4g} x the expected one: write your product factor by factor and "
+        "check each against the docstring (what is stored, for how many rows, positions, layers and heads, in "
+        "how many bytes)" if expected else "redo this case by hand from the docstring"))
 
 
 KV_SIZE = Exercise(
@@ -190,6 +194,7 @@ KV_SIZE = Exercise(
     notebook="02_kv_cache_size.ipynb",
     follows="minillm.kv_cache.kv_cache_bytes",
     reference=reference_kv_size,
+    forbidden=("minillm.kv_cache.kv_cache_bytes",),
     hand_cases=kv_cases,
     random_cases=kv_random,
     judge=judge_kv,

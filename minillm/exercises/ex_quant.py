@@ -129,6 +129,8 @@ GPTQ = Exercise(
     notebook="08_gptq_column.ipynb",
     follows="minillm.quant.gptq.gptq_quantize (group_size=-1)",
     reference=reference_gptq,
+    forbidden=("minillm.quant.gptq.gptq_quantize", "minillm.quant.gptq.gptq_quantize_naive",
+               "minillm.quant.gptq.inverse_hessian_cholesky"),
     hand_cases=gptq_cases,
     random_cases=gptq_random,
     judge=judge_gptq,
@@ -231,8 +233,8 @@ def judge_awq(case: Case, expected, got, args) -> Failure | None:
     if hint is None and dead:
         hint = DEAD_CHANNEL_HINT
     return Failure(describe(expected), describe(got), hint or (
-        "for each alpha: s = mean|x|^alpha / sqrt(max * min), error = mean((x (Q(W s) / s)^T - x W^T)^2); keep "
-        "the alpha with the smallest error"))
+        f"your alpha is {float(alpha):g}, the search's {a_exp:g}: print your error at every alpha of the grid and "
+        "check each step of the docstring in turn (the statistic of x, the normalisation, where s is undone)"))
 
 
 def awq_error_hint(case: Case, error: str, message: str) -> str | None:
@@ -245,6 +247,7 @@ AWQ = Exercise(
     notebook="09_awq_scales.ipynb",
     follows="minillm.quant.awq.search_scales",
     reference=reference_awq,
+    forbidden=("minillm.quant.awq.search_scales",),
     hand_cases=awq_cases,
     random_cases=awq_random,
     judge=judge_awq,

@@ -137,6 +137,8 @@ VERIFY = Exercise(
     notebook="07_speculative_sampling.ipynb",
     follows="minillm.speculative.rejection_sample, acceptance_probability, residual_distribution",
     reference=reference_verify,
+    forbidden=("minillm.speculative.rejection.rejection_sample", "minillm.speculative.rejection.residual_distribution",
+               "minillm.speculative.rejection.acceptance_probability", "minillm.speculative.rejection.emitted_distribution"),
     hand_cases=verify_cases,
     random_cases=verify_random,
     judge=judge_verify,
@@ -194,7 +196,9 @@ def judge_top_p(case: Case, expected, got, args) -> Failure | None:
     elif torch.equal(kept, kept_exp) and same_tensor(got / got.sum(-1, keepdim=True), expected):
         hint = "renormalise: divide the kept probabilities by their sum so each row sums to 1"
     else:
-        hint = "sort descending, keep the smallest prefix whose sum reaches top_p, renormalise, unsort"
+        r = int((~torch.isclose(got, expected, atol=1e-5, rtol=1e-4)).any(-1).nonzero()[0])
+        hint = (f"row {r} keeps {int(kept[r])} tokens, the answer {int(kept_exp[r])}: add the row's probabilities "
+                "from the most likely down; which token makes the sum reach top_p, and what happens to the rest?")
     return Failure(describe(expected), describe(got), hint)
 
 
@@ -204,6 +208,7 @@ TOP_P = Exercise(
     notebook="10_top_p.ipynb",
     follows="minillm.sampling.logits_to_probs (temperature 1, top_p)",
     reference=reference_top_p,
+    forbidden=("minillm.sampling.logits_to_probs",),
     hand_cases=top_p_cases,
     random_cases=top_p_random,
     judge=judge_top_p,

@@ -11,17 +11,20 @@ own judge. A kernel that replaces ``minillm.exercises.check``, or prints what a 
 like, changes nothing the grader reads.
 
 Every cell runs under nbclient's per-cell timeout with an asynchronous kernel manager, so that the
-timeout fires while a cell loops forever: the kernel (its whole process group) is killed and the
-exercise fails with a line saying why; a kernel that dies (``os._exit``, a crash) fails the same way.
-SIGINT and SIGTERM kill the kernel and stop the grading (``GradingStopped``).
+timeout fires while a cell loops forever: the kernel (its whole process group) is killed. SIGINT and
+SIGTERM kill the kernel and stop the grading (``GradingStopped``).
 
-This is no sandbox: the student's code runs as the grader's user, with the grader's files and network
-(notebooks/exercises/README.md shows how to grade inside a container).
+While a function's cases run, the package code it replaces raises (``forbid.py``). ``--grading`` adds
+cases the student never saw (``Exercise.grading_cases``: the teacher's seed, the teacher's cases file).
+A cell that runs past the timeout, kills its kernel or floods the output (more than ``max_output``
+characters) is skipped and the notebook is run again without it, so the rest is graded on what ran.
+This is no sandbox (notebooks/exercises/README.md shows how to grade inside a container).
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import re
 import signal
 import sys
@@ -34,10 +37,13 @@ import nbformat
 import torch
 
 from . import EXERCISES
-from .checker import Answer, Exercise, Foreign, answer, grade
+from .checker import Answer, Case, Exercise, Foreign, answer, grade
+from .forbid import forbidden
 from .notebooks import exercise_names
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+MAX_OUTPUT = 1_000_000  # characters of output a notebook may print in all (a flood is stopped)
+MAX_RERUNS = 3  # runs without a stopped cell, at most
 
 
 class NotANotebookError(ValueError):
@@ -56,12 +62,14 @@ class GradingStopped(Exception):
 class NotebookResult:
     """What ``check_notebook`` found: per exercise function, the report's text and whether it passed
     (None: the function is not defined after running the notebook); the cells that raised, each named
-    by its number and first line; and, when the kernel was stopped early, why (else "")."""
+    by its number and first line; when a cell was stopped (and skipped), why, one line each (else "");
+    and per function its points, the most it could earn, and a one-word status for the gradebook."""
 
     path: Path
     reports: dict[str, tuple[str, bool | None]]
     cell_errors: list[str]
     stopped: str = ""
+    scores: dict[str, tuple[float, float, str]] = None  # name -> (points, max points, status)
 
     @property
     def passed(self) -> bool:
@@ -87,16 +95,21 @@ def error_text(output: dict) -> str:
 
 
 _ANSWER_CELL = """from minillm.exercises.grading import answer_cases as _answer_cases
-_answer_cases(globals().get({name!r}), {cases!r}, {answers!r})"""
+_answer_cases({name!r}, globals().get({name!r}), {cases!r}, {answers!r})"""
 
 
-def answer_cases(fn, cases_path: str, answers_path: str) -> None:
-    """In the student's kernel: call ``fn`` on each case's arguments in ``cases_path`` and save the
-    ``Answer``s to ``answers_path`` (nothing when ``fn`` is not a function: the grader says "not defined")."""
+def answer_cases(name: str, fn, cases_path: str, answers_path: str) -> None:
+    """In the student's kernel: call ``fn`` on each case's arguments in ``cases_path``, with the package
+    code exercise ``name`` replaces switched off, and save the ``Answer``s to ``answers_path`` (nothing
+    when ``fn`` is not a function: the grader says "not defined")."""
     if not callable(fn):
         return
     cases = torch.load(cases_path, weights_only=False)  # the grader's file: configs are dataclasses
-    torch.save([answer(fn, args) for args in cases], answers_path)
+    answers = []
+    for args in cases:
+        with forbidden(name, EXERCISES[name].forbidden):
+            answers.append(answer(fn, args))
+    torch.save(answers, answers_path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,18 +147,23 @@ def _kernel_manager():
     return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnv())
 
 
-def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int):
-    """nbclient's ``NotebookClient`` that records the cell it runs and, on SIGINT or SIGTERM, kills the
-    kernel and ends the run (nbclient's own handlers kill the kernel but let the run go on)."""
+def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int):
+    """nbclient's ``NotebookClient`` that records the cell it runs and, on SIGINT or SIGTERM or when the
+    notebook's output passes ``max_output`` characters, kills the kernel and ends the run (nbclient's
+    own handlers kill the kernel but let the run go on)."""
     from nbclient import NotebookClient
 
     class Client(NotebookClient):
         running = -1  # index of the cell being executed (-1: the kernel is starting)
         stopped_by: int | None = None  # the signal that stopped the run
+        printed = 0  # characters of output so far
+        flooded = False
+        main_task = None
 
         @asynccontextmanager
         async def async_setup_kernel(self, **kwargs):
             loop, task, previous = asyncio.get_running_loop(), asyncio.current_task(), {}
+            self.main_task = task
             for signum in STOP_SIGNALS:
                 try:
                     previous[signum] = signal.getsignal(signum)
@@ -168,6 +186,16 @@ def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int):
                 self.stopped_by = signum
                 task.cancel()  # the cell being awaited ends at once, then the cleanup above kills the kernel
 
+        def output(self, outs, msg, display_id, cell_index):
+            if self.flooded:
+                return None
+            self.printed += len(str(msg.get("content", "")))
+            if self.printed > max_output:  # kept from the grader's memory; the kernel is killed
+                self.flooded = True
+                self.main_task.cancel()
+                return None
+            return super().output(outs, msg, display_id, cell_index)
+
         async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
             self.running = cell_index
             return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
@@ -176,21 +204,23 @@ def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int):
                   resources={"metadata": {"path": str(cwd)}})
 
 
-def _execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int) -> tuple[int, str] | None:
+def _execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int = MAX_OUTPUT) -> tuple[int, str] | None:
     """Run every cell; None, or (index of the cell the kernel stopped in, -1 when it stopped as it started;
-    "timeout" or "died").
+    "timeout", "died" or "flood").
 
     Raises:
         GradingStopped: SIGINT or SIGTERM arrived (the kernel is killed first).
     """
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-    client = _client(nb, cwd, timeout)
+    client = _client(nb, cwd, timeout, max_output)
     try:
         client.execute()
     except BaseException as e:  # the signal's cancellation reaches here as whatever nbclient makes of it
         if client.stopped_by is not None:
             raise GradingStopped(client.stopped_by) from None
+        if client.flooded:
+            return client.running, "flood"
         if isinstance(e, (CellTimeoutError, DeadKernelError)):
             return client.running, "timeout" if isinstance(e, CellTimeoutError) else "died"
         raise
@@ -206,10 +236,13 @@ def _read(path: Path) -> nbformat.NotebookNode:
         raise NotANotebookError(f"{path}: not a notebook ({e})") from None
 
 
-def check_notebook(path: Path, timeout: int = 600) -> NotebookResult:
+def check_notebook(path: Path, timeout: int = 600, *, grading: bool = False, seed: int | None = None,
+                   extra: dict[str, list[Case]] | None = None, max_output: int = MAX_OUTPUT) -> NotebookResult:
     """Execute a student's notebook in a fresh kernel (its own folder as working directory, cells that
     raise do not stop the run, ``timeout`` seconds per cell) and judge each exercise function it defines
-    on the answers its kernel saved.
+    on the answers its kernel saved. ``grading``: the practice cases and the unseen ones
+    (``Exercise.grading_cases(seed, extra[name])``). A cell stopped for time, a dead kernel or a flood of
+    output is skipped and the notebook run again without it (``MAX_RERUNS`` times at most).
 
     Raises:
         NotANotebookError: no such file, or not a notebook. ValueError: it defines none of the exercise
@@ -224,56 +257,81 @@ def check_notebook(path: Path, timeout: int = 600) -> NotebookResult:
     plans = {}
     for name in names:
         ex = EXERCISES[name]
-        cases = ex.cases()
+        cases = ex.grading_cases(seed, (extra or {}).get(name, ())) if grading else ex.cases()
         plans[name] = (ex, cases, [ex.expected(c) for c in cases])
     n_student = len(nb.cells)
+    skipped: dict[int, str] = {}  # cell index -> why it was stopped
     with tempfile.TemporaryDirectory(prefix="minillm-grading-") as tmp:
         folder = Path(tmp)
         for name, (_, cases, _) in plans.items():
             torch.save([c.args for c in cases], folder / f"{name}.cases.pt")
             nb.cells.append(nbformat.v4.new_code_cell(_ANSWER_CELL.format(
                 name=name, cases=str(folder / f"{name}.cases.pt"), answers=str(folder / f"{name}.answers.pt"))))
-        stop = _execute(nb, path.parent.resolve(), timeout)
-        reports = {}
+        for attempt in range(MAX_RERUNS + 1):
+            run = nbformat.from_dict(copy.deepcopy(nb))
+            for i in skipped:
+                run.cells[i] = nbformat.v4.new_code_cell("# skipped by the grader (see the stopped: lines)")
+            for stale in folder.glob("*.answers.pt"):  # answers of an earlier run do not count
+                stale.unlink()
+            stop = _execute(run, path.parent.resolve(), timeout, max_output)
+            if stop is None or stop[0] < 0 or attempt == MAX_RERUNS:
+                break
+            skipped[stop[0]] = stop[1]
+        reports, scores = {}, {}
         for k, (name, (ex, cases, expected)) in enumerate(plans.items()):
             answers = folder / f"{name}.answers.pt"
             read = _read_answers(answers, len(cases)) if answers.exists() else None
             if isinstance(read, list):
                 report = grade(ex, cases, expected, read)
                 reports[name] = (str(report), report.passed)
+                status = "passed" if report.passed else "forbidden" if report.forbidden else "failed"
+                scores[name] = (report.points, report.max_points, status)
             else:
-                reports[name] = _unanswered(nb, ex, n_student + k, stop, timeout, read)
-    errors = [f"{cell_name(nb, i)} raised {error_text(o)}" for i, c in enumerate(nb.cells[:n_student])
+                reports[name], status = _unanswered(run, ex, n_student + k, stop, skipped, timeout, max_output, read)
+                scores[name] = (0.0, sum(c.points for c in cases), status)
+    errors = [f"{cell_name(nb, i)} raised {error_text(o)}" for i, c in enumerate(run.cells[:n_student])
               if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
-    stopped = ""
-    if stop is not None:
-        index = stop[0]
+    stops = [(i, why, "; graded without it") for i, why in skipped.items()] + ([(*stop, "")] if stop else [])
+    lines = []
+    for index, why, then in stops:
         where = ("its start" if index < 0 else cell_name(nb, index) if index < n_student
                  else f"the checks of {names[index - n_student]}")
-        stopped = (f"{where} ran past the {timeout} s timeout (--timeout); its kernel was killed"
-                   if stop[1] == "timeout" else f"the kernel died in {where} (os._exit, a crash or out of memory)")
-    return NotebookResult(path, reports, errors, stopped)
+        lines.append(_stop_text(where, why, timeout, max_output) + then)
+    return NotebookResult(path, reports, errors, "\n".join(lines), scores)
 
 
-def _unanswered(nb: nbformat.NotebookNode, ex: Exercise, index: int, stop: tuple[int, str] | None, timeout: int,
-                unreadable: str | None) -> tuple[str, bool | None]:
-    """The report of an exercise whose answers did not come back: why, in one line."""
+def _stop_text(where: str, why: str, timeout: int, max_output: int) -> str:
+    if why == "timeout":
+        return f"{where} ran past the {timeout} s timeout (--timeout); its kernel was killed"
+    if why == "flood":
+        return f"{where} printed more than {max_output:,} characters (--max-output); its kernel was killed"
+    return f"the kernel died in {where} (os._exit, exit(), a crash or out of memory)"
+
+
+def _unanswered(nb: nbformat.NotebookNode, ex: Exercise, index: int, stop: tuple[int, str] | None,
+                skipped: dict[int, str], timeout: int, max_output: int, unreadable: str | None) -> tuple[tuple, str]:
+    """The report of an exercise whose answers did not come back, why in one line, and its status."""
     name = ex.name
     if unreadable:
-        return f"check {name}: FAILED: {unreadable}", False
-    if stop is not None and stop[0] == index:
-        if stop[1] == "timeout":
-            return (f"check {name}: FAILED: your function ran past the {timeout} s timeout on its cases (an endless "
-                    "loop?); its kernel was killed", False)
-        return f"check {name}: FAILED: the kernel died while your function ran (os._exit, a crash or out of memory)", \
-            False
+        return (f"check {name}: FAILED: {unreadable}", False), "failed"
+    why = skipped.get(index) or (stop[1] if stop is not None and stop[0] == index else None)
+    if why == "timeout":
+        return (f"check {name}: FAILED: your function ran past the {timeout} s timeout on its cases (an endless "
+                "loop?); its kernel was killed", False), "stopped"
+    if why == "flood":
+        return (f"check {name}: FAILED: your function printed more than {max_output:,} characters on its cases; "
+                "its kernel was killed", False), "stopped"
+    if why:
+        return (f"check {name}: FAILED: the kernel died while your function ran (os._exit, a crash or out of "
+                "memory)", False), "stopped"
     if stop is not None and stop[0] < index:
-        return f"check {name}: FAILED: not checked: the kernel stopped before its checks (see below)", False
+        return (f"check {name}: FAILED: not checked: the kernel stopped before its checks (see below)", False), \
+            "not checked"
     errors = [error_text(o) for o in nb.cells[index].get("outputs", []) if o.output_type == "error"]
     if errors:  # the checks could not run in the kernel (minillm missing there?)
-        return f"check {name}: FAILED: could not run ({'; '.join(errors)})", False
+        return (f"check {name}: FAILED: could not run ({'; '.join(errors)})", False), "failed"
     defining = [i for i, c in enumerate(nb.cells[:index]) if c.cell_type == "code"
                 and re.search(rf"^\s*def {name}\(", c.source, re.MULTILINE)]
     raised = [f"{cell_name(nb, i)}, which defines it, raised {error_text(o)}" for i in defining
               for o in nb.cells[i].get("outputs", []) if o.output_type == "error"]
-    return f"check {name}: not defined ({raised[0] if raised else 'did its cell run?'})", None
+    return (f"check {name}: not defined ({raised[0] if raised else 'did its cell run?'})", None), "not defined"
