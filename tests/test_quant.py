@@ -322,38 +322,6 @@ def test_recipe_of_applies_options_over_the_methods_start_and_refuses_the_unused
         Recipe.of("gptq", "exact")
 
 
-# what the code before recipes (commit 6b082c1) gave on this tiny model and calibration: sha256 of every
-# QuantLinear's qweight, qzeros, scales and g_idx, in module order (each recipe's weights are unchanged)
-BEFORE_RECIPES = {
-    "best": "0bb8374d12ebb165ac28106c14ed0a7bc7f0f27025a607a22e066e66111d0cfb",
-    "paper": "b34ddb9771e33b941c2a9c10ea802b1efa896f504718ad5bd305cbfe9cf56300",
-    "awq+gptq": "3c2c8061734ad6a5a7edd6aeaa11e79250eae3cdb1a8188e777c4c50024b45e2",
-    "awq": "33c933897e5ddec090cdedcd6f25c0d68864969920e2c664ee16b3a8539be140",
-}
-
-
-def _digest(model) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for m in model.modules():
-        if isinstance(m, QuantLinear):
-            for t in (m.qweight, m.qzeros, m.scales, m.g_idx):
-                h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
-@pytest.mark.parametrize("name", list(BEFORE_RECIPES))
-def test_each_recipe_gives_the_weights_the_code_before_recipes_gave(tiny, name):
-    """``BEST`` is the old default of ``quantize_model(model, "gptq", ...)`` bit for bit, ``PAPER`` the old
-    GPTQ_PAPER options, AWQ_GPTQ and AWQ the old defaults of their methods (digests computed with the code
-    before ``Recipe``)."""
-    recipe = {"best": BEST, "paper": PAPER, "awq+gptq": AWQ_GPTQ, "awq": Recipe("awq")}[name]
-    model = copy.deepcopy(tiny[0])
-    quantize_model(model, replace(recipe, bits=4, group_size=32), tiny_inputs(model)[0], progress=False)
-    assert _digest(model) == BEFORE_RECIPES[name]
-
-
 @pytest.mark.parametrize("true_sequential", [True, False])
 def test_v2_pipeline_fits_the_float_models_outputs(tiny, true_sequential):
     """With v2 the first block's layers see no input error (X = X_float there), so its qkv codes equal the

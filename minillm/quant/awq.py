@@ -1,24 +1,14 @@
 """AWQ: activation-aware weight quantization (Lin et al., "AWQ", MLSys 2024).
 
-A few input channels carry much larger activations than the rest; the weights that multiply them
-matter most. AWQ protects them without mixed precision by scaling: for a layer y = W x and a
-per-input-channel scale s > 0, ``W x = (W diag(s)) (diag(s)^-1 x)``. Quantizing ``W diag(s)``
-makes the salient columns' relative rounding error smaller (paper Sec. 3.2, Eq. 2-4), and the
-``1/s`` is folded into whatever produced x (an RMSNorm weight, or the rows of the linear layer
-before), so the float model computes exactly the same function (tested) and no extra op runs.
+A few input channels carry much larger activations than the rest; AWQ protects the weights that multiply
+them by scaling: ``W x = (W diag(s)) (diag(s)^-1 x)``, quantizing ``W diag(s)`` and folding ``1/s`` into
+whatever produced x (an RMSNorm weight, or the rows of the layer before), so the float model computes
+exactly the same function (tested) and no extra op runs (Sec. 3.2).
 
-* ``search_scales`` (Sec. 3.3, Eq. 5): ``s = s_x^alpha`` with ``s_x`` the mean |x| of each input
-  channel on calibration tokens, normalised by sqrt(max s * min s); alpha is chosen on a grid of
-  ``n_grid`` values in [0, 1) to minimise the output error ``|| Q(W diag(s)) diag(s)^-1 X - W X ||^2``
-  of the layers that read that input (q, k, v together; gate and up together; down).
-* ``search_clip``: then, per output row and group, shrink the quantization range to ``ratio`` times
-  the group's min/max (ratio on a grid from 1 down to 0.5) where that lowers the group's output error,
-  and clamp the weight to it. As in the AWQ code, the query and key rows are not clipped.
-
-For Llama blocks the foldings are: q/k/v inputs into ``attn_norm``; gate/up inputs into ``ffn_norm``;
-down inputs into the ``up`` rows of the fused gate/up layer; o inputs into the v rows only when
-every query head has its own value head (H = Hkv; with GQA, SmolLM2's case, o is not scaled, as in
-AutoAWQ).
+``search_scales`` (Sec. 3.3, Eq. 5): ``s = s_x^alpha``, alpha on a grid minimising the output error of the
+layers that read that input. ``search_clip``: then shrink each group's range where that lowers its output
+error (query and key rows are not clipped, as in the AWQ code). docs/quant_methods.md lists the foldings
+for Llama blocks (with GQA, SmolLM2's case, o is not scaled, as in AutoAWQ).
 """
 
 from __future__ import annotations

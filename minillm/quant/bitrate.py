@@ -1,30 +1,16 @@
 """Variable bitrate, as ExLlamaV2 does it: bits allotted to each linear layer by how much its
-quantization hurts, under a budget of total bits.
+quantization hurts, under a budget of total bits (written from the description of turboderp's converter).
 
-Two passes (the plan of turboderp's ExLlamaV2 converter, written here from its description):
+1. ``measure``: for every block, on float inputs, each linear layer is quantized with GPTQ under each
+   (bits, group_size) option while the rest of the block stays float, and the relative error of the
+   block's output ``||Y_hat - Y|| / ||Y||`` is recorded (blocks are independent: splittable by ``blocks``).
+2. ``optimize``: one option per layer minimising ``sum err^power`` subject to ``sum bits <= bpw *
+   weights``, a multiple-choice knapsack solved by dynamic programming over the budget (costs rounded
+   up, so the answer always fits); ``optimize_naive`` (same signature) tries every combination.
 
-1. ``measure``: for every block, on float inputs, each linear layer is quantized with GPTQ under
-   each (bits, group_size) option while the rest of the block stays float, and the relative error
-   of the **block's output** is recorded: ``||Y_hat - Y|| / ||Y||`` with Y the float block's output on
-   calibration windows. Blocks are measured independently (their inputs are the float model's), so
-   a measurement can be split over processes by ``blocks``.
-2. ``optimize``: one option per layer minimising ``sum_layers err^power`` (``power=2``: independent
-   noises add in power) subject to ``sum_layers bits(layer, option) <= bpw * weights``. This is a
-   multiple-choice knapsack; it is solved by dynamic programming over the budget in units of
-   ``budget / resolution`` bits, each option's cost rounded **up** to whole units, so the answer
-   always fits the budget and is optimal up to that rounding (ExLlamaV2 anneals instead).
-   ``optimize_naive`` (same signature) tries every combination: the baseline, for tiny problems.
-
-``quantize_variable`` then quantizes the model with the chosen options through the ordinary GPTQ
-pipeline (block by block, in execution order, each layer on the inputs the quantized layers before
-it give).
-
-Bits are counted as ``QuantConfig.bits_per_weight`` counts them (a GPTQ checkpoint with float16
-scales: ``bits`` per weight plus a 16-bit scale and a ``bits``-bit zero per group of each output row;
-4-bit group 64 costs 4.31 bits per weight on 576 inputs; ``g_idx`` left out).
-
-``python -m minillm quantize --bpw B`` runs the plan (``quant/bitrate_cli.py``); the benchmark that sets
-its allocations beside uniform RTN / GPTQ / AWQ (``bench quant --bpw``) is the lab's: ``minillm.lab.bitrate``.
+``quantize_variable`` then quantizes with the chosen options through the ordinary GPTQ pipeline. Bits
+are counted as ``QuantConfig.bits_per_weight`` counts them. ``quantize --bpw B`` runs the plan
+(``bitrate_cli.py``); its benchmark is the lab's (``minillm.lab.bitrate``). docs/quant_methods.md has more.
 """
 
 from __future__ import annotations

@@ -1,43 +1,17 @@
 """GPTQ: quantize a linear layer's weight one input column at a time, pushing each column's rounding
 error onto the columns not yet quantized so that the layer's *output* error on calibration inputs
-stays small (Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ", ICLR 2023).
+stays small (Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ", ICLR 2023, Sec. 3, Algorithm 1).
 
-The objective for one layer is ``|| W X - W_hat X ||^2`` over calibration inputs X (n, I). Its
-Hessian with respect to a row of W is ``H = 2 X^T X`` (I, I), the same for every row. Quantizing
-column i with error ``e = (w_i - q_i) / [H^-1]_ii`` and updating the remaining columns by
-``- e [H^-1]_{i, i+1:}`` is the Optimal Brain Surgeon step (paper Eq. 2-3). The paper's three
-changes that make it fast and stable on large layers (Sec. 3, Algorithm 1):
+For ``|| W X - W_hat X ||^2`` the Hessian of a row is ``H = 2 X^T X`` (I, I); quantizing column i and
+updating the later columns by ``-e [H^-1]_{i, i+1:}`` is the Optimal Brain Surgeon step (Eq. 2-3),
+made fast by a fixed column order (``act_order``: by decreasing ``diag(H)``), lazy batch updates of
+``blocksize`` columns and the Cholesky factor of the dampened ``H^-1``. ``gptq_quantize_naive`` is the
+baseline with the same signature: the OBS update on the full inverse, one row and column per step.
 
-1. a fixed column order for all rows (optionally by decreasing ``diag(H)``: ``act_order``),
-2. lazy batch updates: errors of a block of ``blocksize`` columns are applied to the columns
-   after the block in one matmul (the result does not depend on ``blocksize``: tested),
-3. the upper Cholesky factor of ``H^-1`` holds every row of the shrinking inverse the OBS step needs,
-   computed once after dampening ``H += percdamp * mean(diag H) * I``.
-
-Inputs that are always zero ("dead", ``H_ii = 0``) get ``H_ii = 1`` and a zero weight column, so
-nothing divides by zero. With ``act_order`` the groups follow the permuted order and ``g_idx`` maps
-each input column to its group; ``static_groups`` computes every group's scale and zero from the
-original weight up front so that ``g_idx`` stays ``j // group_size`` (what fast kernels want).
-
-``gptq_quantize_naive`` is the baseline with the same signature: the OBS update written out on the
-full inverse Hessian, removing one row and column per step (Eq. 3), without Cholesky or batching.
-
-**Asymmetric calibration** (GPTQv2, Li et al. 2025, "GPTQv2: efficient finetuning-free quantization with
-asymmetric calibration"; GPTQModel's ``v2``): the paper's objective compares the quantized layer with
-the float layer on the *same* inputs X, the quantized model's. The float model's own inputs X_f differ
-by the error of the layers before, so GPTQv2 asks for ``|| W X_f - W_hat X ||^2`` instead. Completing the
-square turns that into the ordinary objective with another target weight:
-
-    || W X_f - W_hat X ||^2 = || (W_hat - W*) X ||^2 + const,   W* = W X_f X^T (X X^T)^-1 = W + W C H^-1
-
-with ``C = (X_f - X) X^T`` (``Hessian.dXXT``) and H as above: the least-squares weight that maps the
-quantized model's inputs onto the float model's outputs. ``asymmetric_target`` computes W* (dampened:
-``(H + damp)^-1`` makes W* the ridge regression that pulls the fit back toward W, which a fit on few calibration
-tokens needs), and GPTQ, unchanged, quantizes W* on H: since the two objectives differ by a constant,
-GPTQ's greedy column loop on W* is GPTQ's greedy loop on the asymmetric objective. (GPTQv2's own code
-keeps W and adds a correction term built from the same ``dXXT`` inside the column loop, scaled by a
-factor alpha = 0.25; its steps are not those of the completed square, so its results differ. ``alpha``
-here scales W* - W.)
+``asymmetric_target`` is GPTQv2's asymmetric calibration (Li et al. 2025): the float model's inputs X_f
+differ from the quantized model's X, and completing the square turns ``|| W X_f - W_hat X ||^2`` into
+the ordinary objective on another target weight ``W* = W + W C H^-1`` with ``C = (X_f - X) X^T``.
+docs/quant_methods.md gives both derivations, dead inputs, static groups and ``g_idx``.
 """
 
 from __future__ import annotations

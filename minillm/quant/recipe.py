@@ -2,28 +2,15 @@
 
 ``quantize_model(model, recipe, calib)`` reads nothing else: the method, the grid (bits, group size,
 symmetric, range search) and GPTQ's and AWQ's options are the fields of one frozen dataclass, checked in
-``__post_init__`` (each error names the field). ``Recipe.of`` builds one the way the commands do: a
-method's starting recipe, then the options given, refusing the ones the method does not use.
+``__post_init__`` (each error names the field). ``Recipe.of`` builds one the way the commands do.
 
-GPTQ's presets (``RECIPES``; ``--recipe paper|best``):
-
-* ``PAPER``: the algorithm of Frantar et al. 2023 ("GPTQ", ICLR) as its reference code
-  (github.com/IST-DASLab/gptq, ``opt.py`` / ``llama.py``) runs it by default: columns in their stored
-  order, each group's range from its min and max (its quantizer's ``mse=False``), dampening 1% of the mean
-  diagonal of H, all layers of a block calibrated on one pass of the float block, no asymmetric
-  calibration. That code's ``--act-order`` and ``--true-sequential`` came later, with its LLaMA
-  integration for the camera-ready version, and are off unless asked for: the paper's algorithm has
-  neither.
-* ``BEST``: the settings measured best on SmolLM2 (docs/quantization.md, "GPTQ avenues"), the commands'
-  default: act-order, the range search, dampening 0.1%, true sequential, and GPTQv2's asymmetric
-  calibration (Li et al. 2025) with its correction dampened by 30% of the mean diagonal.
-
-They differ in exactly six fields, ``act_order``, ``mse``, ``percdamp``, ``true_sequential``, ``v2`` and
-``v2_percdamp`` (``PRESET_FIELDS``; a test checks it); the others (symmetric or not, static groups, v2_alpha,
-the AWQ options, the output layer) are the same. ``AWQ_GPTQ``, AWQ+GPTQ's default, is ``BEST`` without
-v2: plain GPTQ after AWQ's scaling (v2 there is not measured). A preset fixes the algorithm, not the grid: ``replace(PAPER, bits=3, group_size=-1)`` is the paper's 3-bit
-per-channel run. The calibration windows are the caller's (the paper: 128 x 2048 tokens of C4; ours:
-32 x 512 of Macbeth, ``pipeline.calibration_tokens``).
+GPTQ's presets (``RECIPES``; ``--recipe paper|best``): ``PAPER`` is the algorithm of Frantar et al. 2023
+as its reference code runs it by default (stored column order, min/max ranges, 1% dampening, no true
+sequential, no asymmetric calibration); ``BEST`` is the setting measured best on SmolLM2 and the
+commands' default (act-order, range search, 0.1% dampening, true sequential, GPTQv2's asymmetric
+calibration). They differ in exactly six fields (``PRESET_FIELDS``): ``act_order``, ``mse``, ``percdamp``,
+``true_sequential``, ``v2`` and ``v2_percdamp``; ``AWQ_GPTQ`` is ``BEST`` without v2. A preset fixes the
+algorithm, not the grid: ``replace(PAPER, bits=3, group_size=-1)`` is the paper's 3-bit per-channel run.
 """
 
 from __future__ import annotations
