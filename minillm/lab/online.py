@@ -8,14 +8,9 @@ request rate of systems that reserve memory per request. Arrivals are drawn as v
 benchmarks/benchmark_serving.py draws them: gaps from a gamma distribution with shape ``burstiness``
 and mean 1 / rate (burstiness 1: a Poisson process; below 1 burstier, above 1 more regular).
 
-Modes, on the same requests and arrival times (serve_bench's ``make_requests``: the trace's lengths times
-``scale``, greedy, EOS ignored), one after the other in real time:
-* ``engine``: ``LLMEngine`` driven in process: requests are added when they arrive, between steps.
-* ``static``: static batching, the system that reserves memory per request (``generate_batch``: a batch
-  of up to ``max_num_seqs`` requests that have arrived runs until its longest request ends; later arrivals
-  wait for the next batch; a request's tokens count from when the batch produced them).
-* ``http`` (``--http``): the engine behind ``python -m minillm serve``'s app on 127.0.0.1, clients
-  streaming with httpx, times taken where the client reads each chunk.
+Modes, on the same requests and arrival times, one after the other in real time: ``engine`` (``LLMEngine``
+in process, requests added between steps), ``static`` (``generate_batch`` batches that run until their
+longest request ends) and ``http`` (the server's app on 127.0.0.1, clients streaming with httpx).
 
 Per request (vLLM's definitions): TTFT (arrival to first token), TPOT = (latency - TTFT) / (output
 tokens - 1), inter-token latencies (gaps between tokens, or between chunks over HTTP), end-to-end

@@ -14,10 +14,8 @@
     sensitivity.py  its end-to-end measurement: each layer's KL cost on the model's output
     cli.py        ``python -m minillm perplexity | quantize``
 
-llama.cpp's block encoders and the GGUF writer are in ``minillm.formats`` (gguf_quant.py, kquants.py). What
-measures the methods is in the lab: ``bench quant``'s table (``minillm.lab.quant``), the GPTQ avenues
-(``lab.avenues``), variable bitrate against uniform settings (``lab.bitrate``, ``lab.bitrate_rows``) and our
-Q4_K_M file beside llama.cpp's (``lab.kquants``).
+llama.cpp's block encoders and the GGUF writer are in ``minillm.formats``; what measures the methods is in
+``minillm.lab`` (quant.py, avenues.py, bitrate.py, kquants.py).
 
 Conventions (those of GPTQ / AutoGPTQ / vLLM): a weight W is (out_features, in_features);
 ``codes`` are unsigned integers in [0, 2^bits - 1]; ``scales`` and ``zeros`` are

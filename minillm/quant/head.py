@@ -4,21 +4,13 @@ SmolLM2-135M ties its output projection to its token embedding: one (49,152 x 57
 float32, read whole at every decode step (one row of it per token for the embedding). Once the blocks'
 linear layers are 4-bit (about 60 MB) it is most of what a decode step reads. GPTQ and AWQ leave it
 in float16; llama.cpp's files keep it in 6 or 8 bits (the shipped Q4_1 file: Q8_0).
+``quantize_output(model, kind)`` replaces ``model.output`` by a ``QuantLinear``: "int8" (symmetric, one
+scale per row, torch's int8 weight-only kernel: 28 MB) or "int4" (groups of ``INT4_GROUP_SIZE`` with the
+range search, the blocks' int4 kernel: 15-16 MB).
 
-``quantize_output(model, kind)`` replaces ``model.output`` by a ``QuantLinear``:
-
-* ``"int8"``: 8-bit symmetric codes, one scale per row (per channel), torch's int8 weight-only
-  kernel: 28 MB.
-* ``"int4"``: 4-bit asymmetric codes in groups of ``INT4_GROUP_SIZE`` with the range search
-  (``QuantConfig.mse``), the same int4 kernel as the blocks: 15-16 MB.
-
-For a tied model the embedding lookup then reads the same quantized matrix: ``QuantLinear.rows``
-gathers the codes, scales and zeros of the looked-up rows and dequantizes only those, so the
-embedding costs no second copy. An untied model's embedding stays as it is.
-
-Round to nearest only (no calibration). The int8 head costs nothing measurable in perplexity; the int4
-head is faster but past the course's quality budget (docs/quantization.md gives the measurements).
-``minillm.evaluation.perplexity`` with ``reference=`` measures the cost.
+A tied embedding then reads the same quantized matrix (``QuantLinear.rows`` dequantizes only the
+looked-up rows: no second copy). Round to nearest only; the int8 head costs nothing measurable in
+perplexity, the int4 head is past the course's quality budget (docs/quantization.md).
 """
 
 from __future__ import annotations
