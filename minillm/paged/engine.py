@@ -34,6 +34,7 @@ import torch
 
 from ..generation import GenerationResult, Stopper, check_prompt, stop_ids
 from ..kv_cache import kv_cache_bytes as kv_bytes_of
+from ..loading import load_model
 from ..sampling import SamplingParams
 from .batching import pack_flat, pack_rows
 from .beam import BeamSearchParams, beam_step
@@ -42,6 +43,7 @@ from .cache import ATTENTION_PATHS, FLAT_PATHS, PagedKVCache
 from .sampler import draw_tokens, sample_generator
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, RequestMetrics, RequestOutput, Sequence, prompt_ids, request_output
+from .spec_decode import Run, SpecDecoder, check_speculative_config
 from .stats import EngineStats, StepRecord, runs_of
 from .signals import interrupts_deferred
 
@@ -89,16 +91,21 @@ class LLMEngine:
             (B, T) rows padded to the longest (``batching.pack_rows``).
         row_width: force the rows' T ("indexed" / "gather"; default: ``batching.choose_row_width``).
         record_logits: keep each sequence's next-token logits (tests compare them with a recompute).
+        speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+            "prompt_lookup_min": 1, "prompt_lookup_max": 3} or {"method": "draft_model", "model": PATH_OR_DECODER,
+            "num_speculative_tokens": 4}; "auto" lengths (``spec_auto``); None: no speculation (``spec_decode``).
 
     Raises:
         ValueError: a size that is not a positive integer (``check_engine_args``); an unknown attention
-            path, or a row_width with a path that packs one flat row.
+            path, or a row_width with a path that packs one flat row; a speculative_config field
+            (``check_speculative_config``).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 256, eos_ids=None, max_seq_len: int | None = None,
-                 row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed"):
+                 row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed",
+                 speculative_config: dict | None = None):
         # refused before the KV pool is allocated
         check_engine_args(block_size, num_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_seq_len)
         if attention not in ATTENTION_PATHS:
@@ -106,6 +113,8 @@ class LLMEngine:
         if row_width is not None and attention in FLAT_PATHS:
             raise ValueError(f"row_width: attention={attention!r} packs one flat row without padding; row_width "
                              "applies to the padded rows of 'indexed' and 'gather'")
+        spec = check_speculative_config(speculative_config, model,
+                                        lambda path: load_model(path, dtype=model.dtype, device=model.device)[0])
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = min(max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         if num_blocks is None and kv_cache_bytes is None:
@@ -128,6 +137,8 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of a step that raised: the next step returns them
         self._driver = threading.RLock()
         self._next_seq_id = self._arrivals = 0
+        self.spec = SpecDecoder(spec, self) if spec is not None else None
+        self.stats.spec_decoding = self.spec.stats if self.spec is not None else None
 
     @property
     def num_blocks(self) -> int:
@@ -174,6 +185,9 @@ class LLMEngine:
                 raise ValueError(f"params: must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
             text, ids = prompt_ids(prompt, self.tokenizer)
             beam = isinstance(params, BeamSearchParams)
+            if beam and self.spec is not None:
+                raise ValueError("params: beam search does not run with speculative decoding (nor does it in vLLM); "
+                                 "use an engine built without speculative_config for beam search")
             stopper = None if beam else Stopper(params, self.tokenizer, self.eos_ids)
             self._check_fits(request_id, ids, params)
             arrival = time.perf_counter() if arrival_time is None else arrival_time
@@ -250,6 +264,8 @@ class LLMEngine:
             outputs, self._pending = self._pending, []
             start = time.perf_counter()
             try:
+                if self.spec is not None:
+                    self.spec.propose(self.scheduler.running)  # drafts, before the plan that places them
                 with interrupts_deferred():  # bookkeeping: an interrupt waits for the forward
                     plan = self._schedule()
                 if not plan.scheduled:
@@ -299,40 +315,41 @@ class LLMEngine:
         """One forward over every scheduled token; returns the sequences that caught up with their known
         tokens (they sample), their next-token logits (R, V) (the output layer runs at those rows only)
         and the forward's (B, T)."""
-        spans = [(s.seq_id, s.num_computed_tokens, s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])
-                 for s, n in plan.scheduled]
+        spans = [(s.seq_id, s.num_computed_tokens, (s.token_ids[s.num_computed_tokens:] + s.spec_token_ids)[:n])
+                 for s, n in plan.scheduled]  # drafts ride after the sequence's own tokens
         if self.layout == "flat":
             rows = pack_flat(spans, self.model.device)
         else:
             rows = pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width)
         self.cache.set_rows(rows.seq_ids, rows.widths, reserved=True)
-        ready = [s for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens]
-        logits = self.model(rows.tokens, rows.input_pos, self.cache,
-                            logits_indices=rows.logits_indices([s.seq_id for s in ready]))
+        ready = [s for s, n in plan.scheduled if s.num_computed_tokens + n >= s.num_tokens]
+        at = (self.spec.logits_indices(rows, ready) if self.spec is not None  # the pending token and each draft
+              else rows.logits_indices([s.seq_id for s in ready]))
+        logits = self.model(rows.tokens, rows.input_pos, self.cache, logits_indices=at)
         return ready, logits, rows.shape
 
     def _draw(self, ready: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
         """What each ready sequence draws (``sampler.draw_tokens``): one token per sample it becomes (a
         request's first sample draws for all n), None for a beam (its log-softmax waits for its
-        siblings). Changes nothing if it raises."""
-        plans = []
+        siblings); a drafted sequence's verified tokens (``spec_decode.Run``). Changes nothing if it raises."""
+        plans, last = [], self.spec.last_rows(logits) if self.spec is not None else logits
         try:
             for i, seq in enumerate(ready):
                 req = self.requests[seq.request_id]
                 if req.is_beam_search:
-                    self._beam_logprobs[seq.seq_id] = torch.log_softmax(logits[i], dim=-1)  # (V,), as the naive search
+                    self._beam_logprobs[seq.seq_id] = torch.log_softmax(last[i], dim=-1)  # (V,), as the naive search
                     plans.append(None)
                     continue
                 ks = range(req.params.n) if not req.forked else [seq.index]
                 plans.append((req.params, [None if req.params.greedy else self._generator(req, k) for k in ks]))
-            draws = draw_tokens(logits, plans)
+            draws = self.spec.draw(logits, plans, ready) if self.spec is not None else draw_tokens(logits, plans)
         except BaseException:
             for seq in ready:
                 self._beam_logprobs.pop(seq.seq_id, None)
             raise
         if self.record_logits:
             for i, seq in enumerate(ready):
-                self.logits.setdefault((seq.request_id, seq.index), []).append(logits[i].float().cpu())
+                self.logits.setdefault((seq.request_id, seq.index), []).append(last[i].float().cpu())
         return draws
 
     def _commit(self, plan, start: float, record, outputs: list[RequestOutput]) -> None:
@@ -364,6 +381,8 @@ class LLMEngine:
         held = {b for s in self.scheduler.running if self.manager.holds(s.seq_id)
                 for b in self.manager.block_table(s.seq_id)}
         self.cache.copy_blocks([(src, dst) for src, dst in self.manager.step_copies if dst in held])
+        if self.spec is not None:
+            self.spec.discard(self.scheduler.running)
         self.scheduler.rollback()
 
     def _append_all(self, ready: list[Sequence], draws, outputs: list[RequestOutput]) -> None:
@@ -379,7 +398,9 @@ class LLMEngine:
             req = self.requests[rid]
             try:
                 for seq, drawn in items:
-                    if drawn is None:
+                    if isinstance(drawn, Run):  # verified drafts: roll back the rejected, append the rest
+                        self.spec.append(req, seq, drawn, self._append)
+                    if drawn is None or isinstance(drawn, Run):
                         continue
                     targets = [seq] + [self._fork(req, seq, k) for k in range(1, len(drawn))]
                     req.forked = True
@@ -439,6 +460,8 @@ class LLMEngine:
         self.scheduler.finish(seq)
         self._beam_logprobs.pop(seq.seq_id, None)
         self._generators.pop((seq.request_id, seq.index), None)
+        if self.spec is not None:
+            self.spec.forget(seq)
         req = self.requests.get(seq.request_id)
         if req is not None and req.is_finished:
             req.metrics.finished_time = time.perf_counter()

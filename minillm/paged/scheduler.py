@@ -23,7 +23,9 @@ counts seats: a request that will fork into n samples (or beam_width beams) take
 Blocks are reserved here, as each sequence is planned (``BlockManager.grow``): the forward only
 writes to slots it was given. A prompt admitted after an identical one in the same step finds the
 blocks that this step's forward writes for the first (``allocate``), so identical prompts share them.
-When the step fails, ``rollback`` undoes this plan (the engine calls it).
+When the step fails, ``rollback`` undoes this plan (the engine calls it). A running sequence's draft
+tokens (speculative decoding, ``spec_decode``) ride after its own tokens when the budget and the pool
+left by every running sequence's own tokens hold them; otherwise it drafts less.
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and queue it to be recomputed (Kwon et al., Sec. 4.5)."""
         self.running.remove(seq)
+        seq.spec_token_ids = []  # it resumes without a stale draft
         try:
             self.manager.free(seq.seq_id)
             seq.num_computed_tokens = 0
@@ -110,10 +113,15 @@ class Scheduler:
         out = self.plan = SchedulerOutput()  # kept while the step runs: ``rollback`` undoes it
         self.manager.begin()
         budget = self.max_num_batched_tokens
+        own, left = self._own_needs()
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.spec_token_ids:
+                need = own.pop(seq.seq_id)
+                left = (left[0] - need[0], left[1] - need[1])
+                n = self._with_drafts(seq, n, budget - left[0], self.manager.num_free_blocks - left[1])
             if n <= 0:
                 i += 1
                 continue
@@ -158,6 +166,28 @@ class Scheduler:
             held = {b for s, _ in out.scheduled for b in self.manager.block_table(s.seq_id)}
             out.copies = [(src, dst) for src, dst in self.manager.step_copies if dst in held]
         return out
+
+    def _own_needs(self) -> tuple[dict[int, tuple[int, int]], tuple[int, int]]:
+        """When a running sequence carries drafts: (tokens, blocks) each running sequence's own tokens
+        take this step, and their sum, so that drafts only use what is left (else ({}, (0, 0)))."""
+        if not any(s.spec_token_ids for s in self.running):
+            return {}, (0, 0)
+        own = {}
+        for s in self.running:
+            n, c = s.num_tokens - s.num_computed_tokens, s.num_computed_tokens
+            own[s.seq_id] = (max(n, 0), self.manager.blocks_needed(s.seq_id, c, c + n) if n > 0 else 0)
+        return own, (sum(t for t, _ in own.values()), sum(b for _, b in own.values()))
+
+    def _with_drafts(self, seq: Sequence, n: int, budget: int, blocks: int) -> int:
+        """The sequence's n own tokens plus the drafts that fit in ``budget`` tokens and ``blocks`` free
+        blocks (what the other running sequences' own tokens leave): it speculates less, or not at all,
+        before anyone is preempted. Drops the drafts that do not fit."""
+        c, base = seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens
+        d = min(len(seq.spec_token_ids), max(0, budget - base)) if n == base else 0
+        while d and self.manager.blocks_needed(seq.seq_id, c, c + base + d) > blocks:
+            d -= 1
+        del seq.spec_token_ids[d:]
+        return n + d
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         """Slots for the sequence's next n tokens (and its copy-on-write); False, changing nothing, when

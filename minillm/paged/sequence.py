@@ -44,6 +44,8 @@ class Sequence:
         text: the decoded output, cut before a stop string (filled when it finishes).
         seats: places among the scheduler's ``max_num_seqs`` it holds: what it may fork into (n for
             a request's first sample before it forks, the beam width shared by a search's beams), else 1.
+        spec_token_ids: draft tokens proposed for the next step (speculative decoding): not yet known
+            tokens, scheduled after its pending token and verified by that step (``spec_decode``).
     """
 
     seq_id: int
@@ -59,6 +61,7 @@ class Sequence:
     stop_reason: str | None = None
     text: str = ""
     seats: int = 1
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -85,13 +88,16 @@ class Sequence:
 @dataclass
 class RequestMetrics:
     """Times of a request, in seconds of ``time.perf_counter`` (vLLM's ``RequestMetrics``):
-    arrival, first token, last token and finish (None until they happen)."""
+    arrival, first token, last token and finish (None until they happen); with speculative decoding,
+    its counters in vLLM's names (``spec_decode.SpecDecodingStats``: drafts, draft tokens, accepted
+    tokens, accepted per position, mean acceptance length), or None."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    spec_decoding: object = None
 
     @property
     def ttft(self) -> float | None:

@@ -35,6 +35,7 @@ class EngineStats:
     preemptions: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    spec_decoding: object = None  # the engine's ``spec_decode.SpecDecodingStats`` when it speculates
     records: list[StepRecord] = field(default_factory=list)
 
     def record_step(self, runs, preempted, shape, sampled, manager, running, start) -> StepRecord:

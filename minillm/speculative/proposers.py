@@ -26,17 +26,21 @@ class NgramProposer:
         self.vocab_size, self.max_n, self.min_n = vocab_size, max_n, min_n
 
     def propose(self, tokens: list[int], gamma: int, params: SamplingParams, generator=None):
+        draft = self.lookup(tokens, gamma)
+        probs = torch.zeros(len(draft), self.vocab_size)
+        probs[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)] = 1.0
+        return draft, probs
+
+    def lookup(self, tokens: list[int], gamma: int) -> list[int]:
+        """The draft alone: up to gamma tokens that followed the latest earlier match ([] if none)."""
         for n in range(self.max_n, self.min_n - 1, -1):
             if len(tokens) <= n:
                 continue
-            suffix = tokens[-n:]
-            for start in range(len(tokens) - n - 1, -1, -1):
-                if tokens[start:start + n] == suffix:
-                    draft = tokens[start + n:start + n + gamma]
-                    probs = torch.zeros(len(draft), self.vocab_size)
-                    probs[torch.arange(len(draft)), torch.tensor(draft, dtype=torch.long)] = 1.0
-                    return draft, probs
-        return [], torch.zeros(0, self.vocab_size)
+            suffix, last = tokens[-n:], tokens[-1]
+            for end in range(len(tokens) - 2, n - 2, -1):  # a cheap test of the match's last token first
+                if tokens[end] == last and tokens[end - n + 1:end + 1] == suffix:
+                    return tokens[end + 1:end + 1 + gamma]
+        return []
 
 
 class DraftModelProposer:

@@ -1,0 +1,317 @@
+"""Speculative decoding inside the engine's step (Leviathan et al. 2023, Algorithm 1, batched as vLLM V1).
+
+Before the scheduler plans a step, every running sequence in decode gets up to k draft tokens
+(``Sequence.spec_token_ids``): prompt lookup (``NgramProposer``) or a draft model (``spec_draft``).
+The scheduler places them after the sequence's pending token, in the same flat row as every other
+sequence's decode token and prefill chunk, when the budget and the pool hold them. The output layer runs
+at the pending token and at each draft (``logits_indices``); ``draw`` verifies: greedy requests keep
+the longest prefix equal to the target's argmax, sampled ones go through ``rejection_sample`` (q one-hot
+for prompt lookup), then one more token (the replacement or the bonus). ``append`` then rolls the
+rejected drafts back: the computed count steps back to the accepted length and the block manager
+truncates the slots past it, so the sequence is exactly one that never speculated (docs/speculative.md).
+The block manager names only blocks whose tokens are known, so the prefix cache holds verified tokens only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+from ..sampling import check_logits, logits_to_probs
+from ..speculative.proposers import NgramProposer
+from ..speculative.rejection import rejection_sample
+from .sampler import draw_tokens
+from .spec_draft import DraftRunner
+from .spec_auto import choose_draft_lengths, measure_step_cost
+
+METHODS = ("ngram", "draft_model")
+KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+        "max_num_speculative_tokens", "step_cost"}
+AUTO_MAX = 5  # the longest draft "auto" considers, unless max_num_speculative_tokens says otherwise
+
+
+@dataclass
+class SpeculativeConfig:
+    """A checked ``speculative_config`` (vLLM's dict, plus "auto" lengths; ``check_speculative_config``)."""
+
+    method: str
+    num_speculative_tokens: int | str
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    model: object = None  # the draft Decoder (a path is loaded by check_speculative_config)
+    max_num_speculative_tokens: int = AUTO_MAX
+    step_cost: object = None  # "auto": tokens -> seconds of a forward (default: measured once)
+
+    @property
+    def auto(self) -> bool:
+        return self.num_speculative_tokens == "auto"
+
+    @property
+    def k(self) -> int:
+        """The longest draft a step may carry."""
+        return self.max_num_speculative_tokens if self.auto else self.num_speculative_tokens
+
+
+def _positive(name, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+    return int(value)
+
+
+def check_speculative_config(config, target, load=None) -> SpeculativeConfig | None:
+    """Refuse a ``speculative_config`` naming the field, before any memory is taken; load a draft given
+    as a path with ``load`` (path -> Decoder). None stays None (no speculation).
+
+    Raises:
+        ValueError: not a dict, an unknown key or method, a non-positive length, prompt_lookup_min above
+            prompt_lookup_max, a draft_model without "model", or a draft with another vocabulary.
+    """
+    if config is None:
+        return None
+    if isinstance(config, SpeculativeConfig):
+        return config
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config: must be a dict such as {{'method': 'ngram', "
+                         f"'num_speculative_tokens': 4}}, got {type(config).__name__}")
+    unknown = sorted(set(config) - KEYS)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {unknown}; the keys are {sorted(KEYS)}")
+    method = config.get("method")
+    if method not in METHODS:
+        raise ValueError(f"speculative_config: method must be one of {METHODS}, got {method!r}")
+    k = config.get("num_speculative_tokens")
+    k = k if k == "auto" else _positive("num_speculative_tokens", k)
+    most = _positive("max_num_speculative_tokens", config.get("max_num_speculative_tokens", AUTO_MAX))
+    lo = _positive("prompt_lookup_min", config.get("prompt_lookup_min", 1))
+    hi = _positive("prompt_lookup_max", config.get("prompt_lookup_max", max(3, lo)))
+    if lo > hi:
+        raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) is above prompt_lookup_max ({hi})")
+    cost = config.get("step_cost")
+    if cost is not None and not callable(cost):
+        raise ValueError("speculative_config: step_cost must be a function of a step's token count (seconds)")
+    draft = config.get("model")
+    if method == "draft_model":
+        if draft is None:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (a path or a Decoder)")
+        if not isinstance(draft, torch.nn.Module):
+            draft = load(draft)
+        if draft.config.vocab_size != target.config.vocab_size:
+            raise ValueError(f"speculative_config: model has a vocabulary of {draft.config.vocab_size} ids, the "
+                             f"target {target.config.vocab_size}; a draft must share the target's tokenizer")
+    elif draft is not None:
+        raise ValueError("speculative_config: 'model' is for method 'draft_model', not 'ngram'")
+    return SpeculativeConfig(method, k, lo, hi, draft, most, cost)
+
+
+@dataclass
+class SpecDecodingStats:
+    """vLLM's counters: drafts (sequences that carried any draft into a step), draft tokens, accepted
+    tokens, and accepted tokens per draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.num_accepted_tokens_per_pos += [0] * (drafted - len(self.num_accepted_tokens_per_pos))
+        for j in range(accepted):
+            self.num_accepted_tokens_per_pos[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a drafted sequence gains per step: 1 + accepted / drafts (vLLM's definition)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+
+class Run(list):
+    """A drafted sequence's verified tokens [(token id, logprob)]: the accepted drafts, then one more."""
+
+    def __init__(self, tokens, drafted: int, accepted: int):
+        super().__init__(tokens)
+        self.drafted, self.accepted = drafted, accepted
+
+
+class SpecDecoder:
+    """The engine's speculation: ``propose`` before the scheduler, ``logits_indices`` for the forward,
+    ``draw`` (verification) after it, ``append`` (rollback and tokens) when the step commits.
+
+    Args:
+        config: a ``SpeculativeConfig``; engine: the ``LLMEngine`` (its model, manager, requests).
+    """
+
+    def __init__(self, config: SpeculativeConfig, engine):
+        self.config, self.engine = config, engine
+        self.stats = SpecDecodingStats()
+        vocab = engine.model.config.vocab_size
+        self.ngram = NgramProposer(vocab, config.prompt_lookup_max, config.prompt_lookup_min)
+        self.draft = None
+        if config.method == "draft_model":
+            self.draft = DraftRunner(config.model, engine, config.k, config.auto)
+        self.step_cost = config.step_cost
+        if config.auto and self.step_cost is None:
+            self.step_cost = measure_step_cost(engine.model, engine.scheduler.max_num_batched_tokens)
+        self._alpha: dict[int, tuple[float, float]] = {}  # seq_id -> (accepted, examined) drafts
+        self._counts: list[int] = []  # rows of each ready sequence in the last forward
+
+    # ---- before the scheduler --------------------------------------------------------------------
+    def propose(self, running) -> None:
+        """Draft tokens for every running sequence in decode (one pending token); none for beams."""
+        seqs = []
+        for seq in running:
+            seq.spec_token_ids = []
+            req = self.engine.requests.get(seq.request_id)
+            if req is None or req.is_beam_search or seq.num_tokens - seq.num_computed_tokens != 1:
+                continue
+            room = min(req.params.max_new_tokens - seq.num_output_tokens, self.engine.max_seq_len - seq.num_tokens + 1)
+            if room > 1:  # at most room - 1 drafts: the step emits at most room tokens
+                seqs.append((seq, req, min(self.config.k, room - 1)))
+        if self.draft is not None:
+            self.draft.release(running)
+        if not seqs:
+            return
+        if self.config.auto and self.draft is not None:
+            seqs = self._auto(seqs, running, [k for _, _, k in seqs])
+        if self.draft is not None:
+            self.draft.propose(seqs)
+        else:
+            for seq, _, k in seqs:
+                seq.spec_token_ids = self.ngram.lookup(seq.token_ids, k)
+        if self.config.auto and self.draft is None:
+            self._auto(seqs, running, [len(seq.spec_token_ids) for seq, _, _ in seqs])
+
+    def _auto(self, seqs, running, most):
+        """Cut each sequence's draft to the length ``choose_draft_lengths`` picks for this step."""
+        own = sum(min(s.num_tokens - s.num_computed_tokens, self.engine.scheduler.max_num_batched_tokens)
+                  for s in running if s.num_tokens > s.num_computed_tokens)
+        alphas = [self.alpha(seq.seq_id) for seq, _, _ in seqs]
+        extra = self.draft.draft_token_cost(len(seqs)) if self.draft is not None else 0.0
+        ks = choose_draft_lengths(alphas, most, own, self.step_cost, extra)
+        for (seq, _, _), k in zip(seqs, ks):
+            del seq.spec_token_ids[k:]
+        return [(seq, req, k) for (seq, req, _), k in zip(seqs, ks) if k > 0]
+
+    def alpha(self, seq_id: int) -> float:
+        """The sequence's running acceptance rate (accepted / examined drafts), from a prior of 1 in 2."""
+        accepted, examined = self._alpha.get(seq_id, (0.0, 0.0))
+        return (accepted + 1.0) / (examined + 2.0)
+
+    def discard(self, running) -> None:
+        """A failed step: its drafts are dropped (the next step proposes again)."""
+        for seq in running:
+            seq.spec_token_ids = []
+        if self.draft is not None:
+            self.draft.restore()
+
+    # ---- the forward and the verification ---------------------------------------------------------
+    def logits_indices(self, rows, ready) -> torch.Tensor:
+        """Flat indices of each ready sequence's pending token and drafts (its last 1 + d tokens)."""
+        self._counts = [1 + len(s.spec_token_ids) for s in ready]
+        if rows.widths is not None:  # one flat row: a sequence's tokens are side by side
+            idx = [rows.last[s.seq_id][1] - c + 1 + j for s, c in zip(ready, self._counts) for j in range(c)]
+        else:
+            T, pos = rows.tokens.shape[1], rows.input_pos.tolist()
+            where = {(s, p): b * T + t for b, (s, row) in enumerate(zip(rows.seq_ids, pos)) for t, p in enumerate(row)}
+            idx = [where[(s.seq_id, s.num_tokens - 1 + j)] for s, c in zip(ready, self._counts) for j in range(c)]
+        return torch.tensor(idx, dtype=torch.long, device=rows.tokens.device)
+
+    def last_rows(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each ready sequence's logits after its last scheduled token (R, V)."""
+        if len(self._counts) == logits.shape[0]:
+            return logits
+        return logits[torch.tensor(list(itertools.accumulate(self._counts)), device=logits.device) - 1]
+
+    def draw(self, logits: torch.Tensor, plans: list, ready) -> list:
+        """``draw_tokens`` for the sequences without drafts, verification (a ``Run``) for the others;
+        generators are restored if anything raises."""
+        drafted = [i for i, s in enumerate(ready) if s.spec_token_ids]
+        if not drafted:
+            return draw_tokens(self.last_rows(logits), plans)
+        plain = [None if s.spec_token_ids else p for s, p in zip(ready, plans)]
+        saved = [(g, g.get_state()) for p in plans if p is not None for g in p[1] if g is not None]
+        try:
+            runs = self._verify(logits, plans, ready, drafted)
+            draws = draw_tokens(self.last_rows(logits), plain)
+        except BaseException:
+            for g, state in saved:
+                g.set_state(state)
+            raise
+        for i, run in zip(drafted, runs):
+            draws[i] = run
+        return draws
+
+    def _verify(self, logits, plans, ready, drafted) -> list[Run]:
+        """Greedy: the longest prefix of drafts equal to the target's argmax, then the argmax after it.
+        Sampled: ``rejection_sample`` against the draft's q (one-hot for prompt lookup)."""
+        starts = [e - c for e, c in zip(itertools.accumulate(self._counts), self._counts)]
+        lse = torch.logsumexp(logits, dim=-1)
+        if not torch.isfinite(lse).all():
+            check_logits(logits)
+        top = logits.argmax(-1).tolist()
+        runs, rows, toks = [], [], []
+        for i in drafted:
+            seq, (params, gens) = ready[i], plans[i]
+            drafts, a0 = seq.spec_token_ids, starts[i]
+            if params.greedy:
+                a = 0
+                while a < len(drafts) and drafts[a] == top[a0 + a]:
+                    a += 1
+                emitted = drafts[:a] + [top[a0 + a]]
+            else:
+                target = logits_to_probs(logits[a0:a0 + len(drafts) + 1], params)
+                emitted, a = rejection_sample(drafts, self._q(seq, target.shape[-1]), target, gens[0])
+            runs.append((emitted, len(drafts), a))
+            rows += range(a0, a0 + len(emitted))
+            toks += emitted
+        rows_t = torch.tensor(rows, device=logits.device)
+        lps = (logits[rows_t, torch.tensor(toks, device=logits.device)].double() - lse[rows_t].double()).tolist()
+        out, j = [], 0
+        for emitted, d, a in runs:
+            out.append(Run(zip(emitted, lps[j:j + len(emitted)]), d, a))
+            j += len(emitted)
+        return out
+
+    def _q(self, seq, vocab: int) -> torch.Tensor:
+        """(d, V) the distributions the drafts were drawn from."""
+        if self.draft is not None:
+            return self.draft.probs(seq)
+        q = torch.zeros(len(seq.spec_token_ids), vocab)
+        q[torch.arange(len(seq.spec_token_ids)), torch.tensor(seq.spec_token_ids)] = 1.0
+        return q
+
+    # ---- once the step commits -----------------------------------------------------------------------
+    def append(self, req, seq, run: Run, append) -> None:
+        """Roll the rejected drafts back (computed count and slots, as if never drafted), count the
+        step, then append the run's tokens one by one (``append``: the engine's, with its stops) until
+        the sequence finishes."""
+        seq.num_computed_tokens -= run.drafted - run.accepted
+        self.engine.manager.truncate(seq.seq_id, seq.num_computed_tokens, keep_token_ids=True)
+        seq.spec_token_ids = []
+        self.stats.observe(run.drafted, run.accepted)
+        if req.metrics.spec_decoding is None:
+            req.metrics.spec_decoding = SpecDecodingStats()
+        req.metrics.spec_decoding.observe(run.drafted, run.accepted)
+        accepted, examined = self._alpha.get(seq.seq_id, (0.0, 0.0))
+        self._alpha[seq.seq_id] = (accepted + run.accepted, examined + min(run.accepted + 1, run.drafted))
+        for token, logprob in run:
+            append(req, seq, token, logprob)
+            if seq.is_finished:
+                break
+
+    def forget(self, seq) -> None:
+        """A finished or aborted sequence: its acceptance record and its draft KV go."""
+        self._alpha.pop(seq.seq_id, None)
+        seq.spec_token_ids = []
+        if self.draft is not None:
+            self.draft.forget(seq)

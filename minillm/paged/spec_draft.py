@@ -1,0 +1,142 @@
+"""A draft model inside the engine: its own paged KV pool, one block table per target sequence.
+
+Each step, the sequences that speculate draft together: the first forward feeds every sequence's tokens
+the draft has not seen (its prompt the first time, then the tokens the last verification accepted:
+the longest prefix the draft's KV shares with the sequence's known tokens stays, and writing below a
+sequence's length truncates it there, ``PagedKVCache.prepare``); each further forward feeds one drafted
+token per sequence, all in one flat row (``pack_flat``), as the target's step does. A sampled request
+drafts from ``logits_to_probs`` with a generator of its own (seeded from the request's seed), and the
+verification uses exactly those probabilities as q. The draft's blocks go back when a sequence
+finishes, is aborted or preempted (``free``, ``release``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import SamplingParams, logits_to_probs
+from ..speculative.rejection import draw
+from .batching import pack_flat
+from .block_manager import NoFreeBlocksError, blocks_for
+from .cache import PagedKVCache
+from .spec_auto import measure_step_cost
+
+
+class DraftRunner:
+    """Drafts for a batch of sequences with a draft ``Decoder`` on its own ``PagedKVCache``.
+
+    Args:
+        model: the draft (the target's vocabulary; a quantized copy of the target is one).
+        engine: the ``LLMEngine`` (its block size, pool size, seats and speculative config).
+    """
+
+    def __init__(self, model, engine, k: int, auto: bool):
+        self.model, self.engine = model, engine
+        bs = engine.block_size
+        extra = engine.scheduler.max_num_seqs * (blocks_for(k, bs) + 1)  # the drafts past each context
+        self.cache = PagedKVCache(model.config, engine.num_blocks + extra, bs, dtype=model.dtype, device=model.device,
+                                  enable_prefix_caching=False, attention="bucketed")
+        self.manager = self.cache.manager
+        self.max_seq_len = model.config.max_seq_len
+        self.fed: dict[int, list[int]] = {}  # seq_id -> the tokens whose K/V the draft's pool holds
+        self._q: dict[int, torch.Tensor] = {}  # seq_id -> (d, V) the distributions its drafts came from
+        self._generators: dict[tuple[str, int], torch.Generator] = {}
+        self._saved: dict = {}
+        self.cost = measure_step_cost(model, engine.scheduler.max_num_seqs, repeats=2) if auto else None
+
+    def draft_token_cost(self, n: int) -> float:
+        """Seconds per drafted token when n sequences draft together."""
+        return self.cost(n) / n if self.cost is not None and n else 0.0
+
+    @torch.inference_mode()
+    def propose(self, seqs) -> None:
+        """Draft up to k tokens for each (sequence, request, k); sets ``spec_token_ids`` (and q)."""
+        work = []
+        for seq, req, k in seqs:
+            k = min(k, self.max_seq_len - seq.num_tokens + 1)
+            if k < 1:
+                continue
+            if not self.manager.holds(seq.seq_id):
+                self.manager.allocate(seq.seq_id)
+                self.fed[seq.seq_id] = []
+            fed, known = self.fed[seq.seq_id], seq.token_ids
+            keep = 0
+            while keep < min(len(fed), len(known) - 1) and fed[keep] == known[keep]:
+                keep += 1
+            del fed[keep:]
+            work.append([seq, req, k, known[keep:]])
+        self._saved = {key: g.get_state() for key, g in self._generators.items()}
+        try:
+            self._draft(work)
+        except NoFreeBlocksError:  # the pool is short (forks hold their own copies): no drafts this step
+            for seq, _, _, _ in work:
+                seq.spec_token_ids = []
+                self.free(seq.seq_id)
+
+    def _draft(self, work) -> None:
+        for seq, _, _, _ in work:
+            seq.spec_token_ids, self._q[seq.seq_id] = [], []
+        depth = 0
+        while work:
+            spans = [(seq.seq_id, len(self.fed[seq.seq_id]), feed) for seq, _, _, feed in work]
+            rows = pack_flat(spans, self.model.device)
+            self.cache.set_rows(rows.seq_ids, rows.widths)
+            logits = self.model(rows.tokens, rows.input_pos, self.cache,
+                                logits_indices=rows.logits_indices([s for s, _, _ in spans]))
+            greedy = logits.argmax(-1).tolist()
+            for i, (seq, req, k, feed) in enumerate(work):
+                self.fed[seq.seq_id] += feed
+                if req.params.greedy:
+                    token = greedy[i]
+                else:
+                    q = logits_to_probs(logits[i:i + 1], req.params)[0].cpu()
+                    token = draw(q, self._generator(req, seq.index))
+                    self._q[seq.seq_id].append(q)
+                seq.spec_token_ids.append(token)
+                work[i][3] = [token]
+            depth += 1
+            work = [w for w in work if w[2] > depth]
+
+    def probs(self, seq) -> torch.Tensor:
+        """(d, V) q of the sequence's drafts (one-hot of the argmax for a greedy request)."""
+        d, q = len(seq.spec_token_ids), self._q.get(seq.seq_id) or []
+        if len(q) >= d:
+            return torch.stack(q[:d])
+        onehot = torch.zeros(d, self.model.config.vocab_size)
+        onehot[torch.arange(d), torch.tensor(seq.spec_token_ids)] = 1.0
+        return onehot
+
+    def _generator(self, req, index: int) -> torch.Generator:
+        key = (req.request_id, index)
+        if key not in self._generators:
+            seed = req.params.seed
+            g = torch.Generator()
+            g.manual_seed(hash((seed, index, "draft")) % 2 ** 63) if seed is not None else g.seed()
+            self._generators[key] = g
+        return self._generators[key]
+
+    def restore(self) -> None:
+        """A failed step: the draft generators go back to where the step found them."""
+        for key in list(self._generators):
+            if key in self._saved:
+                self._generators[key].set_state(self._saved[key])
+            else:  # made by the failed step: made again from its seed
+                del self._generators[key]
+
+    def release(self, running) -> None:
+        """Free the draft KV of sequences that no longer run (preempted ones recompute it)."""
+        alive = {s.seq_id for s in running}
+        for seq_id in [s for s in self.manager.seq_ids() if s not in alive]:
+            self.free(seq_id)
+
+    def free(self, seq_id: int) -> None:
+        """Give back a sequence's draft blocks and forget its drafts."""
+        if self.manager.holds(seq_id):
+            self.cache.free(seq_id)
+        self.fed.pop(seq_id, None)
+        self._q.pop(seq_id, None)
+
+    def forget(self, seq) -> None:
+        """A finished or aborted sequence: its blocks and its generator go."""
+        self.free(seq.seq_id)
+        self._generators.pop((seq.request_id, seq.index), None)

@@ -1,0 +1,354 @@
+"""Speculative decoding inside the engine (minillm.paged.spec_decode) on tiny random models: at temperature 0
+every request's tokens equal generate_cached's alone at every draft length, with preemption, chunked
+prefill, prefix hits, n > 1 and stops; rejected drafts leave the KV cache as if never drafted; the config
+is refused by field; every block (target and draft) is free at the end."""
+
+import pytest
+import torch
+from helpers import random_decoder
+from test_engine import run  # add (id, prompt ids, params), step to the end: {id: [tokens per sample]}
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from minillm import LLM, SamplingParams
+from minillm.generation import generate_cached
+from minillm.paged import BeamSearchParams, LLMEngine
+
+V = 300
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return random_decoder(V, scale=0.3)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    torch.manual_seed(1)
+    d = random_decoder(V, scale=0.3)
+    with torch.no_grad():  # close to the target, not equal: some drafts are accepted, some rejected
+        for p, q in zip(d.parameters(), random_decoder(V, scale=0.3).parameters()):
+            p.copy_(q + 0.02 * torch.randn_like(q))
+    return d
+
+
+def ids(n, seed):
+    return torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+LOOP = ids(6, 50)  # repeated in prompts, so that prompt lookup finds drafts
+SHARED = LOOP * 3  # a shared prefix: prefix-cache hits
+PROMPTS = [SHARED + ids(2, 1), SHARED + ids(5, 2), LOOP * 2 + ids(9, 3), ids(7, 4), SHARED + ids(2, 1), ids(23, 5)]
+OUTS = [6, 17, 30, 25, 9, 12]
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def assert_all_free(engine):
+    assert engine.manager.num_free_blocks == engine.num_blocks and engine.manager.seq_ids() == []
+    if engine.spec.draft is not None:
+        dm = engine.spec.draft.manager
+        assert dm.num_free_blocks == dm.num_blocks and dm.seq_ids() == [] and not engine.spec.draft.fed
+    assert not engine.spec._alpha and not engine.requests
+
+
+def spec(method, k, draft=None, **kw):
+    config = {"method": method, "num_speculative_tokens": k, **kw}
+    if method == "draft_model":
+        config["model"] = draft
+    return config
+
+
+REQS = [(str(i), p, greedy(n)) for i, (p, n) in enumerate(zip(PROMPTS, OUTS))]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, "auto"])
+@pytest.mark.parametrize("num_blocks,budget,attention", [
+    (None, 256, "bucketed"),  # everything fits
+    (20, 16, "bucketed"),  # chunked prefill, preemption, drafts cut by the budget and the pool
+    (None, 256, "indexed"),  # (B, T) rows
+])
+def test_greedy_equals_each_request_alone(tiny, draft, method, k, num_blocks, budget, attention):
+    solo = {rid: [generate_cached(tiny, p, sp).tokens] for rid, p, sp in REQS}
+    cost = {"step_cost": lambda n: 1.0 + 0.01 * n} if k == "auto" else {}
+    engine = LLMEngine(tiny, block_size=4, num_blocks=num_blocks, max_num_batched_tokens=budget, attention=attention,
+                       speculative_config=spec(method, k, draft, **cost))
+    assert run(engine, REQS) == solo
+    stats = engine.spec.stats
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
+    assert engine.manager.stats.hits > 0  # the shared prefix was served from the prefix cache
+    if num_blocks:
+        assert engine.stats.preemptions > 0
+    assert_all_free(engine)
+
+
+def test_fewer_steps_and_vllm_counters(tiny):
+    plain = LLMEngine(tiny, block_size=4)
+    run(plain, REQS)
+    engine = LLMEngine(tiny, block_size=4, speculative_config=spec("ngram", 4))
+    for rid, p, sp in REQS:
+        engine.add_request(rid, {"prompt_token_ids": p}, sp)
+    metrics = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            metrics[out.request_id] = out.metrics.spec_decoding
+    assert engine.stats.steps < plain.stats.steps
+    s = engine.stats.spec_decoding
+    assert s.num_draft_tokens == sum(m.num_draft_tokens for m in metrics.values() if m)
+    assert s.num_accepted_tokens == sum(s.num_accepted_tokens_per_pos)
+    assert s.num_accepted_tokens_per_pos == sorted(s.num_accepted_tokens_per_pos, reverse=True)
+    assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / s.num_drafts)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_stops_land_where_they_would_without_speculation(tiny, draft, method):
+    """EOS, stop token ids and max_tokens inside an accepted run: the request ends on the same token."""
+    plain = LLMEngine(tiny, block_size=4)
+    out = run(plain, [("x", PROMPTS[2], greedy(30))])["x"][0]
+    reqs = [("eos", PROMPTS[2], SamplingParams(max_tokens=30)),
+            ("stop_id", PROMPTS[2], greedy(30, stop_token_ids=[out[11]])),
+            ("len", PROMPTS[2], greedy(13))]
+    for k in (2, 5):
+        want = run(LLMEngine(tiny, block_size=4, eos_ids={out[7]}), [(r, p, sp) for r, p, sp in reqs])
+        engine = LLMEngine(tiny, block_size=4, eos_ids={out[7]}, speculative_config=spec(method, k, draft))
+        assert run(engine, reqs) == want
+        assert len(want["eos"][0]) == out.index(out[7]) + 1 and len(want["len"][0]) == 13
+        assert_all_free(engine)
+
+
+def test_n_greater_than_one_speculates_per_sample(tiny):
+    reqs = [("a", PROMPTS[0], greedy(12, n=2)), ("b", PROMPTS[2], greedy(15, n=3))]
+    want = run(LLMEngine(tiny, block_size=4), reqs)
+    engine = LLMEngine(tiny, block_size=4, speculative_config=spec("ngram", 3))
+    assert run(engine, reqs) == want
+    assert engine.spec.stats.num_drafts > 0
+    assert_all_free(engine)
+
+
+def test_rollback_leaves_the_sequence_as_if_it_never_speculated(tiny):
+    """After a step with k drafts and a accepted: a + 1 more tokens, computed count, block table and slot
+    mapping equal to a sequence that never speculated (the same block ids, since the pool hands out the
+    same free blocks in the same order)."""
+    prompt = LOOP * 3
+    spec_e = LLMEngine(tiny, block_size=4, num_blocks=40, speculative_config=spec("ngram", 5))
+    plain = LLMEngine(tiny, block_size=4, num_blocks=40)
+    for e in (spec_e, plain):
+        e.add_request("r", {"prompt_token_ids": prompt}, greedy(40))
+        e.step()  # prefill
+    seq = spec_e.requests["r"].seqs[0]
+    checked = 0
+    while "r" in spec_e.requests:
+        before = seq.num_tokens
+        spec_e.step()
+        if seq.is_finished:
+            break
+        run_ = spec_e.spec.stats
+        grew = seq.num_tokens - before
+        while plain.requests["r"].seqs[0].num_tokens < seq.num_tokens:
+            plain.step()
+        other = plain.requests["r"].seqs[0]
+        assert seq.token_ids == other.token_ids
+        assert seq.num_computed_tokens == other.num_computed_tokens == seq.num_tokens - 1
+        assert spec_e.manager.num_tokens(seq.seq_id) == seq.num_computed_tokens
+        table = spec_e.manager.block_table(seq.seq_id)
+        assert len(table) == len(plain.manager.block_table(other.seq_id)) == -(-seq.num_computed_tokens // 4)
+        positions = range(seq.num_computed_tokens)
+        assert spec_e.manager.slot_mapping(seq.seq_id, positions) == [
+            table[p // 4] * 4 + p % 4 for p in positions]
+        checked += grew > 1
+    assert checked > 0 and run_.num_accepted_tokens > 0
+
+
+def test_drafts_shrink_before_anyone_is_preempted(tiny):
+    """A pool that holds every sequence's own tokens but not their drafts: no preemption; drafts shrink."""
+    reqs = [(str(i), LOOP * 2 + ids(2, i), greedy(8)) for i in range(4)]
+    want = run(LLMEngine(tiny, block_size=4, num_blocks=16), reqs)
+    plain = LLMEngine(tiny, block_size=4, num_blocks=16)
+    run(plain, reqs)
+    engine = LLMEngine(tiny, block_size=4, num_blocks=16, speculative_config=spec("ngram", 5))
+    assert run(engine, reqs) == want
+    assert engine.stats.preemptions == plain.stats.preemptions
+
+
+@pytest.mark.parametrize("config,field", [
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": -1}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": "four"}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "'model'"),
+    ("ngram", "must be a dict"),
+])
+def test_config_is_refused_by_field(tiny, config, field):
+    with pytest.raises(ValueError, match=field):
+        LLMEngine(tiny, speculative_config=config)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny):
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLMEngine(tiny, speculative_config={"method": "draft_model", "model": random_decoder(V + 1),
+                                            "num_speculative_tokens": 2})
+
+
+def test_beam_search_is_refused_and_llm_takes_the_config(tiny):
+    llm = LLM(tiny, speculative_config=spec("ngram", 3))
+    with pytest.raises(ValueError, match="beam search"):
+        llm.llm_engine.add_request("b", {"prompt_token_ids": PROMPTS[0]}, BeamSearchParams(beam_width=2, max_tokens=4))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:3]], [greedy(n) for n in OUTS[:3]], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [generate_cached(tiny, p, greedy(n)).tokens
+                                                      for p, n in zip(PROMPTS[:3], OUTS[:3])]
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["add", "step", "step", "abort"]), st.integers(0, 5)), max_size=30),
+       st.sampled_from(["ngram", "draft_model"]), st.integers(1, 4))
+def test_random_add_step_abort_leaves_every_block_free(tiny, draft, actions, method, k):
+    """Any interleaving: every request not aborted ends with its solo tokens; every block (target and
+    draft) is free at the end."""
+    engine = LLMEngine(tiny, block_size=4, num_blocks=28, max_num_batched_tokens=12,
+                       speculative_config=spec(method, k, draft))
+    added, aborted, done = {}, set(), {}
+
+    def collect(outs):
+        for out in outs:
+            if out.finished and out.request_id not in aborted:
+                done[out.request_id] = out.outputs[0].token_ids
+    for action, i in actions:
+        rid = f"r{i}"
+        if action == "add" and rid not in added:
+            added[rid] = (PROMPTS[i], greedy(OUTS[i]))
+            engine.add_request(rid, {"prompt_token_ids": PROMPTS[i]}, added[rid][1])
+        elif action == "abort" and rid in added and rid not in done:
+            engine.abort_request(rid)
+            aborted.add(rid)
+        elif action == "step":
+            collect(engine.step())
+    while engine.has_unfinished_requests():
+        collect(engine.step())
+    for rid, (p, sp) in added.items():
+        if rid not in aborted:
+            assert done[rid] == generate_cached(tiny, p, sp).tokens, rid
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("at,exc", [(1, "Interrupt"), (2, "InjectedError")])
+@pytest.mark.parametrize("point", ["schedule", "grow", "hash", "pack", "layer", "after_forward", "sample", "record",
+                                   "commit", "append"])
+def test_a_failed_step_with_speculation_changes_nothing_or_aborts(tiny, draft, point, at, exc, method, monkeypatch):
+    """The robustness tests' injections (tests/test_engine_robust.py) with speculation on: a request either
+    finishes with the tokens of a run without the failure (greedy ones: generate_cached's) or is reported
+    aborted; every block, the draft's too, is free at the end."""
+    import test_engine_robust as robust
+    config = spec(method, 3, draft)
+    reqs = [(str(i), p, params) for i, (p, params) in enumerate(robust.REQUESTS) if params.n == 1 or i == 4]
+    clean, _, _ = robust.drive(LLMEngine(tiny, block_size=4, num_blocks=24, max_num_batched_tokens=16,
+                                         speculative_config=config), reqs)
+    engine = LLMEngine(tiny, block_size=4, num_blocks=24, max_num_batched_tokens=16, speculative_config=config)
+    robust.inject(engine, point, at, monkeypatch, getattr(robust, exc))
+    done, aborted, errors = robust.drive(engine, reqs)
+    assert len(errors) == 1 and set(done) | aborted == {r for r, _, _ in reqs}
+    if point not in ("append", "commit"):
+        assert not aborted and done == clean
+    for rid, prompt, params in reqs:
+        if rid in done and params.greedy:
+            assert done[rid] == [generate_cached(tiny, prompt, params).tokens]
+    robust.assert_empty(engine)
+    assert_all_free(engine)
+
+
+SMALL_V = 5
+
+
+@pytest.fixture(scope="module")
+def small():
+    target, other = random_decoder(SMALL_V, scale=0.3), random_decoder(SMALL_V, scale=0.3)
+    torch.manual_seed(4)
+    with torch.no_grad():  # random_decoder is seeded: the draft is the target, well shaken
+        for p in other.parameters():
+            p.add_(0.5 * torch.randn_like(p))
+    return target, other
+
+
+def exact_law(model, prompt, params, n):
+    """P(first n output tokens), enumerated over every sequence of the tiny vocabulary: (V ** n,)."""
+    from minillm.sampling import logits_to_probs
+    law = torch.ones(1, dtype=torch.float64)
+    seqs = [[]]
+    for _ in range(n):
+        with torch.inference_mode():
+            probs = torch.stack([logits_to_probs(model(torch.tensor([prompt + s]), torch.arange(len(prompt) + len(s)))
+                                                 [0, -1:], params)[0] for s in seqs]).double()  # (S, V)
+        law = (law[:, None] * probs).flatten()
+        seqs = [s + [t] for s in seqs for t in range(SMALL_V)]
+    return law
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_sampled_requests_follow_the_target_inside_a_batch(small, method):
+    """1,500 seeded requests (T = 0.8, top-p 0.95) beside greedy ones in one engine: the law of their first
+    three tokens (125 cells, the last two through the rejection sampler) equals the target's, enumerated
+    exactly (chi-square, false alarm 1e-3)."""
+    from test_speculative import FALSE_ALARM, chi_square_p_value
+    target, draft_model = small
+    prompt, n = [1, 2, 3, 1, 2], 3
+    params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, ignore_eos=True, seed=s) for s in range(1500)]
+    engine = LLMEngine(target, block_size=4, max_num_seqs=256, max_num_batched_tokens=1024,
+                       speculative_config=spec(method, 2, draft_model))
+    reqs = [(f"s{i}", prompt, p) for i, p in enumerate(params)] + [(f"g{i}", prompt + [i], greedy(6)) for i in range(3)]
+    done = run(engine, reqs)
+    counts = torch.zeros(SMALL_V ** n)
+    for i in range(len(params)):
+        a, b, c = done[f"s{i}"][0]
+        counts[(a * SMALL_V + b) * SMALL_V + c] += 1
+    assert engine.spec.stats.num_accepted_tokens < engine.spec.stats.num_draft_tokens  # rejections happened
+    assert chi_square_p_value(counts, exact_law(target, prompt, params[0], n).float()) > FALSE_ALARM
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_a_seeded_request_gives_the_same_tokens_alone_as_in_a_batch(tiny, draft, method):
+    """With room for every draft (a budget or pool that shortens a draft changes which random numbers a
+    sampled request uses: its tokens then follow the same law, not the same seed path)."""
+    p = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=7)
+    config = spec(method, 3, draft)
+    alone = run(LLMEngine(tiny, block_size=4, speculative_config=config), [("x", PROMPTS[2], p)])["x"]
+    others = [(str(i), q, greedy(n) if i % 2 else SamplingParams(temperature=0.7, max_tokens=n, seed=i))
+              for i, (q, n) in enumerate(zip(PROMPTS, OUTS))]
+    batch = run(LLMEngine(tiny, block_size=4, speculative_config=config), others[:3] + [("x", PROMPTS[2], p)] + others[3:])
+    assert batch["x"] == alone
+
+
+def test_auto_lengths_follow_the_step_cost_and_the_acceptance_rate():
+    """Synthetic costs: a flat (memory-bound) step drafts everything worth anything; a step whose cost
+    grows with its tokens as fast as they are emitted drafts nothing; a request whose drafts fail stops."""
+    from minillm.paged.spec_auto import PiecewiseCost, choose_draft_lengths
+    from minillm.speculative.rejection import expected_tokens_per_pass
+    flat = lambda n: 1.0 + 1e-4 * n  # noqa: E731
+    assert choose_draft_lengths([0.8, 0.9], [5, 5], 2, flat) == [5, 5]
+    assert choose_draft_lengths([0.8, 0.05], [5, 5], 2, lambda n: 1.0 + 0.05 * n) == [5, 0]
+    assert choose_draft_lengths([0.9] * 4, [5] * 4, 4, lambda n: float(n)) == [0] * 4  # compute-bound: no gain
+    assert choose_draft_lengths([0.7], [3], 1, flat) == [3] and choose_draft_lengths([0.7], [0], 1, flat) == [0]
+    # one sequence, cost 1 + c k: the choice maximises Leviathan's tokens per pass over the pass's cost
+    for a, c in [(0.6, 0.1), (0.8, 0.2), (0.9, 0.05), (0.5, 0.4)]:
+        k = choose_draft_lengths([a], [8], 1, lambda n: 1.0 + c * (n - 1))[0]
+        best = max(range(9), key=lambda j: expected_tokens_per_pass(a, j) / (1 + c * j))
+        assert k == best, (a, c)
+    # a draft model's own cost per token counts against its drafts
+    assert choose_draft_lengths([0.6], [5], 1, flat, draft_token_cost=0.7) == [0]
+    assert choose_draft_lengths([0.6], [5], 1, flat, draft_token_cost=0.5) == [1]
+    cost = PiecewiseCost([(1, 1.0), (4, 1.0), (8, 2.0)])
+    assert cost(2) == 1.0 and cost(6) == 1.5 and cost(12) == 3.0
+
+
+def test_auto_stops_a_request_whose_drafts_fail(tiny):
+    engine = LLMEngine(tiny, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": "auto",
+                                                               "step_cost": lambda n: 1.0 + 0.2 * n})
+    seq_alpha = engine.spec.alpha
+    engine.spec._alpha[0] = (0.0, 30.0)  # sequence 0 rejected 30 drafts
+    assert seq_alpha(0) < 0.04 and seq_alpha(1) == 0.5
