@@ -155,6 +155,20 @@ def test_n_seed_and_stop(server):
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text  # no part of the stop string shown
 
 
+def test_stop_token_ids_end_a_choice_as_eos_does(server, tiny):
+    """vLLM's ``stop_token_ids`` extension: the choice ends at the first listed id, its text decoded
+    without it, finish_reason "stop"."""
+    ids = LLM(tiny[0], tokenizer=tiny[1]).generate(["hello"], SamplingParams(temperature=0, max_tokens=12),
+                                                   use_tqdm=False)[0].outputs[0].token_ids
+    stop_id = ids[4]
+    cut = ids[:ids.index(stop_id)]
+    got = server.client.completions.create(model="tiny", prompt="hello", max_tokens=12, temperature=0,
+                                           extra_body={"stop_token_ids": [stop_id]}).choices[0]
+    assert got.text == tiny[1].decode(cut) and got.finish_reason == "stop"
+    r = server.http.post("/v1/completions", json={"prompt": "hi", "stop_token_ids": ["x"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids"
+
+
 def test_models_health_and_metrics(server):
     assert server.http.get("/health").json() == {"status": "ok"}
     assert [m["id"] for m in server.http.get("/v1/models").json()["data"]] == ["tiny"]

@@ -67,6 +67,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension (benchmarks)
+    stop_token_ids: list[int] | None = None  # vLLM's extension: ids that end a choice as EOS does
     user: str | None = None
     logprobs: bool | int | None = None
     presence_penalty: float = 0.0
@@ -184,7 +185,8 @@ def sampling_params(req: _Sampling, num_prompt_tokens: int, max_seq_len: int, po
     try:
         return SamplingParams(temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
                               top_k=_default(req.top_k, 0), max_tokens=max_tokens, seed=req.seed, stop=tuple(stop),
-                              n=_default(req.n, 1), ignore_eos=req.ignore_eos)
+                              n=_default(req.n, 1), ignore_eos=req.ignore_eos,
+                              stop_token_ids=tuple(req.stop_token_ids or ()))
     except ValueError as e:
         raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param_of(str(e))) from None
 
