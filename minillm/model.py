@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import _ONEDNN, Linear, linear_naive  # noqa: F401  (re-exported)
+from .threads import GOVERNOR
 
 ARCHITECTURES = ("llama", "gpt2")
 
@@ -403,6 +404,8 @@ class Decoder(nn.Module):
                 ragged-batch cache, or (through the cache) a write that would leave a gap.
         """
         per_row = self._check_inputs(tokens, input_pos, cache, pad_lengths)
+        if tokens.device.type == "cpu":
+            GOVERNOR.tick()  # every few seconds: threads for the cores other processes leave free
         pos = self._positions(input_pos, pad_lengths, per_row)  # (T,), or (B, T) per row
         x = self.embed(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:

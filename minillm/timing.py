@@ -74,9 +74,9 @@ def warn_if_busy(threshold: float = 0.5) -> float | None:
     timings about to be measured would be slow and noisy. Returns the busy cores (None if unknown)."""
     busy = busy_cores()
     if busy is not None and busy >= threshold:
-        print(f"warning: other processes keep {busy:.1f} of {os.cpu_count()} cores busy; timings will be slow and "
-              f"noisy (each multi-threaded step waits for its slowest core). Measure on a quiet machine, or "
-              f"run with OMP_NUM_THREADS=1 and --shards 1", file=sys.stderr)
+        print(f"warning: other processes keep {busy:.1f} of {os.cpu_count()} cores busy; timings will be slower and "
+              f"noisier than on a quiet machine (compare ratios measured in one run, not absolute numbers)",
+              file=sys.stderr)
     return busy
 
 

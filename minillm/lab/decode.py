@@ -24,6 +24,7 @@ from ..kv_cache import make_cache
 from ..paged import generate_paged
 from ..quant.qlinear import QuantLinear
 from ..sampling import SamplingParams
+from ..threads import torch_default_threads
 from ..timing import dtype_name, machine, synchronize, time_median
 from .peers import load_transformers_peer
 
@@ -79,7 +80,7 @@ def _transformers(hf, prompt_tokens, params):
     def run():
         clock = Clock()
         t0 = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), torch_default_threads():  # as it runs without minillm choosing
             out = hf.generate(torch.tensor([prompt_tokens], device=device), max_new_tokens=n, min_new_tokens=n,
                               do_sample=False, streamer=clock, pad_token_id=0)
         new = clock.times[1:]  # the first put() is the prompt

@@ -36,6 +36,7 @@ from ..paged.beam import BeamSearchParams
 from ..paged.engine import LLMEngine
 from ..paged.fragmentation import MAX_SEQ_LEN, TRACES, kv_utilization, make_trace
 from ..sampling import SamplingParams
+from ..threads import torch_default_threads
 from ..timing import dtype_name, machine
 from .peers import load_transformers_peer
 
@@ -215,7 +216,8 @@ def linear_floor(model, records) -> dict:
 
 def run_transformers(hf, reqs: list[BenchRequest], max_num_seqs: int = 64, kv_tokens: int | None = None) -> dict:
     """transformers' continuous batching (``ContinuousBatchingManager``, paged|sdpa attention on the CPU),
-    each request with its own max_new_tokens, EOS never ending one (eos_token_id -1), greedy.
+    each request with its own max_new_tokens, EOS never ending one (eos_token_id -1), greedy, with torch's
+    default threads (``minillm.threads.torch_default_threads``: how it runs without minillm choosing).
 
     ``kv_tokens`` gives its pool the engine's KV capacity (in its own 256-token pages): left to itself it
     sizes the cache from the free memory, which on a machine shared with other jobs ends in the OOM killer,
@@ -230,8 +232,8 @@ def run_transformers(hf, reqs: list[BenchRequest], max_num_seqs: int = 64, kv_to
     if kv_tokens is not None:
         page = ContinuousBatchingConfig().page_size
         pool["continuous_batching_config"] = ContinuousBatchingConfig(num_blocks=-(-kv_tokens // page))
-    with hf.continuous_batching_context_manager(generation_config=config, block=True, timeout=5,
-                                                warmup=False, **pool) as manager:
+    with torch_default_threads(), hf.continuous_batching_context_manager(
+            generation_config=config, block=True, timeout=5, warmup=False, **pool) as manager:
         for i, r in enumerate(reqs):
             manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.max_tokens,
                                 record_timestamps=True, eos_token_id=-1)
@@ -358,7 +360,10 @@ def goals(report: dict) -> dict:
 
 def format_report(report: dict, goals: bool = True) -> str:
     """The table: one row per mode, then memory, sharing and (``goals``) the command's goals."""
-    lines = [f"machine: {report['machine']}", f"{report['num_requests']} requests, {report['trace']}-like lengths x "
+    busy = report.get("background_load", 0)
+    lines = [f"machine: {report['machine']}" + (f"; {busy} CPU-bound background process{'es' * (busy != 1)} ran "
+                                                 "beside it" if busy else ""),
+             f"{report['num_requests']} requests, {report['trace']}-like lengths x "
              f"{report['scale']} (mean prompt {report['mean_prompt']:.0f}, output {report['mean_output']:.0f} tokens), "
              f"all at t=0, greedy, {report['dtype']}, block {report['block_size']}, max_num_seqs "
              f"{report['max_num_seqs']}, budget {report['max_num_batched_tokens']} tokens/step",
@@ -386,6 +391,7 @@ def format_report(report: dict, goals: bool = True) -> str:
                      f"beam width {s['width']} {100 * s['beam_search']:.1f}% (paper 37.6-66.3%)")
     for k, v in (report["goals"] if goals else {}).items():
         if v["measured"] is not None:
-            lines.append(f"goal {k}: {v['measured']:.3g} vs {v['goal']} -> {'held' if v['held'] else 'NOT met'}")
+            lines.append(f"goal {k} ({report['trace']} trace{', busy' if busy else ''}): {v['measured']:.3g} vs "
+                         f"{v['goal']} -> {'held' if v['held'] else 'NOT met'}")
     return "\n".join(lines)
 

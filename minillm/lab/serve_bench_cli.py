@@ -15,12 +15,18 @@ from ..paged.block_manager import blocks_for
 from ..paged.engine import DEFAULT_KV_BYTES
 from ..paged.fragmentation import MAX_SEQ_LEN, TRACES
 from ..timing import available_memory
+from ..threads import fix_threads
+from .background import background_load, check_load
 from .online import cmd_online
 from .serve_bench import format_report, request_lengths, serve_bench
+from .serve_spec import SPEC_TRACES, cmd_serve_spec
 
 # --quick's defaults; an explicit --requests or --scale still wins (the report says what ran)
 QUICK = dict(num_requests=4, scale=1 / 32, sharing_requests=1, memory_requests=2)
 DEFAULTS = dict(num_requests=64, scale=0.25)
+#: a trace's own default scale: Alpaca-like requests are short already (mean 19 / 58 tokens), so they run
+#: at their drawn lengths
+TRACE_SCALE = {"alpaca": 1.0}
 
 
 def share(text: str) -> float:
@@ -37,7 +43,8 @@ def share(text: str) -> float:
 def serve_bench_kwargs(args) -> tuple[dict, list[tuple[int, int]]]:
     """``serve_bench``'s arguments from the options, and each request's (prompt, output) lengths; refuses,
     before a model is loaded, options that could not run (ValueError naming the option)."""
-    kwargs = dict(DEFAULTS, **(QUICK if args.quick else {}))
+    kwargs = dict(DEFAULTS, scale=TRACE_SCALE.get(args.trace, DEFAULTS["scale"]))
+    kwargs.update(QUICK if args.quick else {})
     kwargs.update({k: v for k, v in (("num_requests", args.requests), ("scale", args.scale)) if v is not None})
     kwargs.update(trace=args.trace, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -93,16 +100,25 @@ def check_against_model(args, model, tokenizer, lengths: list[tuple[int, int]]) 
 
 def cmd_serve_bench(args) -> int:
     """Run the modes, print the table (``--json``: one line of strict JSON); returns the exit code (0)."""
+    if args.spec:  # plain vs speculative engine (minillm.lab.serve_spec)
+        return cmd_serve_spec(args)
+    if args.trace in SPEC_TRACES:
+        raise ValueError(f"--trace: {args.trace} is a trace of --spec (plain vs speculative engine); add --spec")
     if args.online:  # latency against request rate: the lab's harness
         if args.scale is None:  # None tells serve_bench_kwargs "not given"; the harness reads a number
             args.scale = DEFAULTS["scale"]
-        return cmd_online(args)
+        check_load(args.background_load)
+        with background_load(args.background_load):
+            return cmd_online(args)
     kwargs, lengths = serve_bench_kwargs(args)  # bad options cost nothing: no model is loaded yet
+    check_load(args.background_load)
     if args.threads:
-        torch.set_num_threads(args.threads)  # on a shared machine one thread avoids waiting at every op's barrier
+        fix_threads(args.threads)  # the user's count; otherwise minillm.threads chooses from the load
     model, tokenizer = load(args)
     check_against_model(args, model, tokenizer, lengths)
-    report = serve_bench(model, tokenizer, **kwargs)
+    with background_load(args.background_load):  # stopped when the runs end, also on an error or Ctrl-C
+        report = serve_bench(model, tokenizer, **kwargs)
+    report["background_load"] = args.background_load
     report.pop("_engine")
     if args.json:
         print_json(report)
@@ -119,7 +135,7 @@ def register(sub) -> None:
     add_model_args(p)
     p.add_argument("--requests", type=at_least(1), default=None, help="requests, all arriving at once (default 64; "
                    "4 with --quick)")
-    p.add_argument("--trace", choices=sorted(TRACES), default="sharegpt", help="length distribution (the "
+    p.add_argument("--trace", choices=sorted(TRACES) + list(SPEC_TRACES), default="sharegpt", help="length distribution (the "
                    "fragmentation lab's log-normal traces)")
     p.add_argument("--scale", type=share, default=None, help="multiply every prompt and output length by this, in "
                    "(0, 1] (default 0.25, so the sequential mode fits minutes on a 2-core CPU; 1/32 with --quick)")
@@ -131,8 +147,11 @@ def register(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=at_least(1), default=256, help="tokens per engine step")
     p.add_argument("--peer", action="store_true", help="also run transformers' continuous batching "
                    "(generate_batch's manager, attn_implementation='paged|sdpa')")
-    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's; 1 on a "
-                   "machine shared with other work, with --shards 1)")
+    p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: chosen from the "
+                   "cores this process may use and their load, minillm.threads)")
+    p.add_argument("--background-load", type=at_least(0), default=0, metavar="N", help="run N CPU-bound processes "
+                   "beside the benchmark (started and stopped by the command, at most 30 minutes): the figures of a "
+                   "machine that other programs share (default 0)")
     p.add_argument("--quick", action="store_true", help="a smoke run for CI: 4 short requests (scale 1/32) unless "
                    "--requests / --scale say otherwise, and small sharing and memory runs")
     o = p.add_argument_group("online (--online: requests arrive over time; minillm.lab.online)")
@@ -149,4 +168,12 @@ def register(sub) -> None:
     o.add_argument("--tpot-slo", type=float, default=0.25, help="goodput's TPOT target in seconds (default 0.25)")
     o.add_argument("--out", default=None, help="folder for the figure and record (default: $MINILLM_FIGURES, "
                    "else figures/runs, which git ignores)")
+    s = p.add_argument_group("speculative decoding in the engine (--spec: minillm.lab.serve_spec)")
+    s.add_argument("--spec", choices=["ngram", "draft"], default=None, help="plain vs speculative engine on the same "
+                   "requests at each --concurrency (traces copy, chat, mixed; default copy)")
+    s.add_argument("--num-speculative-tokens", default="4", help="draft length: K, auto, or a comma list (default 4)")
+    s.add_argument("--draft-model", default=None, help="--spec draft: the draft (any file load_model takes, e.g. "
+                   "an int4 file of the target from python -m minillm quantize)")
+    s.add_argument("--concurrency", default="1,4,16,64", help="requests kept in flight, comma-separated")
+    s.add_argument("--spec-max-tokens", type=at_least(1), default=64, help="output tokens per request (default 64)")
     p.set_defaults(func=cmd_serve_bench, measures_speed=True)
