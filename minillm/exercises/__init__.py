@@ -25,12 +25,16 @@ from .ex_blocks import BLOCK_EXERCISES, COPY_ON_WRITE
 from .ex_cache import ROPE, UPDATE
 from .ex_cost import COST, KV_SIZE
 from .ex_quant import AWQ, GPTQ
+from .ex_engine import GATHER, NGRAM, ONLINE, ROLLBACK, SCHEDULE
+from .ex_formats import BITRATE, PACK, RTN
 from .ex_sampling import TOP_P, VERIFY
 from .forbid import ForbiddenCallError, forbidden
 
-# in the order of the story: cost model, KV cache, paging, speculative decoding, quantization, sampling
+# in the order of the story: cost model, KV cache, paging, speculative decoding, quantization, sampling; then
+# the engine's inner steps (attention over blocks, the scheduler, prompt lookup and rollback) and the file formats
 EXERCISES: dict[str, Exercise] = {ex.name: ex for ex in (
-    COST, KV_SIZE, UPDATE, ROPE, *BLOCK_EXERCISES, COPY_ON_WRITE, VERIFY, GPTQ, AWQ, TOP_P)}
+    COST, KV_SIZE, UPDATE, ROPE, *BLOCK_EXERCISES, COPY_ON_WRITE, VERIFY, GPTQ, AWQ, TOP_P,
+    GATHER, ONLINE, SCHEDULE, NGRAM, ROLLBACK, RTN, PACK, BITRATE)}
 
 
 def check(name: str, fn: Callable, verbose: bool = True, *, forbid: bool = True) -> Report:
