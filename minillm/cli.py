@@ -1,10 +1,10 @@
 """Command line: ``python -m minillm <command>``.
 
-Commands: generate, bench decode | spec | quant, distill-draft, roofline, perplexity, quantize, tour,
+Commands: generate, bench decode | spec | quant | stack, distill-draft, roofline, perplexity, quantize, tour,
 fragmentation, serve-bench, serve, exercises. ``generate`` and ``bench decode`` are here; the others register
 themselves with ``set_defaults(func=...)``: the technique folders' commands (``quant.cli``: perplexity,
 quantize; ``speculative.cli``: distill-draft; ``roofline.cli``), the lab's benchmarks (``lab.tour``,
-``lab.spec``, ``lab.quant``, ``lab.fragmentation``, ``lab.serve_bench_cli``), ``server.cli`` and
+``lab.spec``, ``lab.quant``, ``lab.stack``, ``lab.fragmentation``, ``lab.serve_bench_cli``), ``server.cli`` and
 ``exercises.cli``; the options they share are in ``minillm.options``. Bad input exits with status 2 and a
 message naming the option.
 
@@ -22,6 +22,7 @@ from .lab import fragmentation as fragmentation_cli
 from .lab import quant as bench_quant_cli
 from .lab import serve_bench_cli
 from .lab import spec as bench_spec_cli
+from .lab import stack as bench_stack_cli
 from .lab import tour as tour_cli
 from .lab.decode import bench_decode, format_bench
 from .lab.llamacpp import bench_decode_llamacpp, format_bench_llamacpp
@@ -207,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
     tour_cli.register(sub)
     roofline_cli.register(sub)
     bench_spec_cli.register(bench)
+    bench_stack_cli.register(bench)
     speculative_cli.register(sub)
     quant_cli.register(sub)
     bench_quant_cli.register(bench)

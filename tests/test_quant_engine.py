@@ -118,9 +118,20 @@ def test_embedded_model_int4_rtn_in_the_engine(tmp_path, model_path, tokenizer):
     system = tokenizer.encode(play_text("hamlet"))[:40]  # two full blocks of 16 shared by every prompt
     prompts = [system + tokenizer.encode(q) for q in ("The history of", "Once upon a time", "To be, or not to be")]
     params = [greedy(n) for n in (12, 8, 10)]
-    llm = LLM(path, num_blocks=8, max_num_batched_tokens=32)
+    llm = LLM(path, num_blocks=6, max_num_batched_tokens=16)  # chunks: later prompts find the first one's blocks
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     stats = llm.llm_engine.stats.summary(16)
     assert stats["preemptions"] > 0 and stats["prefix_hit_rate"] > 0
+    for p, sp, o in zip(prompts, params, outs):
+        assert_greedy_equal(llm.model, p, list(o.outputs[0].token_ids), generate_cached(llm.model, p, sp).tokens)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+def test_int4_file_on_cuda(tiny_gguf, tmp_path):
+    path = quantized_file(tiny_gguf, tmp_path, "rtn")
+    prompts, params = requests()
+    llm = LLM(path, device="cuda", block_size=BLOCK, num_blocks=14, max_num_batched_tokens=12)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert llm.model.layers[0].attn.wqkv.qweight.is_cuda
     for p, sp, o in zip(prompts, params, outs):
         assert_greedy_equal(llm.model, p, list(o.outputs[0].token_ids), generate_cached(llm.model, p, sp).tokens)
