@@ -352,3 +352,18 @@ def test_auto_stops_a_request_whose_drafts_fail(tiny):
     seq_alpha = engine.spec.alpha
     engine.spec._alpha[0] = (0.0, 30.0)  # sequence 0 rejected 30 drafts
     assert seq_alpha(0) < 0.04 and seq_alpha(1) == 0.5
+
+
+def test_a_quantized_copy_of_the_target_is_a_draft(tiny):
+    """An int4 (RTN, groups of 32) copy of the target drafts: same vocabulary, greedy output unchanged,
+    many drafts accepted; its blocks are freed with the target's."""
+    import copy
+
+    from minillm.quant import QuantConfig, quantize_model
+    q = copy.deepcopy(tiny)
+    quantize_model(q, "rtn", QuantConfig(4, 32), progress=False)
+    solo = {rid: [generate_cached(tiny, p, sp).tokens] for rid, p, sp in REQS}
+    engine = LLMEngine(tiny, block_size=4, num_blocks=40, speculative_config=spec("draft_model", 4, q))
+    assert run(engine, REQS) == solo
+    assert engine.spec.stats.acceptance_rate > 0.3  # a random draft: about 1 / 300
+    assert_all_free(engine)
