@@ -46,6 +46,8 @@ QUESTIONS = ("Why does Hamlet hesitate to act?", "What is a soliloquy, and why d
              "Who is Horatio, and why does he matter?", "What does the graveyard scene say about death?")
 TPOT_SLO = 0.1  # seconds per output token: 10 tokens/s for every request
 QUALITY = dict(seqlen=256, max_tokens=1024)  # the perplexity protocol of the quality columns (Hamlet)
+NGRAM = {"method": "ngram", "num_speculative_tokens": "auto"}  # row 6's speculation: prompt lookup
+VARIANT = "int4 draft, float target"  # row 6's variant
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,9 @@ def run_engine(model, reqs, *, max_num_seqs: int = 64, enable_prefix_caching: bo
     report.update(peak_kv_bytes=mem["peak_blocks"] * kv_cache_bytes(model.config, 1, block_size, element),
                   prefix_hit_rate=mem["prefix_hit_rate"], preemptions=mem["preemptions"],
                   rows_per_step_mean=float(np.mean([len(rec.runs) for rec in engine.stats.records])))
+    spec = engine.stats.spec_decoding
+    if spec is not None:
+        report.update(acceptance_rate=spec.acceptance_rate, mean_acceptance_length=spec.mean_acceptance_length)
     return report
 
 
@@ -205,13 +210,14 @@ def _row(name: str, adds: str, run: dict, model, ceilings, context: float, recom
 
 def bench_stack(model, quantized, tokenizer, ceilings, *, num_requests: int = 16, new_tokens: int = 32,
                 naive_requests: int = 2, concurrency=(1, 4, 16, 64), sweep_tokens: int = 16,
-                quant_recipe: str = "", speculative_config: dict | None = None, kernel_rows=(1, 4, 16, 64, 256),
+                quant_recipe: str = "", speculation: bool = True, kernel_rows=(1, 4, 16, 64, 256),
                 progress: bool = True) -> dict:
     """The stack's rows, each technique alone, the engine rows' concurrency sweep, the quality columns and
     the linear layers' time per row count (float against int4); the report the module docstring describes.
 
     ``model`` is the float model, ``quantized`` its int4 copy (int8 head), ``ceilings`` this machine's
-    (``roofline.ceilings.measure``); ``speculative_config`` adds row 6 (``LLMEngine``'s argument).
+    (``roofline.ceilings.measure``); ``speculation`` adds row 6 (prompt lookup, "auto" lengths) and its
+    variant (the int4 copy drafting for the float target).
     """
     from tqdm.auto import tqdm
 
@@ -230,17 +236,22 @@ def bench_stack(model, quantized, tokenizer, ceilings, *, num_requests: int = 16
              lambda: run_engine(quantized, reqs, max_num_seqs=n)),
             ("prefix caching", "shared system prompt's blocks reused", quantized,
              lambda: run_engine(quantized, reqs, max_num_seqs=n, enable_prefix_caching=True))]
-    if speculative_config:
-        plan.append(("speculative decoding", f"{speculative_config}", quantized,
-                     lambda: run_engine(quantized, reqs, max_num_seqs=n, enable_prefix_caching=True,
-                                        speculative_config=speculative_config)))
+    draft = {"method": "draft_model", "model": quantized, "num_speculative_tokens": "auto"}
+    if speculation:
+        plan += [("speculative decoding", "prompt lookup, auto length", quantized,
+                  lambda: run_engine(quantized, reqs, max_num_seqs=n, enable_prefix_caching=True,
+                                     speculative_config=NGRAM)),
+                 (VARIANT, "variant of 6: float32 target, the int4 copy drafts (auto)", model,
+                  lambda: run_engine(model, reqs, max_num_seqs=n, enable_prefix_caching=True,
+                                     speculative_config=draft))]
     alone_plan = {"int4 weights": lambda: run_one_at_a_time(quantized, reqs),
                   "prefix caching": lambda: run_engine(model, reqs, max_num_seqs=1, enable_prefix_caching=True)}
+    if speculation:  # alone: the float engine one request at a time, prompt lookup
+        alone_plan["speculative decoding"] = lambda: run_engine(model, reqs, max_num_seqs=1, speculative_config=NGRAM)
     sweep_plan = {"paged engine": (model, {}), "int4 weights": (quantized, {}),
                   "prefix caching": (quantized, {"enable_prefix_caching": True})}
-    if speculative_config:
-        sweep_plan["speculative decoding"] = (quantized, {"enable_prefix_caching": True,
-                                                          "speculative_config": speculative_config})
+    if speculation:
+        sweep_plan["speculative decoding"] = (quantized, {"enable_prefix_caching": True, "speculative_config": NGRAM})
     total = len(plan) + len(alone_plan) + len(sweep_plan) * len(concurrency) + 2
     with tqdm(total=total, desc="bench stack", disable=not progress) as bar:
         rows = []
@@ -280,12 +291,15 @@ def _finish(rows, alone, sweep, kernels, float_ppl, q_int4, reqs, ceilings, mode
     """Quality, gains and the concurrency column onto the measured rows; the report."""
     base, base_tokens = rows[1], rows[1]["tokens"]
     first_tokens = base_tokens[0]
+    chain = [r for r in rows if r["name"] != VARIANT]  # the variant of row 6 stands beside the stack
     for i, r in enumerate(rows):
         q = q_int4 if r["weights"] == "int4" else {"perplexity": float_ppl, "kl": 0.0, "top1_agreement": 1.0}
         r.update(q)
         r["greedy_equal_share"] = equal_share(r.pop("tokens"), base_tokens)
         r["over_row2"] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
-        r["gain_in_stack"] = None if i == 0 else r["output_tokens_per_s"] / rows[i - 1]["output_tokens_per_s"]
+        above = rows[2] if r["name"] == VARIANT else rows[i - 1]  # the variant: over the float engine
+        r["label"] = "6b" if r["name"] == VARIANT else str(chain.index(r) + 1)
+        r["gain_in_stack"] = None if i == 0 else r["output_tokens_per_s"] / above["output_tokens_per_s"]
         if r["name"] in sweep:
             r["max_concurrency_at_tpot_slo"] = largest_concurrency(sweep[r["name"]])
         elif i == 1:  # one at a time: concurrency 1, if it keeps the pace
@@ -297,9 +311,7 @@ def _finish(rows, alone, sweep, kernels, float_ppl, q_int4, reqs, ceilings, mode
     for name, a in alone.items():
         gains[name] = {"alone": a["output_tokens_per_s"] / base["output_tokens_per_s"], "in_stack": by[name]["gain_in_stack"],
                        "alone_run": a}
-    if "speculative decoding" in by:
-        gains["speculative decoding"] = {"alone": None, "in_stack": by["speculative decoding"]["gain_in_stack"]}
-    top = rows[-1]
+    top = chain[-1]
     first_int4 = sweep.get("int4 weights", {})
     return {"machine": machine(), "device": str(model.device), "dtype": dtype_name(model.dtype),
             "num_requests": num_requests, "new_tokens": new_tokens, "naive_requests": naive_requests,
@@ -323,9 +335,9 @@ def format_report(report: dict) -> str:
              f"new tokens each, greedy; row 1 on the first {report['naive_requests']}",
              f"{'row':<26}{'out tok/s':>10}{'TTFT p50':>9}{'p99':>7}{'TPOT p50':>9}{'p99':>7}{'weights MB':>11}"
              f"{'peak KV MB':>11}{'KL':>7}{'top-1':>7}{'= float':>8}{'bound':>8}{'max conc':>9}"]
-    for i, r in enumerate(report["rows"], 1):
+    for r in report["rows"]:
         conc = r.get("max_concurrency_at_tpot_slo")
-        lines.append(f"{i}. {r['name']:<23}{r['output_tokens_per_s']:>10.1f}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>7.2f}"
+        lines.append(f"{r['label'] + '.':<3} {r['name']:<24}{r['output_tokens_per_s']:>10.1f}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>7.2f}"
                      f"{r['tpot_p50_s']:>9.3f}{r['tpot_p99_s']:>7.3f}{r['weight_bytes'] / 1e6:>11.1f}"
                      f"{r['peak_kv_bytes'] / 1e6:>11.1f}{r['kl']:>7.3f}{r['top1_agreement']:>7.3f}"
                      f"{r['greedy_equal_share']:>8.2f}{r['bound_tokens_per_s']:>8.0f}{'-' if conc is None else conc:>9}")
@@ -378,7 +390,7 @@ def cmd_bench_stack(args) -> int:
     ceilings = measure(str(model.device), dtypes=("float32",), megabytes=256)
     report = bench_stack(model, quantized, tokenizer, ceilings, num_requests=args.requests, new_tokens=args.new_tokens,
                          naive_requests=args.naive_requests, concurrency=args.concurrency, quant_recipe=recipe,
-                         progress=not args.json)
+                         speculation=not args.no_speculation, progress=not args.json)
     if args.figure:
         from .stack_plots import plot_stack
 
@@ -402,5 +414,7 @@ def register(bench) -> None:
     p.add_argument("--quant-file", default=None, help="the int4 model: a .safetensors written by `python -m minillm "
                    "quantize` (e.g. --quant awq+gptq --bits 4 --group-size 32 --quant-head int8); default: RTN, "
                    "groups of 32, int8 output layer, quantized here")
+    p.add_argument("--no-speculation", action="store_true", help="leave out row 6 (prompt lookup in the engine) and "
+                   "its variant (the int4 copy drafting for the float target)")
     p.add_argument("--figure", default=None, help="also draw tokens/s against memory into this PNG")
     p.set_defaults(func=cmd_bench_stack, measures_speed=True)
