@@ -127,10 +127,25 @@ def _spec_report():
             "sweep": {"gammas": [4, 24, 32], "repeats": 2, "rows": sweep, "best": {"rewrite": {"predicted": 24, "measured": 24}}}}
 
 
+def _stack_report():
+    def row(name, tps, weights="float32"):
+        return {"name": name, "weights": weights, "output_tokens_per_s": tps, "ttft_p50_s": 1.0, "ttft_p99_s": 2.0,
+                "tpot_p50_s": 0.05, "tpot_p99_s": 0.08, "weight_bytes": 5e8, "peak_kv_bytes": 1e7, "kl": 0.0,
+                "top1_agreement": 1.0, "greedy_equal_share": 1.0, "bound_tokens_per_s": 40.0, "over_row2": tps / 10,
+                "max_concurrency_at_tpot_slo": 4}
+    sweep = {"1": {"output_tokens_per_s": 10.0, "tpot_p99_s": 0.1}, "4": {"output_tokens_per_s": 30.0, "tpot_p99_s": 0.2}}
+    return {"machine": "m", "num_requests": 16, "copy_requests": 8, "mean_prompt": 90.0, "new_tokens": 32,
+            "naive_requests": 2, "quant_recipe": "RTN g64", "quality_protocol": "hamlet", "bandwidth_GB_per_s": 18.0,
+            "rows": [row("no KV cache", 2.0), row("KV cache", 10.0), row("paged engine", 50.0)],
+            "gains": {"KV cache": {"alone": 5.0, "in_stack": 5.0}, "int4 weights": {"alone": 1.5, "in_stack": 1.1}},
+            "sweep": {"paged engine": sweep}, "sweep_tokens": 16, "int4_over_float_engine": {"1": 1.5, "4": 1.2},
+            "full_stack_over_row2": 5.0, "full_stack_over_row1": 25.0}
+
+
 REPORTS = {"02_kv_cache.json": _kv_report, "01_roofline.json": _roofline_report, "tour.json": _tour_report,
            "bench_decode.json": _bench_report, "bench_decode_llamacpp.json": _llamacpp_report,
            "serve_bench.json": _serve_report, "fragmentation.json": _fragmentation_report,
-           "04_speculative.json": _spec_report}
+           "04_speculative.json": _spec_report, "stack.json": _stack_report}
 
 
 def _write(folder, *names):
