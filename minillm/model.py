@@ -117,7 +117,10 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (Zhang & Sennrich 2019)."""
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (Zhang & Sennrich 2019).
+
+    In float32 the weight goes into torch's ``rms_norm`` call (one operation where ``forward_naive`` takes
+    four: a step runs 61 norms, and each operation is a dispatch); the products are the same, bit for bit."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -125,6 +128,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.forward_naive(x)
+
+    def forward_naive(self, x: torch.Tensor) -> torch.Tensor:
+        """The baseline of ``forward``: normalize in float32, cast back, scale by the weight."""
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 

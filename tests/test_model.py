@@ -169,3 +169,15 @@ def test_bad_forward_inputs(model):
         model(torch.tensor([[5]]), torch.tensor([3]))
     with pytest.raises(ValueError, match="input_pos: positions must be consecutive"):
         model(torch.tensor([[5, 6, 7]]), torch.tensor([0, 2, 5]), KVCache(model.config, 1, 16))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 64)])
+def test_rmsnorm_with_the_weight_inside_equals_its_naive_twin_bit_for_bit(shape):
+    from minillm.model import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(torch.randn(shape[-1], generator=g), 1e-5)
+    x = torch.randn(*shape, generator=g) * 3
+    assert torch.equal(norm(x), norm.forward_naive(x))
+    half = x.bfloat16()  # other dtypes take the naive path itself
+    assert torch.equal(norm.to(torch.bfloat16)(half), norm.forward_naive(half))

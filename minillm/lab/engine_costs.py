@@ -1,10 +1,12 @@
 """What the engine's choices cost, measured apart from it: each way of reading keys and values for one
 decode query (``measure_attention_paths``: contiguous SDPA, an indexed gather then SDPA, and the block-wise
 ``paged_attention``) and the two constants of ``minillm.paged.batching``'s row cost model
-(``measure_row_costs``: c_token and c_key). Benchmarks, not tests; docs/paged.md gives the numbers."""
+(``measure_row_costs``: c_token and c_key); and what a step is made of (``profile_ops``: operations per step
+and where the time goes, torch.profiler). Benchmarks, not tests; docs/paged.md and docs/decode.md give the numbers."""
 
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 
@@ -84,3 +86,23 @@ def measure_row_costs(model, num_rows: int = 32, short: int = 64, long: int = 10
     c_key = (forward(num_rows, 1, long) - forward(num_rows, 1, short)) / (num_rows * (long - short))
     c_token = (forward(1, chunk, chunk) - forward(1, 1, chunk)) / (chunk - 1)
     return {"c_token_s": c_token, "c_key_s": c_key, "key_cost": c_key / c_token}
+
+
+def profile_ops(step, steps: int = 5, top: int = 12) -> dict:
+    """What ``steps`` calls of ``step()`` (one decode or engine step each) are made of, under torch.profiler:
+    the top-level operations per step (each is a dispatch, and the large ones a parallel region whose
+    threads meet at a barrier) and, for the ``top`` most frequent, their count and milliseconds per step.
+    Counts do not depend on the machine's load; milliseconds do. Returns {"ops_per_step", "ms_per_step", "top"}."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()  # warm-up outside the profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    count, micros = collections.Counter(), collections.Counter()
+    for e in prof.events():
+        if e.cpu_parent is None:
+            count[e.name] += 1
+            micros[e.name] += e.cpu_time_total
+    return {"ops_per_step": sum(count.values()) / steps, "ms_per_step": sum(micros.values()) / steps / 1e3,
+            "top": [(name, n / steps, micros[name] / steps / 1e3) for name, n in count.most_common(top)]}
