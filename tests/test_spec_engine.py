@@ -251,7 +251,11 @@ def test_a_failed_step_with_speculation_changes_nothing_or_aborts(tiny, draft, p
     clean, _, _ = robust.drive(LLMEngine(tiny, block_size=4, num_blocks=24, max_num_batched_tokens=16,
                                          speculative_config=config), reqs)
     engine = LLMEngine(tiny, block_size=4, num_blocks=24, max_num_batched_tokens=16, speculative_config=config)
-    robust.inject(engine, point, at, monkeypatch, getattr(robust, exc))
+    if point == "sample" and method == "ngram":  # prompt lookup's sampled rows draw in keyed_run
+        import minillm.paged.spec_decode as spec_decode
+        monkeypatch.setattr(spec_decode, "keyed_run", robust._once(spec_decode.keyed_run, at, getattr(robust, exc)))
+    else:
+        robust.inject(engine, point, at, monkeypatch, getattr(robust, exc))
     done, aborted, errors = robust.drive(engine, reqs)
     assert len(errors) == 1 and set(done) | aborted == {r for r, _, _ in reqs}
     if point not in ("append", "commit"):
@@ -313,15 +317,21 @@ def test_sampled_requests_follow_the_target_inside_a_batch(small, method):
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_a_seeded_request_gives_the_same_tokens_alone_as_in_a_batch(tiny, draft, method):
-    """With room for every draft (a budget or pool that shortens a draft changes which random numbers a
-    sampled request uses: its tokens then follow the same law, not the same seed path)."""
+    """Prompt lookup: in any batch, whatever length of draft the budget, the pool or "auto" leaves it
+    (``keyed_run``). A draft model: with room for every draft (a shortened draft uses the request's random
+    numbers differently: other tokens from the same law)."""
     p = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=7)
-    config = spec(method, 3, draft)
-    alone = run(LLMEngine(tiny, block_size=4, speculative_config=config), [("x", PROMPTS[2], p)])["x"]
+    alone = run(LLMEngine(tiny, block_size=4, speculative_config=spec(method, 3, draft)), [("x", PROMPTS[2], p)])["x"]
     others = [(str(i), q, greedy(n) if i % 2 else SamplingParams(temperature=0.7, max_tokens=n, seed=i))
               for i, (q, n) in enumerate(zip(PROMPTS, OUTS))]
-    batch = run(LLMEngine(tiny, block_size=4, speculative_config=config), others[:3] + [("x", PROMPTS[2], p)] + others[3:])
-    assert batch["x"] == alone
+    reqs = others[:3] + [("x", PROMPTS[2], p)] + others[3:]
+    assert run(LLMEngine(tiny, block_size=4, speculative_config=spec(method, 3, draft)), reqs)["x"] == alone
+    if method == "ngram":
+        for config, blocks, budget in [(spec("ngram", 3), 30, 24), (spec("ngram", "auto", step_cost=lambda n: 1 + 0.1 * n), None, 256),
+                                       (spec("ngram", 1), None, 256)]:
+            engine = LLMEngine(tiny, block_size=4, num_blocks=blocks, max_num_batched_tokens=budget,
+                               speculative_config=config)
+            assert run(engine, reqs)["x"] == alone
 
 
 def test_auto_lengths_follow_the_step_cost_and_the_acceptance_rate():
@@ -367,3 +377,27 @@ def test_a_quantized_copy_of_the_target_is_a_draft(tiny):
     assert run(engine, REQS) == solo
     assert engine.spec.stats.acceptance_rate > 0.3  # a random draft: about 1 / 300
     assert_all_free(engine)
+
+
+def test_keyed_run_is_rejection_sampling_with_a_one_hot_draft():
+    """Over 20,000 seeds: the first emitted token follows the target (chi-square), a draft x is accepted
+    with probability p(x) = min(1, p(x) / 1), and the token after a rejection follows the residual p
+    without x; the tokens depend on the seed and the position alone."""
+    from test_speculative import FALSE_ALARM, chi_square_p_value
+
+    from minillm.paged.spec_decode import keyed_run
+    from minillm.speculative.rejection import residual_distribution
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05], [0.1, 0.6, 0.1, 0.1, 0.1]])
+    first, after_reject, accepted = torch.zeros(5), torch.zeros(5), 0
+    for seed in range(20000):
+        emitted, a = keyed_run([0], p, seed, 7)
+        first[emitted[0]] += 1
+        accepted += a
+        if a == 0:
+            after_reject[emitted[0]] += 1
+        assert keyed_run([0], p, seed, 7) == (emitted, a)
+        assert keyed_run([], p, seed, 7)[0] == emitted[:1] or a  # a draft changes nothing but what is kept
+    assert chi_square_p_value(first, p[0]) > FALSE_ALARM
+    assert abs(accepted / 20000 - 0.5) < 4 * (0.25 / 20000) ** 0.5
+    onehot = torch.tensor([1.0, 0, 0, 0, 0])
+    assert chi_square_p_value(after_reject, residual_distribution(p[0], onehot)) > FALSE_ALARM

@@ -33,7 +33,8 @@ class LLM:
         block_size, num_blocks, kv_cache_bytes, enable_prefix_caching, max_num_seqs,
         max_num_batched_tokens: as ``LLMEngine``.
         dtype, device, n_shards: how ``load_model`` loads a path (ignored for a loaded model).
-        **engine_kwargs: more ``LLMEngine`` arguments (eos_ids, max_seq_len, attention, row_width, record_logits).
+        **engine_kwargs: more ``LLMEngine`` arguments (eos_ids, max_seq_len, attention, row_width, record_logits,
+            speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}).
 
     ``generate``, ``chat`` and ``beam_search`` own the requests they add: an interrupt or error aborts
     them (the next call starts clean and gives correct text), and they refuse to run while the engine

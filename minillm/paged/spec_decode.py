@@ -5,8 +5,9 @@ Before the scheduler plans a step, every running sequence in decode gets up to k
 The scheduler places them after the sequence's pending token, in the same flat row as every other
 sequence's decode token and prefill chunk, when the budget and the pool hold them. The output layer runs
 at the pending token and at each draft (``logits_indices``); ``draw`` verifies: greedy requests keep
-the longest prefix equal to the target's argmax, sampled ones go through ``rejection_sample`` (q one-hot
-for prompt lookup), then one more token (the replacement or the bonus). ``append`` then rolls the
+the longest prefix equal to the target's argmax, sampled ones are rejection-sampled (``rejection_sample``
+against a draft model's q; ``keyed_run`` for prompt lookup's one-hot q), then one more token (the
+replacement or the bonus). ``append`` then rolls the
 rejected drafts back: the computed count steps back to the accepted length and the block manager
 truncates the slots past it, so the sequence is exactly one that never speculated (docs/speculative.md).
 The block manager names only blocks whose tokens are known, so the prefix cache holds verified tokens only.
@@ -22,7 +23,7 @@ import torch
 
 from ..sampling import check_logits, logits_to_probs
 from ..speculative.proposers import NgramProposer
-from ..speculative.rejection import rejection_sample
+from ..speculative.rejection import draw, rejection_sample
 from .sampler import draw_tokens
 from .spec_draft import DraftRunner
 from .spec_auto import choose_draft_lengths, measure_step_cost
@@ -143,6 +144,20 @@ class Run(list):
         self.drafted, self.accepted = drafted, accepted
 
 
+def keyed_run(drafts: list[int], target_probs: torch.Tensor, seed: int, position: int) -> tuple[list[int], int]:
+    """Rejection sampling with a one-hot q (prompt lookup), one uniform per position: the token at
+    ``position + j`` is ``draw(target_probs[j])`` with a generator seeded by (seed, position + j), and the
+    draft there is accepted when it equals that token: with probability p(x) = min(1, p(x) / q(x)), and on
+    a rejection the token follows p without x, the normalised residual. The same law as
+    ``rejection_sample``; and a seeded request's tokens depend on its seed and logits alone, not on how
+    many drafts the batch left it. Returns (emitted tokens, drafts accepted)."""
+    for j in range(len(drafts) + 1):
+        token = draw(target_probs[j], torch.Generator().manual_seed(hash((seed, position + j)) % 2 ** 63))
+        if j == len(drafts) or token != drafts[j]:
+            return drafts[:j] + [token], j
+    raise AssertionError("unreachable")
+
+
 class SpecDecoder:
     """The engine's speculation: ``propose`` before the scheduler, ``logits_indices`` for the forward,
     ``draw`` (verification) after it, ``append`` (rollback and tokens) when the step commits.
@@ -233,53 +248,63 @@ class SpecDecoder:
         return logits[torch.tensor(list(itertools.accumulate(self._counts)), device=logits.device) - 1]
 
     def draw(self, logits: torch.Tensor, plans: list, ready) -> list:
-        """``draw_tokens`` for the sequences without drafts, verification (a ``Run``) for the others;
-        generators are restored if anything raises."""
-        drafted = [i for i, s in enumerate(ready) if s.spec_token_ids]
-        if not drafted:
+        """What each ready sequence draws: a ``Run`` (verification) for a drafted one, else one token per
+        sample (``draw_tokens``; with prompt lookup a sampled row draws by position, ``keyed_run``).
+        Generators are restored if anything raises."""
+        mine = [i for i, (s, p) in enumerate(zip(ready, plans))
+                if p is not None and (s.spec_token_ids or (self.draft is None and not p[0].greedy))]
+        if not mine:
             return draw_tokens(self.last_rows(logits), plans)
-        plain = [None if s.spec_token_ids else p for s, p in zip(ready, plans)]
+        plain = [None if i in set(mine) else p for i, p in enumerate(plans)]
         saved = [(g, g.get_state()) for p in plans if p is not None for g in p[1] if g is not None]
         try:
-            runs = self._verify(logits, plans, ready, drafted)
+            verified = self._verify(logits, plans, ready, mine)
             draws = draw_tokens(self.last_rows(logits), plain)
         except BaseException:
             for g, state in saved:
                 g.set_state(state)
             raise
-        for i, run in zip(drafted, runs):
-            draws[i] = run
+        for i, drawn in zip(mine, verified):
+            draws[i] = drawn
         return draws
 
-    def _verify(self, logits, plans, ready, drafted) -> list[Run]:
+    def _verify(self, logits, plans, ready, mine) -> list:
         """Greedy: the longest prefix of drafts equal to the target's argmax, then the argmax after it.
-        Sampled: ``rejection_sample`` against the draft's q (one-hot for prompt lookup)."""
+        Prompt lookup, sampled: ``keyed_run`` per sample. Draft model, sampled: ``rejection_sample``
+        against the draft's q. Returns a ``Run`` for a drafted sequence, [(token, logprob)] per sample else."""
         starts = [e - c for e, c in zip(itertools.accumulate(self._counts), self._counts)]
         lse = torch.logsumexp(logits, dim=-1)
         if not torch.isfinite(lse).all():
             check_logits(logits)
         top = logits.argmax(-1).tolist()
-        runs, rows, toks = [], [], []
-        for i in drafted:
+        found, rows, toks = [], [], []
+        for i in mine:
             seq, (params, gens) = ready[i], plans[i]
             drafts, a0 = seq.spec_token_ids, starts[i]
             if params.greedy:
                 a = 0
                 while a < len(drafts) and drafts[a] == top[a0 + a]:
                     a += 1
-                emitted = drafts[:a] + [top[a0 + a]]
+                runs = [(drafts[:a] + [top[a0 + a]], a)]
+            elif self.draft is None:
+                target = logits_to_probs(logits[a0:a0 + len(drafts) + 1], params)
+                runs = [keyed_run(drafts, target, g.initial_seed(), seq.num_tokens) for g in gens]
             else:
                 target = logits_to_probs(logits[a0:a0 + len(drafts) + 1], params)
-                emitted, a = rejection_sample(drafts, self._q(seq, target.shape[-1]), target, gens[0])
-            runs.append((emitted, len(drafts), a))
-            rows += range(a0, a0 + len(emitted))
-            toks += emitted
+                runs = [rejection_sample(drafts, self._q(seq, target.shape[-1]), target, gens[0])]
+            found.append((len(drafts), runs))
+            for emitted, _ in runs:
+                rows += range(a0, a0 + len(emitted))
+                toks += emitted
         rows_t = torch.tensor(rows, device=logits.device)
         lps = (logits[rows_t, torch.tensor(toks, device=logits.device)].double() - lse[rows_t].double()).tolist()
         out, j = [], 0
-        for emitted, d, a in runs:
-            out.append(Run(zip(emitted, lps[j:j + len(emitted)]), d, a))
-            j += len(emitted)
+        for d, runs in found:
+            pairs = []
+            for emitted, _ in runs:
+                pairs.append(list(zip(emitted, lps[j:j + len(emitted)])))
+                j += len(emitted)
+            out.append(Run(pairs[0], d, runs[0][1]) if d else [p[0] for p in pairs])
         return out
 
     def _q(self, seq, vocab: int) -> torch.Tensor:

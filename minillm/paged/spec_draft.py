@@ -12,6 +12,8 @@ finishes, is aborted or preempted (``free``, ``release``).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..sampling import SamplingParams, logits_to_probs
@@ -43,10 +45,14 @@ class DraftRunner:
         self._generators: dict[tuple[str, int], torch.Generator] = {}
         self._saved: dict = {}
         self.cost = measure_step_cost(model, engine.scheduler.max_num_seqs, repeats=2) if auto else None
+        self.seconds: dict[int, float] = {}  # sequences drafting together -> seconds of one such forward, as run
 
     def draft_token_cost(self, n: int) -> float:
-        """Seconds per drafted token when n sequences draft together."""
-        return self.cost(n) / n if self.cost is not None and n else 0.0
+        """Seconds per drafted token when n sequences draft together: the forwards run so far at n (a
+        moving average: the machine's load changes), else the cost measured at start."""
+        if not n or self.cost is None:
+            return 0.0
+        return self.seconds.get(n, self.cost(n)) / n
 
     @torch.inference_mode()
     def propose(self, seqs) -> None:
@@ -81,8 +87,12 @@ class DraftRunner:
             spans = [(seq.seq_id, len(self.fed[seq.seq_id]), feed) for seq, _, _, feed in work]
             rows = pack_flat(spans, self.model.device)
             self.cache.set_rows(rows.seq_ids, rows.widths)
+            start = time.perf_counter()
             logits = self.model(rows.tokens, rows.input_pos, self.cache,
                                 logits_indices=rows.logits_indices([s for s, _, _ in spans]))
+            if depth:  # one token per sequence (the first forward also catches up)
+                n, took = len(spans), time.perf_counter() - start
+                self.seconds[n] = 0.7 * self.seconds.get(n, took) + 0.3 * took
             greedy = logits.argmax(-1).tolist()
             for i, (seq, req, k, feed) in enumerate(work):
                 self.fed[seq.seq_id] += feed
