@@ -181,3 +181,16 @@ def test_a_folder_of_submissions_becomes_a_gradebook_and_a_wrapped_function_scor
     assert [(r["student"], r["exercise"], r["points"], r["max_points"], r["status"]) for r in rows] == [
         ("alice", "kv_cache_size", "16", "16", "passed"), ("bob", "kv_cache_size", "0", "16", "forbidden")]
     assert cli("check", str(folder), "--grading")[0] == 2  # no hidden cases named: refused before grading
+
+
+@pytest.mark.slow
+def test_a_notebook_that_exits_is_graded_on_what_ran(tmp_path):
+    path = notebook(tmp_path, "def blocks_needed(num_tokens, block_size):\n    return -(-num_tokens // block_size)",
+                    "import sys\nsys.exit(3)", "exit()", "def needs_new_block(num_tokens, block_size):\n"
+                    "    return num_tokens % block_size == 0")
+    code, text = cli("check", str(path), "--timeout", "60")
+    assert "cell 2 (`import sys`) raised SystemExit: 3" in text, text  # IPython catches SystemExit: a cell error
+    assert "cell 3 (`exit()`) raised SystemExit: exit() and quit() do not end a graded notebook" in text, text
+    assert "stopped:" not in text
+    assert re.search(r"blocks_needed: (\d+)/\1 cases passed", text) and re.search(
+        r"needs_new_block: (\d+)/\1 cases passed", text), text

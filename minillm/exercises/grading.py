@@ -94,6 +94,11 @@ def error_text(output: dict) -> str:
 # The kernel's side
 
 
+_NO_EXIT = """def _minillm_no_exit(*args, **kwargs):
+    raise SystemExit("exit() and quit() do not end a graded notebook; the grader goes on with the next cell")
+get_ipython().user_ns.update(exit=_minillm_no_exit, quit=_minillm_no_exit)
+del _minillm_no_exit"""
+
 _ANSWER_CELL = """from minillm.exercises.grading import answer_cases as _answer_cases
 _answer_cases({name!r}, globals().get({name!r}), {cases!r}, {answers!r})"""
 
@@ -173,6 +178,9 @@ def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int)
             try:
                 await self.async_start_new_kernel(**kwargs)
                 await self.async_start_new_kernel_client()
+                # exit() and quit() would shut the kernel down after their cell, and the next cell would take
+                # the blame: they raise in their own cell instead
+                await self.kc.execute_interactive(_NO_EXIT, silent=True, store_history=False, timeout=60)
                 yield
             finally:
                 await self._async_cleanup_kernel()  # shutdown_kernel="immediate": SIGKILL to its process group
@@ -305,7 +313,7 @@ def _stop_text(where: str, why: str, timeout: int, max_output: int) -> str:
         return f"{where} ran past the {timeout} s timeout (--timeout); its kernel was killed"
     if why == "flood":
         return f"{where} printed more than {max_output:,} characters (--max-output); its kernel was killed"
-    return f"the kernel died in {where} (os._exit, exit(), a crash or out of memory)"
+    return f"the kernel died in {where} (os._exit, a crash or out of memory)"
 
 
 def _unanswered(nb: nbformat.NotebookNode, ex: Exercise, index: int, stop: tuple[int, str] | None,
