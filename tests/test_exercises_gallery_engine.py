@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from minillm.exercises import ex_engine, ex_formats
+from minillm.exercises import ex_engine, ex_formats, ex_spec
 from test_exercises_gallery import run
 
 
@@ -81,7 +81,7 @@ GALLERY = [
 
 
 def _variants():
-    sched, ngram, online, rtn, pack = (ex_engine.reference_schedule, ex_engine._ngram, ex_engine._online,
+    sched, ngram, online, rtn, pack = (ex_engine.reference_schedule, ex_spec._ngram, ex_engine._online,
                                        ex_formats._rtn, ex_formats._pack)
     return [
         ("paged_gather", lambda p, t, n: ex_engine.reference_gather(p, [t[0]] * len(t), n), "compare position"),
@@ -97,7 +97,7 @@ def _variants():
         ("ngram_propose", lambda *a: ngram(*a, longest=False), "the longest n first"),
         ("ngram_propose", lambda *a: ngram(*a, cap=False), "cap the draft"),
         ("ngram_propose", lambda *a: ngram(*a, follow=False), "not the match itself"),
-        ("rollback_after_verify", lambda c, k, a, bs: (c + 1 + a, a, k - a, ex_engine.reference_rollback(c, k, a, bs)[3]),
+        ("rollback_after_verify", lambda c, k, a, bs: (c + 1 + a, a, k - a, ex_spec.reference_rollback(c, k, a, bs)[3]),
          "one more token than it accepts"),
         ("rollback_after_verify", lambda c, k, a, bs: (c + 1 + a, a + 1, k - a + 1, 0), "only the rejected drafts"),
         ("rollback_after_verify", lambda c, k, a, bs: (c + 1 + a, a + 1, k - a, (k - a) // bs), "blocks freed"),

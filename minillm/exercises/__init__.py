@@ -25,9 +25,10 @@ from .ex_blocks import BLOCK_EXERCISES, COPY_ON_WRITE
 from .ex_cache import ROPE, UPDATE
 from .ex_cost import COST, KV_SIZE
 from .ex_quant import AWQ, GPTQ
-from .ex_engine import GATHER, NGRAM, ONLINE, ROLLBACK, SCHEDULE
+from .ex_engine import GATHER, ONLINE, SCHEDULE
 from .ex_formats import BITRATE, PACK, RTN
 from .ex_sampling import TOP_P, VERIFY
+from .ex_spec import NGRAM, ROLLBACK
 from .forbid import ForbiddenCallError, forbidden
 
 # in the order of the story: cost model, KV cache, paging, speculative decoding, quantization, sampling; then
@@ -99,4 +100,5 @@ def what_we_measured(measured: dict[str, str], *reports: Report):
     return Markdown("\n".join(lines))
 
 
-__all__ = ["EXERCISES", "Answer", "ForbiddenCallError", "Case", "CaseResult", "Exercise", "Failure", "Report", "check", "what_we_measured"]
+__all__ = ["EXERCISES", "Answer", "Case", "CaseResult", "Exercise", "Failure", "ForbiddenCallError", "Report", "check",
+           "what_we_measured"]

@@ -147,7 +147,8 @@ def _advance(model, i, tokens, cached, tables, pools, pieces, block_size, top_p,
     target = torch.zeros_like(probs).scatter(-1, probs.argmax(-1, keepdim=True), 1.0)  # greedy target
     if draft:
         draft_probs = torch.zeros(len(draft), probs.shape[1]).scatter(-1, torch.tensor(draft)[:, None], 1.0)
-        n_ok, next_probs = pieces["speculative_verify"](draft, draft_probs, target, torch.rand(len(draft), generator=gen))
+        uniforms = torch.rand(len(draft), generator=gen)
+        n_ok, next_probs = pieces["speculative_verify"](draft, draft_probs, target, uniforms)
         n_ok = int(n_ok)
         out.drafted, out.accepted = out.drafted + len(draft), out.accepted + n_ok
     else:
@@ -177,5 +178,6 @@ def compare_with_engine(model, prompts: list[list[int]], pieces: dict, *, max_ne
         else:
             same = False
             j = first if first is not None else min(len(ours), len(theirs))
-            lines.append(f"prompt {k}: differs from token {j} on (yours {ours[j:j + 3]}, the engine's {theirs[j:j + 3]})")
+            lines.append(f"prompt {k}: differs from token {j} on (yours {ours[j:j + 3]}, "
+                         f"the engine's {theirs[j:j + 3]})")
     return same, "\n".join(lines), mine

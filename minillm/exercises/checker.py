@@ -106,7 +106,8 @@ class Report:
     def summary(self) -> str:
         n_ok = sum(r.passed for r in self.results)
         verdict = "all passed" if self.passed else f"{len(self.failures)} failed"
-        text = f"{self.name}: {n_ok}/{len(self.results)} cases passed ({verdict}), {self.points:g}/{self.max_points:g} points"
+        text = (f"{self.name}: {n_ok}/{len(self.results)} cases passed ({verdict}), "
+                f"{self.points:g}/{self.max_points:g} points")
         if self.forbidden:
             text += " (0: it calls the implementation it replaces)"
         return text

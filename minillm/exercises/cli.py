@@ -125,7 +125,8 @@ def run_check(args) -> int:
         for line in filter(None, result.stopped.splitlines()):
             print(f"stopped: {line}")
         print(f"{path}: {'PASSED' if result.passed else 'FAILED'}", flush=True)
-        rows += [(student, path.name, name, f"{p:g}", f"{m:g}", status) for name, (p, m, status) in result.scores.items()]
+        rows += [(student, path.name, name, f"{p:g}", f"{m:g}", status)
+                 for name, (p, m, status) in result.scores.items()]
         ok &= result.passed
     if args.csv:
         write_csv(rows, args.csv)

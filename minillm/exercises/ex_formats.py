@@ -58,7 +58,8 @@ def rtn_cases() -> list[Case]:
 
 def rtn_random(g) -> list[Case]:
     return [Case(f"random {i + 1} ({o} rows of {n}, {b} bits)", ((torch.randn(o, n, generator=g) + shift), b))
-            for i, (o, n, b, shift) in enumerate(((4, 64, 4, 0.0), (8, 32, 3, 0.3), (3, 128, 8, -0.5), (5, 16, 2, 2.0)))]
+            for i, (o, n, b, shift) in enumerate(((4, 64, 4, 0.0), (8, 32, 3, 0.3), (3, 128, 8, -0.5),
+                                                  (5, 16, 2, 2.0)))]
 
 
 def judge_rtn(case: Case, expected, got, args) -> Failure | None:
@@ -218,8 +219,8 @@ def bitrate_cases() -> list[Case]:
              [2, 2, 2]),
         Case("16 bits: the sensitive layer gets 8 bits, the others 4", ([[9, 3, 1], [90, 30, 1], [9, 3, 1]], costs, 16),
              [1, 2, 1]),
-        Case("greedy fails: layer 0 should give up its best option", ([[10, 9, 0], [100, 1, 0], [100, 1, 0]], costs, 12),
-             [1, 1, 1]),
+        Case("greedy fails: layer 0 should give up its best option",
+             ([[10, 9, 0], [100, 1, 0], [100, 1, 0]], costs, 12), [1, 1, 1]),
         Case("the cheapest everywhere, exactly the budget", ([[5, 1, 0]] * 2, [[2, 4, 8]] * 2, 4), [0, 0]),
     ]
 

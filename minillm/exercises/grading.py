@@ -212,7 +212,8 @@ def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int)
                   resources={"metadata": {"path": str(cwd)}})
 
 
-def _execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int = MAX_OUTPUT) -> tuple[int, str] | None:
+def _execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int,
+             max_output: int = MAX_OUTPUT) -> tuple[int, str] | None:
     """Run every cell; None, or (index of the cell the kernel stopped in, -1 when it stopped as it started;
     "timeout", "died" or "flood").
 
