@@ -335,12 +335,12 @@ def format_report(report: dict) -> str:
              f"new tokens each, greedy; row 1 on the first {report['naive_requests']}",
              f"{'row':<26}{'out tok/s':>10}{'TTFT p50':>9}{'p99':>7}{'TPOT p50':>9}{'p99':>7}{'weights MB':>11}"
              f"{'peak KV MB':>11}{'KL':>7}{'top-1':>7}{'= float':>8}{'bound':>8}{'max conc':>9}"]
-    for r in report["rows"]:
+    for i, r in enumerate(report["rows"], 1):
         conc = r.get("max_concurrency_at_tpot_slo")
-        lines.append(f"{r['label'] + '.':<3} {r['name']:<24}{r['output_tokens_per_s']:>10.1f}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>7.2f}"
+        lines.append(f"{r.get('label', str(i)) + '.':<3} {r['name']:<24}{r['output_tokens_per_s']:>10.1f}{r['ttft_p50_s']:>9.2f}{r['ttft_p99_s']:>7.2f}"
                      f"{r['tpot_p50_s']:>9.3f}{r['tpot_p99_s']:>7.3f}{r['weight_bytes'] / 1e6:>11.1f}"
                      f"{r['peak_kv_bytes'] / 1e6:>11.1f}{r['kl']:>7.3f}{r['top1_agreement']:>7.3f}"
-                     f"{r['greedy_equal_share']:>8.2f}{r['bound_tokens_per_s']:>8.0f}{'-' if conc is None else conc:>9}")
+                     f"{r['greedy_equal_share']:>8.2f}{r['bound_tokens_per_s']:>8.{0 if r['bound_tokens_per_s'] >= 10 else 1}f}{'-' if conc is None else conc:>9}")
     lines.append("gains over the row before (in the stack) and over row 2 alone (row 1 for the KV cache):")
     for name, g in report["gains"].items():
         alone = "-" if g["alone"] is None else f"{g['alone']:.2f}x"

@@ -28,9 +28,10 @@ def plot_stack(report: dict, path: str | Path | None = None):
         mb = (r["weight_bytes"] + r["peak_kv_bytes"]) / 1e6
         c = colors[i % len(colors)]
         ax.plot([mb, mb], [r["output_tokens_per_s"], r["bound_tokens_per_s"]], ":", color=c, lw=1)
-        ax.scatter([mb], [r["output_tokens_per_s"]], color=c, s=50, zorder=3, label=f"{i + 1}. {r['name']}")
+        label = f"{r.get('label', i + 1)}. {r['name']}"
+        ax.scatter([mb], [r["output_tokens_per_s"]], color=c, s=50, zorder=3, label=label)
         ax.scatter([mb], [r["bound_tokens_per_s"]], facecolors="none", edgecolors=c, s=50, zorder=3)
-        ax.annotate(f"{r['output_tokens_per_s']:.0f}", (mb, r["output_tokens_per_s"]), textcoords="offset points",
+        ax.annotate(f"{r['output_tokens_per_s']:.{0 if r['output_tokens_per_s'] >= 10 else 1}f}", (mb, r["output_tokens_per_s"]), textcoords="offset points",
                     xytext=(6, -10), fontsize=8)
     ax.set_xscale("log")
     ax.set_yscale("log")

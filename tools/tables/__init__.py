@@ -15,9 +15,9 @@ Repository tooling: it rewrites files of this repository, so it is not part of t
 A table lives in a Markdown file between ``<!-- table:NAME -->`` and ``<!-- /table -->``; ``TABLES`` says
 which builder fills it from which JSON: the README's headline here, the decode tables in ``tables.decode``
 (docs/kv_cache.md, roofline.md, decode.md, speculative.md), the engine's in ``tables.paged``
-(docs/paged.md), and the quantization tables in ``tables.quant`` (docs/quantization.md, built from the
-commands' own reports, not records). Each builder ends its table with the command and date that
-produced the JSON, so a reader can tell what was measured when. A record is
+(docs/paged.md), the stack's in ``tables.stack`` (README, docs/stack.md), and the quantization tables in
+``tables.quant`` (docs/quantization.md, built from the commands' own reports, not records). Each builder
+ends its table with the command and date that produced the JSON, so a reader can tell what was measured when. A record is
 ``{"command", "date", "load", "report"}``: ``report`` is what the command printed with ``--json``, or
 what a notebook measured (``minillm.lab.records``, which writes and reads them).
 """
@@ -150,16 +150,17 @@ def headline(folder: Path = FIGURES) -> str:
 from . import decode as _decode  # noqa: E402
 from . import paged as _paged  # noqa: E402
 from . import quant as _quant  # noqa: E402
+from . import stack as _stack  # noqa: E402
 
 # which builder fills which table, and which files hold it (each checked by tests/test_tables.py)
-TABLES = {"headline": headline, **_decode.TABLES, **_paged.TABLES}
-FILES = {"README.md": ["headline"], **_decode.FILES, **_paged.FILES}
+TABLES = {"headline": headline, **_decode.TABLES, **_paged.TABLES, **_stack.TABLES}
+FILES = {"README.md": ["headline", "stack_short"], **_decode.FILES, **_paged.FILES, **_stack.FILES}
 READS = {"headline": ["tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json"],
-         **_decode.READS, **_paged.READS}
+         **_decode.READS, **_paged.READS, **_stack.READS}
 WRITERS = {name: f"`python -m tools.tables record figures/{name} -- {cmd}`" for name, cmd in (
     ("tour.json", "tour"), ("bench_decode.json", "bench decode"),
     ("bench_decode_llamacpp.json", "bench decode --peer llamacpp"), ("serve_bench.json", "serve-bench --peer"),
-    ("fragmentation.json", "fragmentation"))}
+    ("fragmentation.json", "fragmentation"), ("stack.json", "bench stack --quant-file FILE"))}
 WRITERS.update({"02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.json": "notebooks/01_roofline.ipynb",
                 "04_speculative.json": "notebooks/04_speculative_decoding.ipynb"})
 
