@@ -62,9 +62,9 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     Each batch size and cache layout adds a compiled version; dynamo keeps up to ``RECOMPILE_LIMIT``
     of them per model and then raises rather than silently running eager.
 
-    A quantized model compiles too (``QuantLinear`` says ``compilable``): inductor lowers torch's int4
-    weight-only kernel to its own AVX-512 template (``CppMicroGemmWoQInt4Avx512`` on this project's
-    CPU) and fuses the bfloat16 conversions around it.
+    A quantized model compiles too (``QuantLinear`` says ``compilable``): on a CPU with AVX-512 inductor
+    lowers torch's int4 weight-only kernel to its own template (``CppMicroGemmWoQInt4Avx512``); with AVX2
+    only it calls ATen's kernel; either way it fuses the bfloat16 conversions around it.
 
     Args:
         model: a ``Decoder`` whose linear layers are ``minillm.linear.Linear`` or declare ``compilable``.

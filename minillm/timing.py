@@ -32,15 +32,24 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def instruction_set() -> str:
+    """The vector instructions torch's CPU kernels use here ("AVX512", "AVX2", ...): which int4 kernel
+    inductor can generate depends on it, so every decode record names it."""
+    try:
+        return torch.backends.cpu.get_cpu_capability()
+    except (AttributeError, RuntimeError):
+        return "unknown"
+
+
 def machine() -> str:
-    """One line naming the CPU (or GPU), core count and torch version."""
+    """One line naming the CPU and its vector instructions (or the GPU), core count and torch version."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    s = f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    s = f"{cpu} ({instruction_set()}), {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
     if torch.cuda.is_available():
         s += f", GPU {torch.cuda.get_device_name()}"
     return s

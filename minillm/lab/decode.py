@@ -25,7 +25,7 @@ from ..paged import generate_paged
 from ..quant.qlinear import QuantLinear
 from ..sampling import SamplingParams
 from ..threads import torch_default_threads
-from ..timing import dtype_name, machine, synchronize, time_median
+from ..timing import dtype_name, instruction_set, machine, synchronize, time_median
 from .peers import load_transformers_peer
 
 
@@ -123,7 +123,8 @@ def bench_decode(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: in
     base = results["ours cached (contiguous KV)"]["decode_tokens_per_s"]
     if peer:
         results["cached_over_transformers"] = base / results["transformers (same GGUF)"]["decode_tokens_per_s"]
-    return {"machine": machine(), "device": str(model.device), "dtype": dtype_name(model.dtype),
+    return {"machine": machine(), "instruction_set": instruction_set(), "device": str(model.device),
+            "dtype": dtype_name(model.dtype),
             "batch_size": 1, "prompt": prompt, "prompt_tokens": len(prompt_tokens), "new_tokens": new_tokens,
             "repeats": repeats, "weight_bytes": wbytes, "results": results}
 

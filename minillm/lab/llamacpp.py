@@ -24,7 +24,7 @@ from ..quant import QuantConfig, quantize_model
 from ..quant.head import quantize_output
 from ..roofline.ceilings import measure
 from ..sampling import SamplingParams
-from ..timing import machine
+from ..timing import instruction_set, machine
 from .decode import decode_bytes_per_token, run_ours
 from .peers import load_llamacpp_peer
 
@@ -132,7 +132,8 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
                 (i for i, (a, b) in enumerate(zip(rs[-1]["tokens"], ref)) if a != b), len(ref))
     best = max((n for n in results if n != peer and "int4" in n), key=lambda n: results[n]["decode_tokens_per_s"])
     per_repeat = [a / b for a, b in zip(results[best]["runs"], results[peer]["runs"])] if llamacpp else None
-    return {"machine": machine(), "device": str(model.device), "threads": n_threads, "batch_size": 1,
+    return {"machine": machine(), "instruction_set": instruction_set(), "device": str(model.device),
+            "threads": n_threads, "batch_size": 1,
             "prompt": prompt, "prompt_tokens": len(prompt_tokens), "new_tokens": new_tokens, "repeats": repeats,
             "bandwidth": {"before": before, "after": after, "ceiling": ceiling}, "results": results,
             "best_ours": best, "best_over_llamacpp": statistics.median(per_repeat) if llamacpp else None,
