@@ -24,8 +24,9 @@ from minillm.exercises.grading import _read_answers
 from test_exercises import cli
 
 REPO = Path(__file__).resolve().parents[1]
-# a student's first cell: it imports what real notebooks import and leaves its kernel's pid where the test reads it
-PID_CELL = "import os, torch\nopen('kernel.pid', 'w').write(str(os.getpid()))"
+# a student's first cell: it leaves its kernel's pid where the test reads it (without importing torch, which can take
+# longer than the tests' short timeouts on a loaded machine, and a cell stopped by the timeout is skipped)
+PID_CELL = "import os\nopen('kernel.pid', 'w').write(str(os.getpid()))"
 
 
 def notebook(folder: Path, *cells: str, name: str = "05_block_table.ipynb") -> Path:
@@ -48,7 +49,7 @@ def test_a_function_that_never_returns_fails_within_the_timeout(tmp_path):
     path = notebook(tmp_path, PID_CELL, "def blocks_needed(num_tokens, block_size):\n    while True:\n        pass")
     start = time.monotonic()
     code, text = cli("check", str(path), "--timeout", "10")
-    assert time.monotonic() - start < 60, text
+    assert time.monotonic() - start < 150, text  # two kernel starts (the rerun without the stopped checks) and 10 s
     assert code == 1 and f"{path}: FAILED" in text
     assert "check blocks_needed: FAILED: your function ran past the 10 s timeout" in text, text
     assert "stopped: the checks of blocks_needed ran past the 10 s timeout (--timeout); its kernel was killed" in text
@@ -60,7 +61,7 @@ def test_a_kernel_that_dies_fails_the_function_that_killed_it(tmp_path):
     path = notebook(tmp_path, PID_CELL, "def blocks_needed(num_tokens, block_size):\n    return 1",
                     "def slot_mapping(block_table, positions, block_size):\n    os._exit(1)",
                     "def needs_new_block(num_tokens, block_size):\n    return num_tokens % block_size == 0")
-    code, text = cli("check", str(path), "--timeout", "30")
+    code, text = cli("check", str(path), "--timeout", "120")  # the checks import torch: slow on a loaded machine
     assert code == 1, text
     assert "check slot_mapping: FAILED: the kernel died while your function ran" in text
     # the notebook runs again without the checks that killed it: the functions after it are graded
