@@ -401,3 +401,12 @@ def test_keyed_run_is_rejection_sampling_with_a_one_hot_draft():
     assert abs(accepted / 20000 - 0.5) < 4 * (0.25 / 20000) ** 0.5
     onehot = torch.tensor([1.0, 0, 0, 0, 0])
     assert chi_square_p_value(after_reject, residual_distribution(p[0], onehot)) > FALSE_ALARM
+
+
+def test_observed_forwards_move_the_measured_cost():
+    from minillm.paged.spec_auto import PiecewiseCost
+    cost = PiecewiseCost([(1, 1.0), (4, 1.0), (16, 2.0)])
+    for _ in range(50):
+        cost.observe(16, 8.0)  # the machine got 4x slower at 16 tokens
+        cost.observe(15, 7.5)
+    assert cost(16) == pytest.approx(8.0, rel=0.05) and cost(1) == 1.0

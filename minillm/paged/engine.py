@@ -325,7 +325,10 @@ class LLMEngine:
         ready = [s for s, n in plan.scheduled if s.num_computed_tokens + n >= s.num_tokens]
         at = (self.spec.logits_indices(rows, ready) if self.spec is not None  # the pending token and each draft
               else rows.logits_indices([s.seq_id for s in ready]))
+        begun = time.perf_counter()
         logits = self.model(rows.tokens, rows.input_pos, self.cache, logits_indices=at)
+        if self.spec is not None:  # "auto" follows the machine's load
+            self.spec.observe(rows.tokens.numel(), time.perf_counter() - begun)
         return ready, logits, rows.shape
 
     def _draw(self, ready: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:

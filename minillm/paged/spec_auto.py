@@ -4,9 +4,9 @@ acceptance rate.
 A draft token at position j of a sequence whose drafts are accepted with probability alpha adds
 alpha^j expected tokens (Leviathan et al. 2023, Sec. 3: a pass with k drafts emits (1 - alpha^(k+1)) /
 (1 - alpha) tokens on average, the sum of alpha^0 .. alpha^k). A step of N tokens costs c(N) seconds
-(measured once at engine start, ``measure_step_cost``, or given); with m draft tokens it emits E0 + the
-sum of their gains and costs c(N + m) + m * c_draft. Gains fall along a sequence, so the best m drafts
-are the m largest gains over all sequences; ``choose_draft_lengths`` takes the m that maximises the
+(measured at engine start, ``measure_step_cost``, then moved by each forward as run; or given); with m
+draft tokens it emits E0 + the sum of their gains and costs c(N + m) + m * c_draft. Gains fall along a
+sequence, so the best m drafts are the m largest gains over all sequences; ``choose_draft_lengths`` takes the m that maximises the
 step's expected tokens per second. At batch 1 on a CPU, c(N) is flat (memory-bound) and drafts are
 nearly free; at 64 sequences c(N) grows with N and only well-accepted drafts pay. A sequence whose
 drafts keep failing (alpha small) gets none.
@@ -15,6 +15,7 @@ drafts keep failing (alpha small) gets none.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 
 import torch
@@ -49,13 +50,27 @@ def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int,
 
 
 class PiecewiseCost:
-    """Seconds of a forward of N tokens, linear between measured points (and beyond the last)."""
+    """Seconds of a forward of N tokens, linear between measured points (and beyond the last); ``observe``
+    folds in the forwards the engine runs, so that the costs follow the machine's load."""
 
     def __init__(self, points: list[tuple[int, float]]):
+        self.measured = dict(points)
         self.points = sorted(points)
 
+    def observe(self, n: int, seconds: float, weight: float = 0.2) -> None:
+        """A forward of n tokens took ``seconds``: the nearest measured point (in log n) moves towards
+        it by ``weight``, scaled from n to that point along the measured curve."""
+        base = sorted(self.measured.items())
+        near = min(self.measured, key=lambda m: abs(math.log(m / n)))
+        points = dict(self.points)
+        points[near] = (1 - weight) * points[near] + weight * seconds * self._at(near, base) / self._at(n, base)
+        self.points = sorted(points.items())
+
     def __call__(self, n: int) -> float:
-        pts = self.points
+        return self._at(n, self.points)
+
+    @staticmethod
+    def _at(n: int, pts) -> float:
         if n <= pts[0][0]:
             return pts[0][1]
         for (n0, c0), (n1, c1) in zip(pts, pts[1:]):

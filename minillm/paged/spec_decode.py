@@ -217,6 +217,11 @@ class SpecDecoder:
             del seq.spec_token_ids[k:]
         return [(seq, req, k) for (seq, req, _), k in zip(seqs, ks) if k > 0]
 
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """A step's forward of num_tokens took ``seconds``: "auto"'s measured costs follow (not given ones)."""
+        if self.config.auto and self.config.step_cost is None:
+            self.step_cost.observe(num_tokens, seconds)
+
     def alpha(self, seq_id: int) -> float:
         """The sequence's running acceptance rate (accepted / examined drafts), from a prior of 1 in 2."""
         accepted, examined = self._alpha.get(seq_id, (0.0, 0.0))
