@@ -149,3 +149,23 @@ def test_stack_tables_state_each_row_and_its_gain(tmp_path):
     full = stack_tables.stack_full(tmp_path)
     assert "| int4 weights | 1.50x | 1.10x |" in full and "1.50x at 1, 1.20x at 4" in full
     assert "| paged engine | 10 (0.100) | 30 (0.200) |" in full
+
+
+def test_the_command_prints_strict_json_on_a_tiny_model(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from helpers import tiny_llama_weights
+
+    cfg = {**TINY, "ctx": 1024}
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tiny_llama_weights(cfg=cfg), cfg=cfg, chat_template=CHATML)
+    p = subprocess.run([sys.executable, "-m", "minillm", "bench", "stack", "--model", str(path), "--requests", "2",
+                        "--new-tokens", "3", "--naive-requests", "1", "--concurrency", "1,2", "--json"],
+                       capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = json.loads(p.stdout, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+    assert [r["label"] for r in report["rows"]] == ["1", "2", "3", "4", "5", "6", "6b"]
+    assert report["quant_recipe"] == "RTN g32" and set(report["sweep"]["paged engine"]) == {"1", "2"}
