@@ -387,3 +387,8 @@ def test_out_of_date_stays_exit_1_and_a_bad_record_rewrites_nothing(tmp_path, ca
     frag.write_bytes((ROOT / "figures" / "fragmentation.json").read_bytes())
     assert tables.main(["--root", str(root)]) == 0 and "| tour |" in readme.read_text()
     assert tables.main(["--check", "--root", str(root)]) == 0
+
+
+def test_record_refuses_a_missing_folder_before_running_the_command(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        tables.record_command(tmp_path / "missing" / "r.json", ["no-such-command"])

@@ -44,7 +44,11 @@ def record_command(out: str | Path, argv: list[str], root: Path = ROOT) -> Path:
 
     Raises:
         RuntimeError: the command failed (its exit status and the end of its error output are named).
+        ValueError: ``out``'s folder does not exist (checked before the command runs, so no run is lost).
     """
+    if not Path(out).parent.is_dir():
+        raise ValueError(f"{out}: the folder {Path(out).parent} does not exist; create it first (the command's "
+                         "report would be lost after the run)")
     argv = [a for a in argv if a != "--json"] + ["--json"]
     proc = subprocess.run([sys.executable, "-m", "minillm", *argv], capture_output=True, text=True, cwd=root)
     if proc.returncode != 0:
@@ -248,7 +252,11 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) < 4 or argv[2] != "--":
             print("usage: python -m tools.tables record OUT.json -- COMMAND [ARGS...]", file=sys.stderr)
             return 2
-        print(record_command(argv[1], argv[3:]))
+        try:
+            print(record_command(argv[1], argv[3:]))
+        except ValueError as e:  # a folder that does not exist: refused before the command runs
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         return 0
     parser = argparse.ArgumentParser(prog="python -m tools.tables", description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a table is out of date "
