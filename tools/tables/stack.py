@@ -45,7 +45,8 @@ def stack_full(folder: Path = FIGURES) -> str:
         rows.append([f"{i}. {r['name']}", f"{r['output_tokens_per_s']:.1f}", f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}",
                      f"{r['tpot_p50_s']:.3f} / {r['tpot_p99_s']:.3f}", f"{r['weight_bytes'] / 1e6:.0f}",
                      f"{r['peak_kv_bytes'] / 1e6:.1f}", f"{r['kl']:.3f} / {r['top1_agreement']:.3f}",
-                     f"{r['greedy_equal_share']:.0%}", f"{r['bound_tokens_per_s']:.0f}", "-" if conc is None else str(conc)])
+                     f"{r['greedy_equal_share']:.0%}",
+                     f"{r['bound_tokens_per_s']:.{0 if r['bound_tokens_per_s'] >= 10 else 1}f}", "-" if conc is None else str(conc)])
     lines = _table(["configuration", "output tok/s", "TTFT p50 / p99 (s)", "TPOT p50 / p99 (s)", "weights MB",
                     "peak KV MB", "KL / top-1", "= float", "bound tok/s", "max concurrency"],
                    ["l", "r", "l", "l", "r", "r", "l", "r", "r", "r"], rows)
