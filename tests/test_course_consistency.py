@@ -1,0 +1,134 @@
+"""The lessons never contradict what the repository shows beside them.
+
+* every figure a lesson writes into figures/ is the image that lesson stores in its own output (a run that
+  rewrote the figure without saving the notebook, or the other way round, leaves two versions of one result);
+* docs/speculative.md's paragraph on the draft model and the replay is the one built from notebook 04a's
+  record, and the README's sentence on the int4 rows' quality is the one built from notebook 05's table;
+* the lessons' outputs show no acceptance goals.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from minillm.lab import lessons
+
+ROOT = Path(__file__).resolve().parents[1]
+LESSONS = ["00_quickstart", "01_roofline", "02_kv_cache", "03_paged_attention", "04_speculative_decoding",
+           "04a_speculative_appendix", "05_quantization", "05a_kquants", "05b_variable_bitrate"]
+FIGURE = re.compile(r"\b(\d\d[a-z]?_\w+\.png)\b")
+
+
+def _figure_cells():
+    """(notebook, cell index, figure name, stored PNG) for every code cell whose source names as many figure
+    files as it stores images, paired in the order they appear."""
+    found = []
+    for name in LESSONS:
+        nb = json.loads((ROOT / "notebooks" / f"{name}.ipynb").read_text(encoding="utf-8"))
+        for i, cell in enumerate(nb["cells"]):
+            if cell["cell_type"] != "code":
+                continue
+            names = list(dict.fromkeys(FIGURE.findall("".join(cell["source"]))))
+            images = [o["data"]["image/png"] for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+            if names and len(names) == len(images):
+                found += [(name, i, fig, img) for fig, img in zip(names, images)]
+    return found
+
+
+FIGURE_CELLS = _figure_cells()
+
+
+@pytest.mark.parametrize("notebook, cell, figure, image", FIGURE_CELLS, ids=[f"{n}-{f}" for n, _, f, _ in FIGURE_CELLS])
+def test_committed_figure_is_what_its_notebook_stores(notebook, cell, figure, image):
+    import base64
+
+    stored = base64.b64decode("".join(image))
+    on_disk = (ROOT / "figures" / figure).read_bytes()
+    assert on_disk == stored, (
+        f"figures/{figure} differs from the image notebooks/{notebook}.ipynb stores in cell {cell}: re-execute the "
+        "notebook in place (jupyter nbconvert --execute --inplace) and commit both, or restore the figure with git")
+
+
+def test_every_figure_a_lesson_writes_is_compared():
+    compared = {fig for _, _, fig, _ in FIGURE_CELLS}
+    for must in ("05_fast_4bit.png", "02_step_time_vs_position.png", "03_scheduler_timeline.png", "05b_bitrate_bits.png"):
+        assert must in compared, f"{must}: no lesson cell stores it beside the file it writes"
+
+
+def _outputs_text(notebook: str) -> str:
+    nb = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text(encoding="utf-8"))
+    return "\n".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/markdown", ""))
+                     for c in nb["cells"] for o in c.get("outputs", []))
+
+
+def draft_numbers() -> dict:
+    """04a's draft-model and replay numbers: from its record when its run recorded them, else read from the
+    outputs it stores (a run from before the record held them)."""
+    record = json.loads((ROOT / "figures" / "04a_gamma_sweep.json").read_text(encoding="utf-8"))["report"]
+    if "draft" in record:
+        return record
+    text = _outputs_text("04a_speculative_appendix")
+
+    def grab(pattern):
+        m = re.search(pattern, text, re.S)
+        assert m, f"notebook 04a's outputs hold no match for {pattern!r}: re-execute it"
+        return [float(g) for g in m.groups()]
+
+    (c,) = grab(r"draft cost c = ([\d.]+)")
+    steps, first, last, floor = grab(r"distillation: (\d+) steps .*? ([\d.]+) -> ([\d.]+) nats .*? entropy ([\d.]+) nats")
+    a_u, s_u = grab(r"untrained self-draft\s+gamma 2: alpha ([\d.]+), .*? measured ([\d.]+)x")
+    a_d, s_d = grab(r"distilled\s+gamma 2: alpha ([\d.]+), .*? measured ([\d.]+)x")
+    need, need_gamma, gamma_max = grab(r"alpha of at least \*\*([\d.]+)\*\*, lowest at gamma (\d+) of\s+1\.\.(\d+)")
+    cost2, perfect2 = grab(r"2c \+ verify\(3\) / verify\(1\) = ([\d.]+) decode steps\s+for 3 tokens: at most \*\*([\d.]+)x")
+    (summ,) = grab(r"summarise\s+\d+\s+[\d.]+\s+([\d.]+) tokens per pass")
+    (edit,) = grab(r"edit code\s+\d+\s+[\d.]+\s+([\d.]+) tokens per pass")
+    rewrite, rewrite_gamma = grab(r"rewrite\s+\d+\s+[\d.]+\s+([\d.]+) tokens per pass \(smallest gamma (\d+)")
+    return {"draft": {"c": c, "steps": int(steps), "loss_first": first, "loss_last": last, "floor": floor,
+                      "alpha_distilled": a_d, "alpha_untrained": a_u, "speedup_distilled": s_d, "speedup_untrained": s_u,
+                      "alpha_for_2x": need, "alpha_for_2x_gamma": int(need_gamma), "gamma_max": int(gamma_max),
+                      "perfect_gamma2": perfect2, "perfect_gamma2_cost": cost2},
+            "replay": {"gamma_max": 32, "summarise": summ, "edit_code": edit, "rewrite": rewrite,
+                       "rewrite_gamma": int(rewrite_gamma)}}
+
+
+def test_speculative_docs_quote_04a():
+    doc = (ROOT / "docs" / "speculative.md").read_text(encoding="utf-8")
+    start, end = "<!-- from notebook 04a -->", "<!-- /from -->"
+    assert start in doc and end in doc, "docs/speculative.md: the draft model's list lost its markers"
+    quoted = doc.split(start, 1)[1].split(end, 1)[0].strip()
+    assert quoted == lessons.draft_summary(draft_numbers()), (
+        "docs/speculative.md's draft-model list is not notebook 04a's: paste lessons.draft_summary(...) of its "
+        "record between the markers")
+
+
+def test_readme_int4_quality_is_notebook_05_table():
+    table = json.loads((ROOT / "figures" / "05_quant_table.json").read_text(encoding="utf-8"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert lessons.int4_quality(table) in readme, "README.md: the int4 rows' quality sentence is not 05's table's"
+
+
+def test_quality_budget_is_one_number():
+    assert lessons.QUALITY_BUDGET == 0.02
+    assert lessons.within_budget(1.019, 1.0) and not lessons.within_budget(1.021, 1.0)
+    assert lessons.quality(31.68, 29.0) == "+9.2% over float (outside the 2% budget)"
+
+
+@pytest.mark.parametrize("notebook", LESSONS)
+def test_no_acceptance_goals_in_student_outputs(notebook):
+    nb = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text(encoding="utf-8"))
+    for i, cell in enumerate(nb["cells"]):
+        for out in cell.get("outputs", []):
+            text = "".join(out.get("text", "")) + "".join(out.get("data", {}).get("text/markdown", ""))
+            assert not re.search(r"\bgoal\b|NOT met|other agents", text, re.I), \
+                f"notebooks/{notebook}.ipynb cell {i}: an output shows an acceptance goal or a development note"
+
+
+def test_report_share_counts_report_building():
+    share = lessons.report_share(ROOT / "notebooks" / "04_speculative_decoding.ipynb")
+    assert 0 < share["report_lines"] < share["code_lines"]
+
+
+def test_without_goals_drops_only_goal_lines():
+    assert lessons.without_goals("a\ngoal (x): NOT met\n b") == "a\n b"
