@@ -8,12 +8,6 @@ Start with ``load_model()`` (the embedded SmolLM2-135M-Instruct), then ``generat
 baseline ``generate_naive``.
 """
 
-import os as _os
-import sys as _sys
-
-if "torch" not in _sys.modules:  # libgomp reads it once, when torch loads: waiting threads sleep (minillm/threads.py)
-    _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 from .generation import GenerationResult, decode_step, generate, generate_cached, generate_naive, prefill
 from .kv_cache import KVCache, kv_cache_bytes
 from .errors import ModelFileError

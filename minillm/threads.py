@@ -4,10 +4,10 @@ Why: every multi-threaded operation of a step ends at a barrier that waits for i
 step runs a few hundred of them. By default GNU OpenMP (torch's) lets a thread that reaches a barrier
 spin for about 300,000 rounds before it sleeps: on a core that another program shares, the spinning
 thread burns the time slice its descheduled partner needs, and a two-thread decode step was measured
-6-7x slower than a one-thread step (docs/decode.md). ``minillm/__init__`` therefore sets
-``OMP_WAIT_POLICY=PASSIVE`` before torch loads (waiting threads sleep; measured: two threads then beat one
-even on a crowded machine). Where that could not take effect (torch was imported first, or the user chose
-another policy), ``ThreadGovernor`` keeps one thread per core that other processes leave free.
+6-7x slower than a one-thread step (docs/decode.md). So ``ThreadGovernor`` keeps one thread per core that
+other processes leave free. Spinning is kept as the default because on a quiet machine it is what makes a
+step fast (sleeping threads made decode 1.4-1.9x slower there); a user who shares the CPU may set
+``OMP_WAIT_POLICY=PASSIVE`` before torch loads, and then every usable core is used.
 
 ``choose_threads`` is the rule (a pure function); ``others_busy`` turns two readings of /proc/stat and of
 this process's CPU time into the cores other processes used in between; the governor re-reads them every

@@ -34,13 +34,13 @@ def test_waits_passively(env, passive):
     assert threads.waits_passively(env) is passive
 
 
-def test_importing_minillm_first_makes_waiting_threads_sleep():
-    code = "import os, minillm, torch; print(os.environ.get('OMP_WAIT_POLICY'), torch.get_num_threads())"
+def test_importing_minillm_leaves_the_wait_policy_to_the_user():
+    code = "import os, minillm, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split()[0] == "PASSIVE"
-    late = "import torch, os, minillm; print(os.environ.get('OMP_WAIT_POLICY'))"  # too late to matter: left alone
-    assert subprocess.run([sys.executable, "-c", late], env=env, capture_output=True, text=True).stdout.strip() == "None"
+    assert out.strip() == "None"  # spinning stays (fast on a quiet machine); the governor thins threads when busy
+    env["OMP_WAIT_POLICY"] = "PASSIVE"
+    assert subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip() == "PASSIVE"
 
 
 def test_choose_threads_free_share():
