@@ -136,12 +136,9 @@ def run_static(model, reqs: list[BenchRequest], batch_size: int) -> dict:
     return _summary(reqs, time.perf_counter() - t0, ttft, tpot, tokens)
 
 
-def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blocks: int | None = None,
-               max_num_seqs: int = 64, max_num_batched_tokens: int = 256, progress=None) -> dict:
-    """The engine, every request added at time 0; adds its memory figures, the lab's prediction and
-    ``rows_per_step_mean`` (sequences in a step's forward, the mean over steps)."""
-    engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens)
+def drive_engine(engine, reqs: list[BenchRequest], progress=None):
+    """Add every request at time 0 (greedy) and step until all finish; returns the finished outputs in the
+    requests' order, the wall time and each request's TTFT and TPOT (seconds)."""
     t0 = time.perf_counter()
     for i, r in enumerate(reqs):
         engine.add_request(str(i), {"prompt_token_ids": r.prompt_token_ids}, _greedy(r.max_tokens), arrival_time=t0)
@@ -157,6 +154,16 @@ def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blo
     ttft = [o.metrics.first_token_time - t0 for o in outs]
     tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (r.max_tokens - 1)
             for o, r in zip(outs, reqs) if r.max_tokens > 1]
+    return outs, wall, ttft, tpot
+
+
+def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blocks: int | None = None,
+               max_num_seqs: int = 64, max_num_batched_tokens: int = 256, progress=None) -> dict:
+    """The engine, every request added at time 0; adds its memory figures, the lab's prediction and
+    ``rows_per_step_mean`` (sequences in a step's forward, the mean over steps)."""
+    engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens)
+    outs, wall, ttft, tpot = drive_engine(engine, reqs, progress)
     report = _summary(reqs, wall, ttft, tpot, [o.outputs[0].token_ids for o in outs])
     mem = engine.stats.summary(block_size)
     lab = kv_utilization([len(r.prompt_token_ids) for r in reqs], [r.max_tokens for r in reqs],

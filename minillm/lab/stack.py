@@ -36,6 +36,7 @@ from ..quant.qlinear import QuantLinear
 from ..roofline.cost import decode_cost, forward_cost
 from ..sampling import SamplingParams
 from ..timing import dtype_name, machine
+from .serve_bench import drive_engine, linear_seconds
 
 SYSTEM = ("You are a patient teaching assistant for a class on Shakespeare. Answer in plain English, in a few "
           "sentences, and when a student asks you to copy a passage, copy it exactly as written, line by line, "
@@ -123,19 +124,7 @@ def run_engine(model, reqs, *, max_num_seqs: int = 64, enable_prefix_caching: bo
     engine = LLMEngine(model, block_size=block_size, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
                        **engine_kwargs)
-    t0 = time.perf_counter()
-    for i, r in enumerate(reqs):
-        engine.add_request(str(i), {"prompt_token_ids": r.prompt_token_ids}, _greedy(r.max_tokens), arrival_time=t0)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[int(out.request_id)] = out
-    wall = time.perf_counter() - t0
-    outs = [done[i] for i in range(len(reqs))]
-    ttft = [o.metrics.first_token_time - t0 for o in outs]
-    tpot = [(o.metrics.last_token_time - o.metrics.first_token_time) / (r.max_tokens - 1)
-            for o, r in zip(outs, reqs) if r.max_tokens > 1]
+    outs, wall, ttft, tpot = drive_engine(engine, reqs)
     report = summarize(reqs, wall, ttft, tpot, [list(o.outputs[0].token_ids) for o in outs])
     mem = engine.stats.summary(block_size)
     element = torch.empty((), dtype=model.dtype).element_size()
@@ -221,7 +210,6 @@ def bench_stack(model, quantized, tokenizer, ceilings, *, num_requests: int = 16
     """
     from tqdm.auto import tqdm
 
-    from .serve_bench import linear_seconds
 
     reqs = make_workload(tokenizer, num_requests, new_tokens)
     context = float(np.mean([len(r.prompt_token_ids) for r in reqs])) + new_tokens / 2
