@@ -19,12 +19,17 @@ demo: setup
 	$(BIN)/python -m minillm generate --chat --prompt "Why is the sky blue?" --max-new-tokens 96
 	$(BIN)/python -m minillm tour
 
+# two runs, each spread over the cores (pytest-xdist; a notebook stays on one worker, its cells in order):
+# the tests first, then the notebooks, which rewrite figures/ that tests/test_course_consistency.py reads
+XDIST := -n auto --maxprocesses=4 --dist loadscope
+
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST) tests
+	$(BIN)/python -m pytest $(XDIST) notebooks
 
 # the inner loop: every module on tiny random models, no notebooks and no embedded model (under 3 minutes)
 test-fast: setup
-	$(BIN)/python -m pytest tests -m "not slow" -q
+	$(BIN)/python -m pytest $(XDIST) tests -m "not slow" -q
 
 bench: setup
 	$(BIN)/python -m minillm bench decode
