@@ -51,10 +51,16 @@ def roofline(folder: Path = FIGURES) -> str:
             for row in r["rows"]]
     c = r["ceilings"]
     lines = _table(["forward (float32)", *head], ["l", "r", "l", "r", "r", "r"], rows)
-    lines += ["", f"Ceilings measured right before these rows: streaming read {c['read_GB_per_s']:.1f} GB/s, "
-              f"copy {c['copy_GB_per_s']:.1f} GB/s (the roofline's bandwidth is the larger, "
-              f"{max(c['read_GB_per_s'], c['copy_GB_per_s']):.1f} GB/s), float32 matmul "
-              f"{c['matmul_float32_GFLOP_per_s']:.0f} GFLOP/s."]
+    own = [bw for row in r["rows"] for bw in row.get("bandwidths_GB_per_s", [])]
+    if own:  # interleaved: each forward timed right after its own bandwidth measurement, in rounds
+        lines += ["", f"Each row: the median over {len(r['rows'][0]['bandwidths_GB_per_s'])} rounds of measured / "
+                  f"predicted time, every forward timed right after a bandwidth measurement of its own (those ceilings: "
+                  f"{min(own):.1f}-{max(own):.1f} GB/s); float32 matmul {c['matmul_float32_GFLOP_per_s']:.0f} GFLOP/s."]
+    else:
+        lines += ["", f"Ceilings measured right before these rows: streaming read {c['read_GB_per_s']:.1f} GB/s, "
+                  f"copy {c['copy_GB_per_s']:.1f} GB/s (the roofline's bandwidth is the larger, "
+                  f"{max(c['read_GB_per_s'], c['copy_GB_per_s']):.1f} GB/s), float32 matmul "
+                  f"{c['matmul_float32_GFLOP_per_s']:.0f} GFLOP/s."]
     layouts = r.get("linear_layouts_GB_per_s")
     if layouts:
         sizes = list(layouts)
