@@ -119,8 +119,8 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (Zhang & Sennrich 2019).
 
-    In float32 the weight goes into torch's ``rms_norm`` call (one operation where ``forward_naive`` takes
-    four: a step runs 61 norms, and each operation is a dispatch); the products are the same, bit for bit."""
+    In float32 the weight goes into torch's ``rms_norm`` call: one dispatch where ``forward_naive`` takes
+    four, with the same products bit for bit."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -245,8 +245,7 @@ def attention_mask(input_pos: torch.Tensor, key_pos: torch.Tensor,
 
 class Attention(nn.Module):
     """Grouped-query attention. Q, K and V are one fused Linear ``wqkv`` (C -> (H + 2 Hkv) * D),
-    as vLLM's ``qkv_proj``: one weight read instead of three (measured: SmolLM2-135M's batch-1
-    decode matmuls drop from about 39 ms to 32 ms with fused QKV and gate/up on the 2-core CPU)."""
+    as vLLM's ``qkv_proj``: one weight read instead of three (docs/decode.md measures the gain)."""
 
     def __init__(self, config: ModelConfig, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, n_shards=1):
         super().__init__()
@@ -391,26 +390,21 @@ class Decoder(nn.Module):
 
         Args:
             tokens: (B, T) int64 token ids.
-            input_pos: (T,) int64 slots of those tokens in the sequence (0-based), shared by every
-                row; without ``pad_lengths`` these are also their positions. Or (B, T): row b's own
-                positions (a ragged batch: one row per sequence and span of new tokens), -1 marking
-                padding, which is neither written nor attended to; this needs a cache that serves
-                ragged batches (``minillm.paged.PagedKVCache``).
-            cache: None (attend only over ``tokens``; positions must then start at 0) or a KV
-                cache such as ``minillm.kv_cache.KVCache`` holding slots ``0..input_pos[0]-1``.
-            pad_lengths: (B,) int64 or None. For a batch of prompts of different lengths, left
-                padded: row b's first ``pad_lengths[b]`` slots are padding. Its tokens then sit at
-                positions ``slot - pad_lengths[b]`` (for RoPE / learned positions) and no query
-                attends to its padding. Only with (T,) ``input_pos``.
+            input_pos: (T,) int64 slots of those tokens (0-based), shared by every row; or (B, T), row b's
+                own positions with -1 marking padding (a ragged batch: needs ``minillm.paged.PagedKVCache``).
+            cache: None (attend over ``tokens`` only; positions start at 0) or a KV cache holding slots
+                ``0..input_pos[0]-1`` (``minillm.kv_cache.KVCache``).
+            pad_lengths: (B,) int64 left padding per row (prompts of different lengths), or None. Row b's
+                tokens sit at positions ``slot - pad_lengths[b]``; no query attends to padding.
+            logits_indices: (N,) int64 indices into the B * T positions flattened row by row: the output
+                projection runs for those only (vLLM's ``logits_indices``).
 
         Returns:
-            (B, T, V) float32 logits; with ``logits_indices`` (N,) int64, indices into the B * T
-            positions flattened row by row, (N, V): the output projection runs for those positions only
-            (vLLM's ``logits_indices``: a serving step samples at the last token of each sequence).
+            (B, T, V) float32 logits, or (N, V) with ``logits_indices``.
 
         Raises:
-            ValueError: a position at or past the context length, (B, T) positions without a
-                ragged-batch cache, or (through the cache) a write that would leave a gap.
+            ValueError: a position past the context length, (B, T) positions without a ragged-batch
+                cache, or (through the cache) a write that would leave a gap.
         """
         per_row = self._check_inputs(tokens, input_pos, cache, pad_lengths)
         if tokens.device.type == "cpu":
@@ -419,11 +413,7 @@ class Decoder(nn.Module):
         x = self.embed(tokens)  # (B, T, C)
         if self.pos_embeddings is not None:
             x = x + self.pos_embeddings[pos]
-        rope = None
-        if self.config.arch == "llama":
-            rope = (self.rope_cos[pos], self.rope_sin[pos])  # (T, D) each, or (B, T, D) per row
-            if pos.dim() == 2:
-                rope = (rope[0][:, None], rope[1][:, None])  # (B, 1, T, D): broadcast over heads
+        rope = self._rope(pos)
         key_pos = input_pos if cache is None else torch.arange(cache.prepare(input_pos), device=tokens.device)
         mask = attention_mask(input_pos, key_pos, pad_lengths)
         if self._compiled_decode is not None and tokens.shape[1] == 1 and not torch.is_grad_enabled():
@@ -461,6 +451,14 @@ class Decoder(nn.Module):
         if per_row:
             return input_pos.clamp_min(0)  # (B, T)
         return input_pos if pad_lengths is None else (input_pos[None, :] - pad_lengths[:, None]).clamp_min(0)
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE's (cos, sin) at ``pos``: (T, D) each, or (B, 1, T, D) per row (broadcast over heads);
+        None for learned positions (GPT-2)."""
+        if self.config.arch != "llama":
+            return None
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]  # (T, D), or (B, T, D) per row
+        return (cos, sin) if pos.dim() == 1 else (cos[:, None], sin[:, None])
 
     def forward_layers(self, x: torch.Tensor, rope, cache, mask, logits_indices=None) -> torch.Tensor:
         """The blocks, the final norm and the output projection: x (B, T, C) -> (B, T, V) float32

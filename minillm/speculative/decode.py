@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from ..generation import GenerationResult, Stopper, check_prompt, check_token_ids, finish, stop_ids
+from ..generation import GenerationResult, Stopper, check_prompt, check_token_ids, finish, prefill, stop_ids
 from ..kv_cache import KVCache
 from ..sampling import SamplingParams, logits_to_probs, make_generator
 from ..timing import synchronize
@@ -34,6 +34,14 @@ class SpeculativeStats:
     emitted: list[int] = field(default_factory=list)
     draft_s: list[float] = field(default_factory=list)
     verify_s: list[float] = field(default_factory=list)
+
+    def add_pass(self, drafted: int, accepted: int, emitted: int, draft_s: float, verify_s: float) -> None:
+        """Records one target pass."""
+        self.drafted.append(drafted)
+        self.accepted.append(accepted)
+        self.emitted.append(emitted)
+        self.draft_s.append(draft_s)
+        self.verify_s.append(verify_s)
 
     @property
     def acceptance_rate(self) -> float:
@@ -65,6 +73,46 @@ class SpeculativeStats:
         return [o / r if r else float("nan") for o, r in zip(ok, reached)]
 
 
+class _Lap:
+    """A stopwatch for the phases of a pass: ``lap()`` is the seconds since the previous lap (or the start)."""
+
+    def __init__(self):
+        self.last = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        seconds, self.last = now - self.last, now
+        return seconds
+
+
+def _check_args(target, proposer, prompt_tokens, params, num_speculative_tokens, max_seq_len) -> int:
+    """``speculative_generate``'s checks (its Raises); returns the context length in tokens."""
+    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
+        raise ValueError(f"num_speculative_tokens: must be an int, got {num_speculative_tokens!r}")
+    if num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
+    ctx = check_prompt(target, prompt_tokens, max_seq_len)
+    vocab = getattr(proposer, "vocab_size", None)  # a student's proposer may not say
+    if vocab is not None and vocab != target.config.vocab_size:
+        raise ValueError(f"proposer: drafts over a vocabulary of {vocab} ids, the target has "
+                         f"{target.config.vocab_size}; the draft must share the target's tokenizer")
+    return ctx
+
+
+def _keep(stopper: Stopper, result: GenerationResult, emitted: list[int], max_new_tokens: int, on_token,
+          pass_s: float) -> tuple[int, bool]:
+    """Emits a pass's ids into ``result`` up to EOS, a stop string or ``max_new_tokens``, sharing the pass's
+    seconds equally among the ones kept; returns how many it kept and whether generation is done."""
+    done, kept = False, 0
+    while kept < len(emitted) and not done and len(result.tokens) < max_new_tokens:
+        kept += 1
+        done = stopper.emit(result, emitted[kept - 1], 0.0, on_token)
+    result.step_s[-kept:] = [pass_s / kept] * kept
+    return kept, done
+
+
 @torch.inference_mode()
 def speculative_generate(target, proposer, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
                          num_speculative_tokens: int = 4, max_seq_len: int | None = None, tokenizer=None,
@@ -72,12 +120,9 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
                          eos_ids: set[int] | None = None) -> tuple[GenerationResult, SpeculativeStats]:
     """Generate with speculative decoding (batch 1; Leviathan et al. 2023, Algorithm 1, looped).
     At temperature 0 the tokens equal the target's greedy tokens for any proposer; when sampling
-    they follow the target's distribution.
-
-    Each pass: the proposer drafts k <= gamma tokens; the target runs one forward over the pending
-    token and the k drafts, (1, 1 + k), giving target_probs (1 + k, V); ``rejection_sample`` keeps
-    a prefix; the cache is truncated to the kept positions (``KVCache.truncate``: a rollback that
-    only moves the fill length, so a paged cache can free the blocks past it the same way).
+    they follow the target's distribution. Each pass the proposer drafts k <= gamma tokens, the target
+    scores the pending token and the drafts in one forward, ``rejection_sample`` keeps a prefix, and
+    ``KVCache.truncate`` rolls the cache back to it (a paged cache frees its blocks the same way).
 
     Args:
         target: the ``Decoder`` whose distribution is reproduced.
@@ -88,63 +133,35 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
 
     Returns:
         (GenerationResult, SpeculativeStats). ``step_s`` shares each pass's time equally among the
-        tokens it emitted; the first token's share also holds the prompt's forward (all tokens but the
-        last), so ``prefill_s`` is the time from the start to the first new token, as in
-        ``generate_cached``.
+        tokens it emitted; ``prefill_s`` also holds the prompt's forward, as in ``generate_cached``.
 
     Raises:
         ValueError: gamma < 1, or the prompt errors of ``generate_cached``.
     """
-    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int):
-        raise ValueError(f"num_speculative_tokens: must be an int, got {num_speculative_tokens!r}")
-    if num_speculative_tokens < 1:
-        raise ValueError(f"num_speculative_tokens: must be >= 1, got {num_speculative_tokens}")
-    if not isinstance(params, SamplingParams):
-        raise ValueError(f"params: must be a SamplingParams, got {type(params).__name__}")
-    ctx = check_prompt(target, prompt_tokens, max_seq_len)
-    device = target.device
+    ctx = _check_args(target, proposer, prompt_tokens, params, num_speculative_tokens, max_seq_len)
+    device, gen, clock = target.device, make_generator(params, "cpu"), _Lap()
     stopper = Stopper(params, tokenizer, stop_ids(tokenizer, eos_ids))
-    vocab = getattr(proposer, "vocab_size", None)  # a student's proposer may not say
-    if vocab is not None and vocab != target.config.vocab_size:
-        raise ValueError(f"proposer: drafts over a vocabulary of {vocab} ids, the target has "
-                         f"{target.config.vocab_size}; the draft must share the target's tokenizer")
-    gen = make_generator(params, "cpu")
     cache = KVCache(target.config, 1, ctx, target.dtype, device)
-    result, stats = GenerationResult(prompt_tokens=list(prompt_tokens)), SpeculativeStats()
-    tokens = list(prompt_tokens)
+    result, stats, tokens = GenerationResult(prompt_tokens=list(prompt_tokens)), SpeculativeStats(), list(prompt_tokens)
     # invariant: the target cache holds every token but the last one, which is "pending"
-    t_start = time.perf_counter()
     if len(tokens) > 1:
-        target(torch.tensor([tokens[:-1]], device=device), torch.arange(len(tokens) - 1, device=device), cache)
+        prefill(target, torch.tensor([tokens[:-1]], device=device), cache)
     synchronize(device)
-    t0 = time.perf_counter()
-    prompt_s = t0 - t_start  # the prompt's forward, before the first pass
+    prompt_s = clock.lap()  # the prompt's forward, before the first pass
     while len(result.tokens) < params.max_new_tokens and len(tokens) < ctx:
         room = min(num_speculative_tokens, ctx - len(tokens) - 1, params.max_new_tokens - len(result.tokens) - 1)
         draft, draft_probs = proposer.propose(tokens, room, params, gen) if room > 0 else ([], None)
-        draft = draft[:room]
-        t1 = time.perf_counter()
-        start = len(tokens) - 1
+        draft, draft_s, start = draft[:room], clock.lap(), len(tokens) - 1
         feed = torch.tensor([[tokens[-1]] + draft], device=device)  # (1, 1 + k)
         logits = target(feed, torch.arange(start, start + feed.shape[1], device=device), cache)[0]
         target_probs = logits_to_probs(logits, params).cpu()  # (1 + k, V)
         # greedy: target and draft probabilities are one-hot, so acceptance is an exact comparison
         emitted, n_ok = rejection_sample(draft, draft_probs, target_probs, gen)
         cache.truncate(start + 1 + n_ok)  # roll back the rejected drafts' keys and values
-        now = time.perf_counter()
-        # keep tokens up to EOS, a stop string or max_new_tokens; the pass's time is shared among them
-        done, kept = False, 0
-        while kept < len(emitted) and not done and len(result.tokens) < params.max_new_tokens:
-            kept += 1
-            done = stopper.emit(result, emitted[kept - 1], 0.0, on_token)
+        verify_s = clock.lap()
+        kept, done = _keep(stopper, result, emitted, params.max_new_tokens, on_token, draft_s + verify_s)
         tokens += emitted[:kept]
-        result.step_s[-kept:] = [(now - t0) / kept] * kept
-        stats.drafted.append(len(draft))
-        stats.accepted.append(n_ok)
-        stats.emitted.append(kept)
-        stats.draft_s.append(t1 - t0)
-        stats.verify_s.append(now - t1)
-        t0 = now
+        stats.add_pass(len(draft), n_ok, kept, draft_s, verify_s)
         if done:
             break
     return finish(result, tokenizer, prompt_s), stats  # the first new token waited for the prompt's forward
