@@ -87,7 +87,7 @@ def assert_empty(engine):
     """Nothing left behind: every block free, no request, stopper, generator or beam entry."""
     assert engine.manager.num_free_blocks == engine.num_blocks
     assert engine.manager.seq_ids() == []
-    assert not engine.requests and not engine._stoppers and not engine._generators and not engine._beam_logprobs
+    assert not engine.requests and not engine._stoppers and not engine._generators and not engine.beams.logprobs
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
@@ -146,7 +146,7 @@ def inject(engine, point, at, monkeypatch, exc=None):
     elif point == "commit":
         engine.stats.add = once(engine.stats.add, at)
     elif point == "beam":
-        engine._beam_step = once(engine._beam_step, at)
+        engine.beams.step = once(engine.beams.step, at)
 
 
 POINTS = ["schedule", "grow", "hash", "pack", "layer", "after_forward", "sample", "record", "commit", "append"]

@@ -18,6 +18,8 @@ ranked by ``cumulative_logprob / len(output tokens) ** length_penalty`` (EOS cou
 from __future__ import annotations
 
 import numbers
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -155,6 +157,53 @@ def beam_step(req, beams: list, logprobs: torch.Tensor, eos_ids, max_seq_len: in
         req.beam_output = finalize(req.prompt_token_ids, req.completed, p, tokenizer)
         return None
     return live
+
+
+class EngineBeams:
+    """The engine's beam bookkeeping (Sec. 4.4): each live beam's next-token log-softmax waits here
+    until every live beam of its request has one; then ``step`` applies one ``beam_step``.
+
+    Args:
+        eos_ids, max_seq_len, tokenizer: the engine's.
+    """
+
+    def __init__(self, eos_ids, max_seq_len: int, tokenizer=None):
+        self.eos_ids, self.max_seq_len, self.tokenizer = eos_ids, max_seq_len, tokenizer
+        self.logprobs: dict[int, torch.Tensor] = {}  # seq_id -> (V,) of a beam waiting for its siblings
+
+    def hold(self, seq, logits: torch.Tensor) -> None:
+        """Keep a beam's log-softmax of its (V,) next-token logits, as the naive search computes it."""
+        self.logprobs[seq.seq_id] = torch.log_softmax(logits, dim=-1)
+
+    def drop(self, seq_id: int) -> None:
+        self.logprobs.pop(seq_id, None)
+
+    def step(self, req, fork, finish) -> None:
+        """Once every live beam of ``req`` has its logits: fork beams kept more than once (before any
+        token is appended, so a fork copies its parent's state), finish dropped beams; the live beams
+        hold the request's beam_width seats. ``fork(req, parent, index)`` and ``finish(seq, reason)``
+        are the engine's."""
+        beams = [s for s in req.seqs if not s.is_finished]
+        if not all(s.seq_id in self.logprobs for s in beams):
+            return
+        lp = torch.stack([self.logprobs.pop(s.seq_id) for s in beams])  # (K, V)
+        live = beam_step(req, beams, lp, self.eos_ids, self.max_seq_len, self.tokenizer)
+        req.metrics.first_token_time = req.metrics.first_token_time or time.perf_counter()
+        if live is None:
+            for s in beams:
+                finish(s, "length")
+            return
+        kept = Counter(i for i, _, _ in live)
+        targets = [beams[i] if j == 0 else fork(req, beams[i], len(req.seqs))
+                   for i, j in ((i, sum(1 for k, _, _ in live[:n] if k == i)) for n, (i, _, _) in enumerate(live))]
+        for i, s in enumerate(beams):
+            if not kept[i]:
+                finish(s, "stop")
+        req.seqs = targets + [s for s in req.seqs if s.is_finished]
+        for j, (seq, (_, token, c)) in enumerate(zip(targets, live)):
+            seq.seats = 1 if j else req.params.beam_width - (len(targets) - 1)
+            seq.token_ids.append(token)
+            seq.cumulative_logprob = c
 
 
 @torch.inference_mode()

@@ -1,24 +1,17 @@
 """``LLMEngine``: continuous batching over one pool of KV blocks, in vLLM's API.
 
-Yu et al. 2022 (Orca, Sec. 4: iteration-level scheduling) and Kwon et al. 2023 (vLLM, arXiv
-2309.06180, Sec. 4.3-4.5: many sequences decode together over one block pool; parallel samples and
-beams share blocks; preemption by recompute). One ``step()``: schedule and reserve blocks
-(``Scheduler``), pack every scheduled token into one forward (``batching.pack_flat``: decode tokens and
-prefill chunks side by side in one (1, N) row, as vLLM V1 batches them; or ``batching.pack_rows``'
-(B, T) rows), run ``Decoder.forward`` on the ``PagedKVCache``, sample each sequence whose computed
-tokens caught up with its known tokens (one generator per sample: sample 0 seeded with the request's
-seed, so a seeded request draws the same tokens alone as in any batch), append, stop.
+Yu et al. 2022 (Orca, Sec. 4: iteration-level scheduling) and Kwon et al. 2023 (vLLM, arXiv 2309.06180,
+Sec. 4.3-4.5: sequences decode together over one block pool; samples and beams share blocks; preemption
+by recompute). ``step()`` is the paper's loop: schedule (``Scheduler``, blocks reserved), pack every
+scheduled token into one forward (``batching``), run ``Decoder.forward`` on the ``PagedKVCache``, sample
+each sequence that caught up with its known tokens (sample 0 seeded with the request's seed, so a seeded
+request draws the same tokens alone as in any batch), append, stop. Statistics: ``stats.py``; beams:
+``beam.py``; drafts: ``spec_decode.py``.
 
-A step is all or nothing. Until its tokens are drawn, a failure (an interrupt, an out-of-memory error)
-undoes the step: blocks named for it leave the prefix cache, the sequences it admitted wait again,
-reserved slots go back and the generators are restored, so a retry computes the same tokens. Appending
-is done request by request: a request whose append fails is aborted, says so (``finish_reason``
-"abort", returned by the next ``step``), and the others keep their tokens. One thread drives an engine
-at a time (``driving``): another thread gets a clear error instead of a corrupted pool.
-
-``n > 1``: the prompt runs once; at its first sample the sequence forks into n (blocks shared,
-copy-on-write of the partly filled last block). Beam search: ``beam.select_beams`` each time every live
-beam has its logits; a beam kept twice is forked, a beam kept by no candidate is freed.
+A step is all or nothing until its tokens are drawn: a failure undoes it (blocks named for it leave the
+prefix cache, admitted sequences wait again, generators are restored), so a retry computes the same
+tokens. A request whose append fails is aborted and says so ("abort", returned by the next ``step``).
+One thread drives an engine at a time (``driving``).
 """
 
 from __future__ import annotations
@@ -26,7 +19,6 @@ from __future__ import annotations
 import numbers
 import threading
 import time
-from collections import Counter
 from collections.abc import Iterable
 from contextlib import contextmanager
 
@@ -37,14 +29,13 @@ from ..kv_cache import kv_cache_bytes as kv_bytes_of
 from ..loading import load_model
 from ..sampling import SamplingParams
 from .batching import pack_flat, pack_rows
-from .beam import BeamSearchParams, beam_step
-from .block_manager import blocks_for
+from .beam import BeamSearchParams, EngineBeams
 from .cache import ATTENTION_PATHS, FLAT_PATHS, PagedKVCache
 from .sampler import draw_tokens, sample_generator
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, RequestMetrics, RequestOutput, Sequence, prompt_ids, request_output
 from .spec_decode import Run, SpecDecoder, check_speculative_config
-from .stats import EngineStats, StepRecord, runs_of
+from .stats import EngineStats, StepRecord
 from .signals import interrupts_deferred
 
 __all__ = ["LLMEngine", "EngineStats", "StepRecord", "check_engine_args"]
@@ -85,10 +76,9 @@ class LLMEngine:
         max_num_seqs, max_num_batched_tokens: the scheduler's limits (forks and beams take seats too).
         eos_ids: ids that end a sequence (default: the tokenizer's EOS).
         max_seq_len: context to use (default and at most: the model's).
-        attention: how the forward reads the pool (``attention.py``), and so how a step is packed:
-            "bucketed" (default) and "blockwise" (the paper's online softmax) take every scheduled token
-            in one flat (1, N) row (``batching.pack_flat``); "indexed" and "gather" (the references) take
-            (B, T) rows padded to the longest (``batching.pack_rows``).
+        attention: how the forward reads the pool (``attention.py``): "bucketed" (default) and "blockwise"
+            (the paper's online softmax) pack one flat (1, N) row (``pack_flat``); "indexed" and "gather"
+            (the references) pack (B, T) rows padded to the longest (``pack_rows``).
         row_width: force the rows' T ("indexed" / "gather"; default: ``batching.choose_row_width``).
         record_logits: keep each sequence's next-token logits (tests compare them with a recompute).
         speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4,
@@ -97,8 +87,7 @@ class LLMEngine:
 
     Raises:
         ValueError: a size that is not a positive integer (``check_engine_args``); an unknown attention
-            path, or a row_width with a path that packs one flat row; a speculative_config field
-            (``check_speculative_config``).
+            path, or a row_width with a flat path; a speculative_config field (``check_speculative_config``).
     """
 
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
@@ -130,10 +119,10 @@ class LLMEngine:
         self.layout = "flat" if attention in FLAT_PATHS else "rows"
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
+        self.beams = EngineBeams(self.eos_ids, self.max_seq_len, tokenizer)
         self.logits: dict[tuple[str, int], list[torch.Tensor]] = {}  # record_logits: (request, index) -> (V,) per sample
         self._generators: dict[tuple[str, int], torch.Generator] = {}  # (request, sample index), made at first use
         self._stoppers: dict[str, Stopper] = {}
-        self._beam_logprobs: dict[int, torch.Tensor] = {}  # seq_id -> (V,) of a beam waiting for its siblings
         self._pending: list[RequestOutput] = []  # outputs of a step that raised: the next step returns them
         self._driver = threading.RLock()
         self._next_seq_id = self._arrivals = 0
@@ -146,12 +135,11 @@ class LLMEngine:
 
     @contextmanager
     def driving(self):
-        """Hold the engine for the calling thread (re-entrant). Every public call holds it, and
-        ``LLM.generate`` holds it for its whole loop.
+        """Hold the engine for the calling thread (re-entrant); every public call and ``LLM.generate``'s
+        whole loop hold it.
 
         Raises:
-            RuntimeError: another thread holds it (the engine is not thread-safe: a server funnels its
-                connections' requests through one thread, as ``minillm.server`` does).
+            RuntimeError: another thread holds it (a server funnels its requests through one thread).
         """
         if not self._driver.acquire(blocking=False):
             raise RuntimeError("LLMEngine: another thread is driving this engine (step, add_request, abort_request "
@@ -170,10 +158,9 @@ class LLMEngine:
         greedy, 64 tokens) or ``BeamSearchParams``.
 
         Raises:
-            ValueError: a request_id in use, a prompt that is empty or does not fit the context, stop
-                strings without a tokenizer, params of another type, more samples or beams than
-                max_num_seqs or the pool can run together, or a request that could never fit the pool
-                (prompt + max_tokens blocks, for each beam, above num_blocks; both sizes named).
+            ValueError: a request_id in use, a prompt that is empty or past the context, stop strings
+                without a tokenizer, params of another type, beams with speculation, or a request that
+                could never run (``Scheduler.check_fits``).
             RuntimeError: another thread is driving the engine (``driving``).
         """
         with self.driving():
@@ -189,7 +176,7 @@ class LLMEngine:
                 raise ValueError("params: beam search does not run with speculative decoding (nor does it in vLLM); "
                                  "use an engine built without speculative_config for beam search")
             stopper = None if beam else Stopper(params, self.tokenizer, self.eos_ids)
-            self._check_fits(request_id, ids, params)
+            self.scheduler.check_fits(request_id, len(ids), params, check_prompt(self.model, ids, self.max_seq_len))
             arrival = time.perf_counter() if arrival_time is None else arrival_time
             req = Request(request_id, text, ids, params, self._arrivals, RequestMetrics(arrival))
             seq = self._new_sequence(req, 0, list(ids))
@@ -200,26 +187,6 @@ class LLMEngine:
                 self._stoppers[request_id] = stopper
             self.requests[request_id] = req
             self.scheduler.add(seq)
-
-    def _check_fits(self, request_id, ids: list[int], params) -> None:
-        """Refuse a request the engine could never run: past the context, more samples or beams than run
-        together, more blocks than the pool holds."""
-        ctx = check_prompt(self.model, ids, self.max_seq_len)
-        beam = isinstance(params, BeamSearchParams)
-        width, name = (params.beam_width, "beam_width") if beam else (params.n, "n")
-        most = self.scheduler.max_num_seqs if beam else min(self.scheduler.max_num_seqs, self.num_blocks)
-        if width > most:
-            raise ValueError(f"{name}: {width} {'beams' if beam else 'samples'} must run together, but at most {most} "
-                             f"can (max_num_seqs={self.scheduler.max_num_seqs}, a pool of {self.num_blocks} blocks); "
-                             f"lower {name} or raise max_num_seqs / the pool")
-        copies = params.beam_width if beam else 1
-        per_seq = blocks_for(min(ctx, len(ids) + params.max_new_tokens), self.block_size)
-        need = copies * per_seq
-        if need > self.num_blocks:
-            each = f" ({per_seq} for each of {copies} beams)" if beam else ""
-            raise ValueError(f"request {request_id!r}: its prompt ({len(ids)} tokens) and max_tokens "
-                             f"({params.max_new_tokens}) need {need} blocks of {self.block_size} tokens{each}, but "
-                             f"the pool has {self.num_blocks} blocks; lower max_tokens or give more blocks")
 
     def abort_request(self, request_id) -> None:
         """Stop a request (or an iterable of them) now and return its blocks; unknown ids are ignored (as vLLM).
@@ -251,65 +218,50 @@ class LLMEngine:
     # ---- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward, sample, append, stop; returns a ``RequestOutput`` (cumulative, as
-        vLLM's default) for every request that got a token or finished in this step (and for the
-        requests a failed step aborted).
+        """Schedule, pack, forward, sample, append, stop. Returns a cumulative ``RequestOutput`` (vLLM's
+        default) for every request that got a token or finished (or that a failed step aborted).
 
         Raises:
-            whatever the forward or sampling raised, after undoing the step (module docstring);
-            RuntimeError: another thread is driving the engine, or nothing could be scheduled although
-                requests wait (a bug: the add-time check guarantees that the oldest request fits alone).
+            whatever the forward or sampling raised, after undoing the step; RuntimeError: another
+                thread is driving the engine, or nothing could be scheduled although requests wait (a bug).
         """
         with self.driving():
             outputs, self._pending = self._pending, []
             start = time.perf_counter()
             try:
-                if self.spec is not None:
-                    self.spec.propose(self.scheduler.running)  # drafts, before the plan that places them
-                with interrupts_deferred():  # bookkeeping: an interrupt waits for the forward
-                    plan = self._schedule()
-                if not plan.scheduled:
-                    self.manager.commit()
-                    return outputs
-                runs = runs_of(plan.scheduled)
-                ready, logits, shape = self._forward(plan)
-                record = self.stats.record_step(runs, plan.preempted, shape, len(ready), self.manager,
-                                                self.scheduler.running, start)
-                draws = self._draw(ready, logits)
-            except BaseException:
-                self._pending[:0] = outputs  # not lost: the next step returns them
-                with interrupts_deferred():
-                    self._rollback()
-                raise
-            try:
-                with interrupts_deferred():
+                try:
+                    plan = self._schedule()  # blocks reserved, copy-on-write done
+                    if not plan.scheduled:
+                        return outputs
+                    ready, logits, shape = self._forward(plan)  # packed into one forward
+                    record = self.stats.record_step(plan, shape, len(ready), self.manager, self.scheduler.running,
+                                                    start)
+                    draws = self._draw(ready, logits)
+                except BaseException:
+                    with interrupts_deferred():
+                        self._rollback()
+                    raise
+                with interrupts_deferred():  # the forward wrote its tokens: from here the step stands
                     self._commit(plan, start, record, outputs)
-                    self._append_all(ready, draws, outputs)
+                    self._append_all(ready, draws, outputs)  # append, stop
             except BaseException:
                 self._pending[:0] = outputs  # not lost: the next step returns them
                 raise
             record.end = time.perf_counter()
             return outputs
 
-    def _schedule(self):
-        """The scheduler's plan (blocks reserved, copy-on-write done); when nothing fits although
-        requests wait, preempt idle sequences (beams waiting for siblings) and plan again."""
-        out = self.scheduler.schedule()
-        preempted = list(out.preempted)
-        while not out.scheduled and self.scheduler.has_unfinished():
-            victim = self.scheduler.preempt_idle()
-            if victim is None:
-                raise RuntimeError(f"scheduler: nothing can run ({len(self.scheduler.waiting)} waiting, "
-                                   f"{len(self.scheduler.running)} running, {self.manager.num_free_blocks} free "
-                                   "blocks); this is a bug, please report it")
-            preempted.append(victim)
-            out = self.scheduler.schedule()
-            preempted += out.preempted
-        out.preempted = preempted
-        for seq in preempted:
-            self._beam_logprobs.pop(seq.seq_id, None)
-        self.cache.copy_blocks(out.copies)
-        return out
+    def _schedule(self) -> SchedulerOutput:
+        """Drafts proposed, then the scheduler's plan (``Scheduler.schedule_step``) and its copies made."""
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts, before the plan that places them
+        with interrupts_deferred():  # bookkeeping: an interrupt waits for the forward
+            plan = self.scheduler.schedule_step()
+            for seq in plan.preempted:
+                self.beams.drop(seq.seq_id)
+            self.cache.copy_blocks(plan.copies)
+            if not plan.scheduled:
+                self.manager.commit()
+        return plan
 
     def _forward(self, plan) -> tuple[list[Sequence], torch.Tensor, tuple[int, int]]:
         """One forward over every scheduled token; returns the sequences that caught up with their known
@@ -333,14 +285,14 @@ class LLMEngine:
 
     def _draw(self, ready: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
         """What each ready sequence draws (``sampler.draw_tokens``): one token per sample it becomes (a
-        request's first sample draws for all n), None for a beam (its log-softmax waits for its
-        siblings); a drafted sequence's verified tokens (``spec_decode.Run``). Changes nothing if it raises."""
+        request's first sample draws for all n), None for a beam (held for its siblings), a drafted
+        sequence's verified tokens (``spec_decode.Run``). Changes nothing if it raises."""
         plans, last = [], self.spec.last_rows(logits) if self.spec is not None else logits
         try:
             for i, seq in enumerate(ready):
                 req = self.requests[seq.request_id]
                 if req.is_beam_search:
-                    self._beam_logprobs[seq.seq_id] = torch.log_softmax(last[i], dim=-1)  # (V,), as the naive search
+                    self.beams.hold(seq, last[i])
                     plans.append(None)
                     continue
                 ks = range(req.params.n) if not req.forked else [seq.index]
@@ -348,7 +300,7 @@ class LLMEngine:
             draws = self.spec.draw(logits, plans, ready) if self.spec is not None else draw_tokens(logits, plans)
         except BaseException:
             for seq in ready:
-                self._beam_logprobs.pop(seq.seq_id, None)
+                self.beams.drop(seq.seq_id)
             raise
         if self.record_logits:
             for i, seq in enumerate(ready):
@@ -357,19 +309,19 @@ class LLMEngine:
 
     def _commit(self, plan, start: float, record, outputs: list[RequestOutput]) -> None:
         """The forward wrote every scheduled token: they count as computed, the blocks named for them stay
-        in the prefix cache, the step's record is kept, and the plan is done (nothing left to undo). If
-        that fails halfway, the step's requests end ("abort") and their outputs join ``outputs``."""
+        in the prefix cache, the record is kept. If that fails halfway, the step's requests end ("abort")
+        and their outputs join ``outputs``."""
         try:
             self.manager.commit()
             self.scheduler.plan = SchedulerOutput()
+            admitted = []
             for seq, n in plan.scheduled:
                 req = self.requests[seq.request_id]
                 if req.num_cached_tokens is None:  # its first admission: what the prefix cache served
                     req.num_cached_tokens, req.metrics.first_scheduled_time = seq.num_computed_tokens, start
-                    self.stats.prompt_tokens += len(req.prompt_token_ids)
-                    self.stats.cached_tokens += req.num_cached_tokens
+                    admitted.append((len(req.prompt_token_ids), req.num_cached_tokens))
                 seq.num_computed_tokens += n
-            self.stats.add(record)
+            self.stats.add(record, admitted)
         except BaseException:
             for rid in dict.fromkeys(s.request_id for s, _ in plan.scheduled):
                 req = self.requests.get(rid)
@@ -379,8 +331,8 @@ class LLMEngine:
             raise
 
     def _rollback(self) -> None:
-        """Undo the step that just failed (module docstring): copy-on-write made again, since a
-        reservation that stays keeps its copy, then the scheduler's plan undone."""
+        """Undo the step that just failed: copy-on-write made again (a reservation that stays keeps its
+        copy), drafts discarded, the scheduler's plan undone."""
         held = {b for s in self.scheduler.running if self.manager.holds(s.seq_id)
                 for b in self.manager.block_table(s.seq_id)}
         self.cache.copy_blocks([(src, dst) for src, dst in self.manager.step_copies if dst in held])
@@ -389,10 +341,10 @@ class LLMEngine:
         self.scheduler.rollback()
 
     def _append_all(self, ready: list[Sequence], draws, outputs: list[RequestOutput]) -> None:
-        """Append each ready sequence's draws (forking a request's first sample into n), run the beam
-        steps, finish what stopped; adds the touched requests' outputs to ``outputs``. A request whose
-        append raises is aborted (its output says so), the others keep their tokens, and the first error
-        is raised once all are done."""
+        """Append each ready sequence's draws (forking a request's first sample into n), step the beams,
+        finish what stopped; the touched requests' outputs join ``outputs``. A request whose append
+        raises is aborted (its output says so), the others keep their tokens, and the first error is
+        raised once all are done."""
         touched: dict[str, list] = {}
         for seq, drawn in zip(ready, draws):
             touched.setdefault(seq.request_id, []).append((seq, drawn))
@@ -410,7 +362,7 @@ class LLMEngine:
                     for target, (token, logprob) in zip(targets, drawn):
                         self._append(req, target, token, logprob)
                 if req.is_beam_search:
-                    self._beam_step(req)
+                    self.beams.step(req, self._fork, self._finish_seq)
                 outputs.append(request_output(req, self._decode))
             except BaseException as e:  # noqa: B036  (its state may be half-appended: it ends, and says so)
                 error = error or e
@@ -461,7 +413,7 @@ class LLMEngine:
     def _finish_seq(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        self._beam_logprobs.pop(seq.seq_id, None)
+        self.beams.drop(seq.seq_id)
         self._generators.pop((seq.request_id, seq.index), None)
         if self.spec is not None:
             self.spec.forget(seq)
@@ -496,31 +448,6 @@ class LLMEngine:
             self._generators[key] = sample_generator(req.params, k, self.model.device)
         return self._generators[key]
 
-    def _beam_step(self, req: Request) -> None:
-        """Once every live beam has its logits (``beam.beam_step``): fork beams kept more than once
-        (before any token is appended, so a fork copies its parent's state), free dropped beams; the
-        live beams hold the request's beam_width seats."""
-        beams = [s for s in req.seqs if not s.is_finished]
-        if not all(s.seq_id in self._beam_logprobs for s in beams):
-            return
-        lp = torch.stack([self._beam_logprobs.pop(s.seq_id) for s in beams])  # (K, V)
-        live = beam_step(req, beams, lp, self.eos_ids, self.max_seq_len, self.tokenizer)
-        req.metrics.first_token_time = req.metrics.first_token_time or time.perf_counter()
-        if live is None:
-            for s in beams:
-                self._finish_seq(s, "length")
-            return
-        kept = Counter(i for i, _, _ in live)
-        targets = [beams[i] if j == 0 else self._fork(req, beams[i], len(req.seqs))
-                   for i, j in ((i, sum(1 for k, _, _ in live[:n] if k == i)) for n, (i, _, _) in enumerate(live))]
-        for i, s in enumerate(beams):
-            if not kept[i]:
-                self._finish_seq(s, "stop")
-        req.seqs = targets + [s for s in req.seqs if s.is_finished]
-        for j, (seq, (_, token, c)) in enumerate(zip(targets, live)):
-            seq.seats = 1 if j else req.params.beam_width - (len(targets) - 1)
-            seq.token_ids.append(token)
-            seq.cumulative_logprob = c
 
 def _hashable(x) -> bool:
     try:

@@ -33,7 +33,8 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager, NoFreeBlocksError
+from .beam import BeamSearchParams
+from .block_manager import BlockManager, NoFreeBlocksError, blocks_for
 from .sequence import Sequence, SequenceStatus
 
 
@@ -106,6 +107,50 @@ class Scheduler:
             seq.num_computed_tokens = 0
         finally:  # whatever happens, it is in one of the lists
             self.add(seq)
+
+    def check_fits(self, request_id: str, num_prompt_tokens: int, params, context: int) -> None:
+        """Refuse a request that could never run: more samples or beams than run together, or more
+        blocks than the pool holds (prompt + max_tokens, for each beam), so the oldest request always
+        fits alone. ``context``: the tokens it may reach (``generation.check_prompt``).
+
+        Raises:
+            ValueError: naming n or beam_width, or the blocks needed and the pool's.
+        """
+        beam, num_blocks, block_size = isinstance(params, BeamSearchParams), self.manager.num_blocks, self.manager.block_size
+        width, name = (params.beam_width, "beam_width") if beam else (params.n, "n")
+        most = self.max_num_seqs if beam else min(self.max_num_seqs, num_blocks)
+        if width > most:
+            raise ValueError(f"{name}: {width} {'beams' if beam else 'samples'} must run together, but at most {most} "
+                             f"can (max_num_seqs={self.max_num_seqs}, a pool of {num_blocks} blocks); "
+                             f"lower {name} or raise max_num_seqs / the pool")
+        copies = params.beam_width if beam else 1
+        per_seq = blocks_for(min(context, num_prompt_tokens + params.max_new_tokens), block_size)
+        if copies * per_seq > num_blocks:
+            each = f" ({per_seq} for each of {copies} beams)" if beam else ""
+            raise ValueError(f"request {request_id!r}: its prompt ({num_prompt_tokens} tokens) and max_tokens "
+                             f"({params.max_new_tokens}) need {copies * per_seq} blocks of {block_size} tokens{each}, "
+                             f"but the pool has {num_blocks} blocks; lower max_tokens or give more blocks")
+
+    def schedule_step(self) -> SchedulerOutput:
+        """``schedule``; when nothing fits although requests wait, preempt idle sequences (beams waiting
+        for their siblings, ``preempt_idle``) and plan again. ``preempted`` lists every one preempted.
+
+        Raises:
+            RuntimeError: nothing can run (a bug: ``check_fits`` lets the oldest request fit alone).
+        """
+        out = self.schedule()
+        preempted = list(out.preempted)
+        while not out.scheduled and self.has_unfinished():
+            victim = self.preempt_idle()
+            if victim is None:
+                raise RuntimeError(f"scheduler: nothing can run ({len(self.waiting)} waiting, {len(self.running)} "
+                                   f"running, {self.manager.num_free_blocks} free blocks); this is a bug, please "
+                                   "report it")
+            preempted.append(victim)
+            out = self.schedule()
+            preempted += out.preempted
+        out.preempted = preempted
+        return out
 
     def schedule(self) -> SchedulerOutput:
         """Plan the next step (the module docstring's two phases) and reserve its blocks. Sequences with

@@ -38,11 +38,11 @@ class EngineStats:
     spec_decoding: object = None  # the engine's ``spec_decode.SpecDecodingStats`` when it speculates
     records: list[StepRecord] = field(default_factory=list)
 
-    def record_step(self, runs, preempted, shape, sampled, manager, running, start) -> StepRecord:
-        """After a step's forward, before its tokens are appended: what ran (``runs``, from ``runs_of``),
-        what was preempted, the blocks in use, the slots of them holding tokens (shared blocks once) and
-        the blocks the running sequences would hold unshared. Returns the record (its ``end`` is the
-        start until the engine sets it); ``add`` keeps it."""
+    def record_step(self, plan, shape, sampled, manager, running, start) -> StepRecord:
+        """The hook, after a step's forward and before its tokens are appended: what ran (``runs_of`` the
+        plan), what was preempted, the blocks in use, the slots of them holding tokens (shared blocks
+        once) and the blocks the running sequences would hold unshared. Returns the record (its ``end``
+        is the start until the engine sets it); ``add`` keeps it once the step commits."""
         filled: dict[int, int] = {}
         unshared = 0
         for seq in running:
@@ -51,14 +51,18 @@ class EngineStats:
             unshared += len(table)
             for j, block in enumerate(table):
                 filled[block] = max(filled.get(block, 0), min(manager.block_size, n - j * manager.block_size))
-        return StepRecord(len(self.records), runs, [(s.request_id, s.index) for s in preempted], shape,
-                          manager.num_used_blocks, sum(filled.values()), unshared, start, start, sampled)
+        return StepRecord(len(self.records), runs_of(plan.scheduled), [(s.request_id, s.index) for s in plan.preempted],
+                          shape, manager.num_used_blocks, sum(filled.values()), unshared, start, start, sampled)
 
-    def add(self, rec: StepRecord) -> None:
-        """Keep a step's record (once the step has committed)."""
+    def add(self, rec: StepRecord, admitted: list[tuple[int, int]] = ()) -> None:
+        """Keep a committed step's record; ``admitted``: (prompt tokens, prefix-cached tokens) of each
+        request the step ran for the first time."""
         self.records.append(rec)
         self.steps += 1
         self.preemptions += len(rec.preempted)
+        for prompt, cached in admitted:
+            self.prompt_tokens += prompt
+            self.cached_tokens += cached
 
     def summary(self, block_size: int) -> dict:
         """peak_blocks, mean_blocks (per step), kv_utilization (slots holding tokens / slots of used
