@@ -2,35 +2,15 @@
 (``pack_flat``, the engine's default) or (B, T) rows (``pack_rows``).
 
 The flat row is vLLM V1's layout: every scheduled token side by side, (1, N), one segment per sequence,
-so the linear layers, which take most of a step, compute the N real tokens and nothing else; the
-"bucketed" cache attends each segment over its own sequence (``PagedKVCache.set_rows(seq_ids, widths)``).
-The rows below are what the "indexed" and "gather" paths need, and the baseline the flat row is tested
-against.
-
-A step (``minillm.paged.scheduler``) gives each sequence a span of new tokens: one for a decode, a
-chunk for a prefill. The forward takes a rectangle: B rows of T tokens, -1 positions marking padding.
-A row holds consecutive tokens of one sequence; a long span is cut into several rows of the same
-sequence (``PagedKVCache`` writes every row's keys and values before any row attends, so a later row
-sees the earlier rows of the same forward). Vaswani-style attention cost aside, a forward's time on
-this CPU is
-
-    cost(T) ~ B * T * c_token + B * S * c_key
-
-with B * T the tokens the linear layers process (padding is computed too, then thrown away) and
-B * S the keys the cache gathers for the rows (with the ``indexed`` read of ``PagedKVCache`` every row
-reads S = the longest sequence's positions; the engine's ``bucketed`` read groups rows by length, so
-that S bounds what a row reads). Decode rows want T = 1 (any wider row is padding), a prefill
-chunk wants few rows (each row costs S key reads). ``choose_row_width`` tries every power of two up to
-the longest span (and the longest span itself) and keeps the cheapest by this model, with
-``KEY_COST`` = c_key / c_token. ``lab.engine_costs.measure_row_costs`` measures both on a model: SmolLM2-135M, float32,
-one thread on the shared 2-core CPU, gave c_token 2.0 ms and c_key 12.8 us (ratio 0.0064). End to end,
-on serve-bench's 64 requests, 0.05 (wider rows, fewer of them) ran at 94.5 output tokens/s and 0.0064
-at 85.8 (one run each, same minute), so ``KEY_COST`` stays 0.05: the forward-level fit leaves out
-per-row costs (masks, RoPE gathers, the per-row slot tables) that favour fewer rows.
-
-``pack_rows`` is the packer (rows ordered by where they end, so that the bucketed read's groups are
-consecutive rows); ``pack_rows_naive`` (one row per sequence, padded to the longest span) is
-the baseline with the same result (tests/test_engine.py checks that their logits agree).
+so the linear layers compute the N real tokens and nothing else; the "bucketed" cache attends each
+segment over its own sequence (``PagedKVCache.set_rows(seq_ids, widths)``). The rows are what the
+"indexed" and "gather" paths need, and the baseline the flat row is tested against: B rows of T tokens,
+-1 positions marking padding, each row consecutive tokens of one sequence (a long span is cut into
+several rows; the cache writes every row before any row attends). ``choose_row_width`` picks T by the
+cost model ``B * T * c_token + B * S * c_key`` (tokens through the linear layers, padding included, and
+keys gathered per row), with ``KEY_COST`` = c_key / c_token; docs/paged.md gives the measured constants.
+``pack_rows_naive`` (one row per sequence, padded to the longest span) is ``pack_rows``'s baseline
+(tests/test_engine.py checks that their logits agree).
 """
 
 from __future__ import annotations
@@ -40,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-KEY_COST = 0.05  # c_key / c_token in token-rows per key position of a row (see the module docstring)
+KEY_COST = 0.05  # c_key / c_token in token-rows per key position of a row (docs/paged.md: why 0.05)
 
 
 @dataclass

@@ -1,29 +1,17 @@
-"""Fragmentation: how much of the reserved KV memory holds tokens, under reservation and paging.
-
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 3 and Fig. 2: systems that reserve a contiguous
-chunk per request keep only 20.4-38.2% of their KV memory holding token states; vLLM (paging, block
-size 16) 96.3%. The schemes, for a request with a prompt of P tokens and O output tokens:
+"""Fragmentation: how much of the reserved KV memory holds tokens, under reservation and paging
+(Kwon et al. 2023, vLLM, Sec. 3 and Fig. 2). The schemes, for a prompt of P tokens and O output tokens:
 
 * "max" (Orca (Max)): ``max_seq_len`` slots reserved from the start;
 * "pow2" (Orca (Pow2)): the next power of two at or above P + O, reserved from the start;
 * "oracle" (Orca (Oracle)): exactly P + O, reserved from the start (so still the future output);
-* "paged_<bs>": ``blocks_for(tokens held, bs) * bs`` slots, growing with the sequence; the waste
-  is confined to the last block (under bs slots).
+* "paged_<bs>": ``blocks_for(tokens held, bs) * bs`` slots, growing with the sequence (waste < bs slots).
 
-The measure. A request lives O decode iterations (continuous batching: one token per iteration, the
-first being the prefill); by the end of iteration t it holds P + t - 1 written positions (the last new
-token's keys and values are never written). The share of reserved memory holding tokens is the
-time average over the requests in flight: at each iteration, the slots holding tokens over the slots
-reserved, summed over every iteration of the run. As each request contributes each of its
-iterations once, whatever the schedule, the ratio is sum_r sum_t held_r(t) / sum_r sum_t
-reserved_r(t), schedule independent: it needs only the lengths.
-
-The traces: lengths drawn from log-normal distributions (sigma 1.0 in log space, mu set so that the
-untruncated mean is the paper's), with a fixed seed, rounded to whole tokens, at least one token,
-and each request cut to max_seq_len = 2,048 (output shortened). ShareGPT-like: mean prompt 161,
-mean output 338; Alpaca-like: 19 and 58 (the paper's Sec. 6.1 statistics). The fragmentation lab
-(``python -m minillm fragmentation``: every scheme and block size on both traces, the realised means,
-the paper's numbers beside, and its figures) is ``minillm.lab.fragmentation``.
+The measure: a request lives O iterations (one token each, the first being the prefill) and holds
+P + t - 1 written positions by the end of iteration t. The share of reserved memory holding tokens,
+averaged over time, is sum_r sum_t held_r(t) / sum_r sum_t reserved_r(t): each request contributes each
+of its iterations once, so the ratio needs only the lengths, not the schedule. The traces
+(``make_trace``) follow the paper's Sec. 6.1 means; the lab that runs them (``python -m minillm
+fragmentation``) is ``minillm.lab.fragmentation``, and docs/paged.md shows its results.
 """
 
 from __future__ import annotations
@@ -52,7 +40,9 @@ TRACES = {"sharegpt": TraceSpec(161, 338), "alpaca": TraceSpec(19, 58)}
 
 
 def make_trace(spec: TraceSpec, max_seq_len: int = MAX_SEQ_LEN) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt_lens, output_lens), each (num_requests,) int64, drawn as the module docstring says."""
+    """(prompt_lens, output_lens), each (num_requests,) int64: log-normal lengths (``spec.sigma`` in log
+    space, mu set so that the untruncated mean is the spec's), seeded, rounded to whole tokens, at least
+    one token, each request cut to ``max_seq_len`` (its output shortened)."""
     rng = np.random.default_rng(spec.seed)
 
     def lognormal(mean: float) -> np.ndarray:

@@ -2,28 +2,16 @@
 
 Two forwards with the same signature:
 
-* ``forward_reference`` (the baseline): unpack, dequantize ``scales[:, g_idx] * (codes - zeros)``
-  to float32, then ``F.linear``. Exact: it computes with the very weight the quantizer chose.
-* ``forward`` (the fast path): torch's int4 weight-only matmul kernels, which read 4-bit codes and
-  dequantize in registers (``torch.ops.aten._weight_int4pack_mm_for_cpu`` on the CPU,
-  ``_weight_int4pack_mm`` on CUDA). It reads about 1/7 of the float32 bytes. Both kernels take
-  bfloat16 activations, scales and zero offsets, so the fast path differs from the reference by
-  bfloat16 rounding (relative error ~1e-2 of the output; tested). They need the codes in 4 bits
-  (so 2-, 3- and 4-bit codes qualify) and groups made of whole kernel groups of 32, 64, 128 or 256
-  columns (a group of 128 becomes two kernel groups of 64 with the same scale, per-channel rows repeat
-  their scale; act-order ``g_idx`` is handled by permuting the input columns once at load, as ExLlama
-  does). Other layouts (8 bits, groups of 48) fall back to the reference path (``fast`` says which).
+* ``forward_reference`` (the baseline): unpack, dequantize ``scales[:, g_idx] * (codes - zeros)`` to
+  float32, then ``F.linear``. Exact: it computes with the very weight the quantizer chose.
+* ``forward`` (the fast path): torch's int4 weight-only kernels, which read 4-bit codes (about 1/7 of
+  float32's bytes) and dequantize in registers, on bfloat16 activations, scales and zeros (so within
+  bfloat16 rounding of the reference; tested). 8-bit per-channel codes take torch's int8 weight-only
+  kernel; other layouts fall back to the reference path (``fast`` says which).
 
-8-bit codes with one group per row (per channel, e.g. a quantized output layer) take torch's int8
-weight-only kernel instead (``torch.ops.aten._weight_int8pack_mm``: int8 weights (O, I), one scale per
-row, bfloat16 activations); a zero point other than the middle code adds ``s (128 - z) sum(x)`` per row.
-
-``rows(index)`` gathers the codes, scales and zeros of some output rows and dequantizes only those:
-the lookup of a tied embedding whose output layer is quantized (``minillm.quant.head``).
-
-The activations go to the kernels in bfloat16: their float32 paths are far slower (notebook 05 times both).
-Under ``torch.compile`` (``minillm.compiled.compile_decode``) inductor lowers the int4 kernel to its own
-AVX-512 weight-only template and fuses the conversions around it.
+``rows(index)`` dequantizes only some output rows: the lookup of a tied embedding whose output layer
+is quantized (``minillm.quant.head``). docs/quant_methods.md says which layouts the kernels take and how
+act-order and zero points are mapped onto them.
 """
 
 from __future__ import annotations
