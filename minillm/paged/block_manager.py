@@ -1,22 +1,17 @@
 """The block manager of PagedAttention: a free list, reference counts, one block table per sequence,
 copy-on-write after a fork, and prefix caching.
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180): Sec. 4.1-4.2 (logical blocks of a sequence mapped to
-physical blocks through its block table), Sec. 4.4 (parallel sampling and beam search share blocks,
-counted by reference; the first write into a shared block copies it), and vLLM's design note on
-automatic prefix caching (docs/design/prefix_caching.md: a full block is found by a hash chained
-over its parent's hash and its own token ids; free blocks form one queue in eviction order).
+Kwon et al. 2023 (vLLM, arXiv 2309.06180): Sec. 4.1-4.2 (a sequence's logical blocks map to physical
+blocks through its block table), Sec. 4.4 (samples and beams share blocks, counted by reference; the
+first write into a shared block copies it), and vLLM's automatic prefix caching
+(docs/design/prefix_caching.md: a full block is found by a hash chained over its parent's hash and
+its own token ids; free blocks queue in eviction order).
 
-One rule, stated once: ``blocks_for(n) = ceil(n / block_size)``. A sequence of n tokens holds exactly
-``blocks_for(n)`` blocks, so its last block is full (not empty) when n is a multiple of block_size
-and a new block is taken exactly when a token lands at a multiple of block_size. ``grow(n)`` takes
-blocks until the sequence holds ``blocks_for(n)``; ``truncate(n)`` and ``free`` give back the rest.
-
-The manager holds no tensors: it hands out block ids, and returns the (source, destination) block
-copies that a copy-on-write needs, which the KV pool (``minillm.paged.cache``) performs. A sequence's
-known tokens are read from its own list (one ledger, ``allocate``). The prefix cache's choices (a verified
-chain of blocks, the eviction order, names that hold only after the forward: ``begin`` / ``commit`` /
-``rollback``) are explained in docs/paged.md.
+One rule: ``blocks_for(n) = ceil(n / block_size)``, so a new block is taken exactly when a token lands at
+a multiple of block_size. ``grow(n)`` takes blocks until the sequence holds ``blocks_for(n)``;
+``truncate(n)`` and ``free`` give back the rest. The manager holds no tensors: it returns the
+copy-on-write copies for the KV pool (``cache.py``) to make, and reads each sequence's known tokens
+from the sequence's own list (one ledger). The prefix cache's choices are in docs/paged.md.
 """
 
 from __future__ import annotations
@@ -27,8 +22,7 @@ from typing import Callable, Iterable
 
 
 class NoFreeBlocksError(RuntimeError):
-    """Too few free blocks for the request; nothing was changed. A scheduler catches this and
-    preempts a sequence (frees its blocks) before trying again."""
+    """Too few free blocks; nothing was changed (a scheduler preempts a sequence and tries again)."""
 
     def __init__(self, needed: int, free: int, total: int):
         super().__init__(f"out of KV blocks: need {needed} free blocks but {free} of {total} are free; "
@@ -89,8 +83,7 @@ class BlockManager:
         hash_fn: ``(parent_hash, token_ids) -> int`` (``hash_block_tokens``; tests pass a colliding one).
 
     Per sequence (by id): its ``block_table`` (logical block i -> physical block), ``num_tokens``
-    (positions that have slots), and the token ids known so far (``allocate`` / ``add_token_ids``),
-    which name its full blocks in the prefix cache.
+    (positions that have slots), and its known token ids, which name its full blocks in the prefix cache.
 
     Raises:
         ValueError: num_blocks or block_size below 1.
@@ -185,12 +178,10 @@ class BlockManager:
 
     # ---- sequence lifecycle --------------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: Iterable[int] = ()) -> int:
-        """Start a sequence whose known tokens are ``token_ids`` (its prompt), reusing the longest
-        cached prefix of full blocks; returns num_computed_tokens (a multiple of block_size). Blocks
-        for the rest come with ``grow``. At least the last prompt token is always left to compute, so
-        that the forward has logits to sample from. A list is read in place, as the sequence's one
-        ledger of known tokens (the engine appends sampled tokens to it; ``add_token_ids`` and
-        ``truncate`` change it); anything else is copied.
+        """Start a sequence whose known tokens are ``token_ids``, reusing the longest cached prefix of
+        full blocks (the last token is always left to compute, for logits to sample from); returns
+        num_computed_tokens. Blocks for the rest come with ``grow``. A list is read in place, as the
+        sequence's one ledger of known tokens (the engine appends to it); anything else is copied.
 
         Raises:
             ValueError: the id is in use, or the prompt needs more blocks than the whole pool has.
@@ -221,9 +212,8 @@ class BlockManager:
         self._cache_full_blocks(seq_id)
 
     def grow(self, seq_id: int, n: int) -> list[tuple[int, int]]:
-        """Give the sequence slots for n tokens (it then holds ``blocks_for(n)`` blocks); returns the
-        (source, destination) block copies to make before writing (copy-on-write of a shared, partly
-        filled last block: the other owners keep the source unchanged).
+        """Give the sequence slots for n tokens (``blocks_for(n)`` blocks); returns the (source,
+        destination) copies to make before writing (copy-on-write of a shared, partly filled last block).
 
         Raises:
             ValueError: n below the sequence's ``num_tokens`` (use ``truncate``).
@@ -255,9 +245,8 @@ class BlockManager:
         return copies
 
     def truncate(self, seq_id: int, n: int, keep_token_ids: bool = False) -> None:
-        """Keep positions ``0..n-1`` (and the known tokens before n); the blocks past
-        ``blocks_for(n)`` go back to the free queue (speculative rollback, overwriting).
-        ``keep_token_ids``: give back slots only; the known tokens stay (a reservation undone).
+        """Keep positions ``0..n-1`` (and the known tokens before n, unless ``keep_token_ids``: a
+        reservation undone); the blocks past ``blocks_for(n)`` go back to the free queue.
 
         Raises:
             ValueError: n negative or above the sequence's ``num_tokens``.
@@ -288,7 +277,7 @@ class BlockManager:
 
     def rollback(self) -> None:
         """The forward failed: the blocks named since ``begin`` hold no keys and values, so they are no
-        longer findable (the sequences that reserved them are rolled back by their scheduler)."""
+        longer findable (the scheduler rolls back the sequences)."""
         for block in self._uncommitted:
             if block in self._cached:
                 self._uncache(block)
@@ -297,9 +286,8 @@ class BlockManager:
         self._in_step = False
 
     def fork(self, parent_id: int, child_id: int, token_ids: list[int] | None = None) -> None:
-        """Make ``child_id`` share every block of ``parent_id`` (parallel sampling, beam search): each
-        block's reference count goes up by one; writes later copy a shared partly filled block.
-        ``token_ids``: the child's own ledger (a list equal to the parent's), or None for a copy.
+        """Make ``child_id`` share every block of ``parent_id`` (one more reference each); ``token_ids``:
+        the child's own ledger (a list equal to the parent's), or None for a copy.
 
         Raises:
             UnknownSequenceError: no such parent. ValueError: child_id already in use.
@@ -316,8 +304,8 @@ class BlockManager:
         self._block_hashes[child_id] = list(self._block_hashes[parent_id])
 
     def free(self, seq_id: int) -> None:
-        """End a sequence: each of its blocks loses one reference, and those left with none return to
-        the free queue (last block first).
+        """End a sequence: each of its blocks loses a reference; those left with none return to the
+        free queue (last block first).
 
         Raises:
             DoubleFreeError: the sequence was already freed. UnknownSequenceError: never allocated.

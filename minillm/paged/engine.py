@@ -78,12 +78,10 @@ class LLMEngine:
         max_seq_len: context to use (default and at most: the model's).
         attention: how the forward reads the pool (``attention.py``): "bucketed" (default) and "blockwise"
             (the paper's online softmax) pack one flat (1, N) row (``pack_flat``); "indexed" and "gather"
-            (the references) pack (B, T) rows padded to the longest (``pack_rows``).
-        row_width: force the rows' T ("indexed" / "gather"; default: ``batching.choose_row_width``).
+            (the references) pack (B, T) rows padded to the longest (``pack_rows``, ``row_width`` forces T).
         record_logits: keep each sequence's next-token logits (tests compare them with a recompute).
-        speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4,
-            "prompt_lookup_min": 1, "prompt_lookup_max": 3} or {"method": "draft_model", "model": PATH_OR_DECODER,
-            "num_speculative_tokens": 4}; "auto" lengths (``spec_auto``); None: no speculation (``spec_decode``).
+        speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4} or
+            {"method": "draft_model", "model": PATH_OR_DECODER, "num_speculative_tokens": "auto"} (``spec_decode``).
 
     Raises:
         ValueError: a size that is not a positive integer (``check_engine_args``); an unknown attention

@@ -116,7 +116,8 @@ class Scheduler:
         Raises:
             ValueError: naming n or beam_width, or the blocks needed and the pool's.
         """
-        beam, num_blocks, block_size = isinstance(params, BeamSearchParams), self.manager.num_blocks, self.manager.block_size
+        beam = isinstance(params, BeamSearchParams)
+        num_blocks, block_size = self.manager.num_blocks, self.manager.block_size
         width, name = (params.beam_width, "beam_width") if beam else (params.n, "n")
         most = self.max_num_seqs if beam else min(self.max_num_seqs, num_blocks)
         if width > most:

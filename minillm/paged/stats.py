@@ -51,8 +51,9 @@ class EngineStats:
             unshared += len(table)
             for j, block in enumerate(table):
                 filled[block] = max(filled.get(block, 0), min(manager.block_size, n - j * manager.block_size))
-        return StepRecord(len(self.records), runs_of(plan.scheduled), [(s.request_id, s.index) for s in plan.preempted],
-                          shape, manager.num_used_blocks, sum(filled.values()), unshared, start, start, sampled)
+        preempted = [(s.request_id, s.index) for s in plan.preempted]
+        return StepRecord(len(self.records), runs_of(plan.scheduled), preempted, shape, manager.num_used_blocks,
+                          sum(filled.values()), unshared, start, start, sampled)
 
     def add(self, rec: StepRecord, admitted: list[tuple[int, int]] = ()) -> None:
         """Keep a committed step's record; ``admitted``: (prompt tokens, prefix-cached tokens) of each
