@@ -1,21 +1,13 @@
 """Compiled decode: ``torch.compile`` over the decoder's layers for one-token steps.
 
-Why: in eager PyTorch a batch-1 decode step of SmolLM2-135M is 121 matrix-vector products, which
-torch's BLAS kernels stream at ~22 GB/s on the 2-core CPU this project targets, plus ~900 small
-operations (norms, RoPE, attention, cache writes, residual adds) of a few microseconds each
-(notebook 01 measures both). ``torch.compile`` (Ansel et al. 2024, "PyTorch 2", ASPLOS) traces the
-step into one graph; its inductor backend fuses the elementwise operations into generated C++ (or
-Triton) loops, ``max_autotune`` times its own GEMM template against ATen's kernel for each weight
-shape and keeps the faster, and ``freezing`` treats the weights as constants so that they are
-packed once, at compile time. On the CPU, attention over one query becomes fused loops too
-(``minillm.model.attention_decode``). gpt-fast compiles its decode step the same way; vLLM compiles its
-model with ``torch.compile`` and replays it with CUDA graphs.
-
-On a GPU the same step is bound by kernel launches, not by memory: measured on an H200
-(``.ci/gpu-profile.py``), eager decode launched 920 kernels and copies per step and kept the GPU
-busy 1.9 ms of a 26 ms step; compiled, 529, 10 ms per step, the GPU still idle 89% of it. CUDA graphs (one
-launch replays a captured step), which need fixed shapes, are what closes that gap; minillm leaves
-them out.
+Why: in eager PyTorch a batch-1 decode step of SmolLM2-135M is 121 matrix-vector products plus ~900
+small operations (norms, RoPE, attention, cache writes, residual adds) of a few microseconds each
+(notebook 01 measures both). ``torch.compile`` (Ansel et al. 2024, "PyTorch 2", ASPLOS) traces the step
+into one graph; inductor fuses the elementwise operations into generated C++ (or Triton) loops,
+``max_autotune`` times its own GEMM template against ATen's kernel for each weight shape and keeps the
+faster, and ``freezing`` packs the weights once, as constants. On the CPU, attention over one query
+becomes fused loops too (``minillm.model.attention_decode``). gpt-fast compiles its decode step the same
+way; vLLM compiles its model and replays it with CUDA graphs, which minillm leaves out (docs/gpu.md).
 
 Only one-token forwards (decode steps, B rows; also a one-token prompt) take the compiled path;
 prefill and multi-token verification stay eager. The baseline is the same model uncompiled (tests

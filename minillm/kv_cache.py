@@ -1,12 +1,10 @@
 """KV caches: what the decoder is handed so that each decode step computes only the new token.
 
-At step t the attention of the new token needs the keys and values of every earlier position.
-Recomputing them costs a forward pass over the whole sequence each step (O(T^2) tokens processed
-for T tokens); caching them costs memory instead:
-``2 x batch x seq_len x n_layers x n_kv_heads x head_dim x bytes`` (Pope et al. 2023, Sec. 2.2;
-GQA divides it by n_heads / n_kv_heads, Ainslie et al. 2023).
-
-The interface every cache implements (the decoder calls nothing else):
+Recomputing every earlier position's keys and values costs a forward over the whole sequence each step
+(O(T^2) tokens processed for T tokens); caching them costs memory instead,
+``2 x batch x seq_len x n_layers x n_kv_heads x head_dim x bytes`` (Pope et al. 2023, Sec. 2.2; GQA
+divides it by n_heads / n_kv_heads, Ainslie et al. 2023). Every cache implements (the decoder calls
+nothing else):
 
 * ``prepare(input_pos) -> S``: called once per forward with the (T,) positions about to be
   written; checks them, advances ``seq_len`` to cover them, and returns S, the number of key

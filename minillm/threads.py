@@ -1,19 +1,17 @@
 """How a step's threads wait and how many there are, chosen for a CPU that other programs share.
 
 Why: every multi-threaded operation of a step ends at a barrier that waits for its slowest thread, and a
-step runs a few hundred of them. By default GNU OpenMP (torch's) lets a thread that reaches a barrier
-spin for about 300,000 rounds before it sleeps: on a core that another program shares, the spinning
-thread burns the time slice its descheduled partner needs, and a two-thread decode step was measured
-6-7x slower than a one-thread step (docs/decode.md). So ``ThreadGovernor`` keeps one thread per core that
-other processes leave free. Spinning is kept as the default because on a quiet machine it is what makes a
-step fast (sleeping threads made decode 1.4-1.9x slower there); a user who shares the CPU may set
-``OMP_WAIT_POLICY=PASSIVE`` before torch loads, and then every usable core is used.
+step runs a few hundred of them. GNU OpenMP (torch's) lets a thread that reaches a barrier spin about
+300,000 rounds before it sleeps: on a shared core the spinning thread burns the time slice its
+descheduled partner needs (docs/decode.md measures how much). So ``ThreadGovernor`` keeps one thread per
+core that other processes leave free. Spinning stays the default because it is what makes a step fast on
+a quiet machine; a user who shares the CPU may set ``OMP_WAIT_POLICY=PASSIVE`` before torch loads, and
+then every usable core is used.
 
 ``choose_threads`` is the rule (a pure function); ``others_busy`` turns two readings of /proc/stat and of
-this process's CPU time into the cores other processes used in between; the governor re-reads them every
-``INTERVAL_S`` (no sleeping: the step itself is the probe) and sets ``torch.set_num_threads``. The column
-shards of ``minillm.linear.Linear`` follow the cores, not the threads, so the count can change between steps.
-``OMP_NUM_THREADS``/``MINILLM_THREADS``, or the user's own ``torch.set_num_threads``, fix the count.
+this process's CPU time into the cores other processes used; the governor re-reads them every
+``INTERVAL_S`` (the step itself is the probe) and sets ``torch.set_num_threads``. ``Linear``'s column shards
+follow the cores, not the threads. ``OMP_NUM_THREADS``/``MINILLM_THREADS`` or ``torch.set_num_threads`` fix the count.
 """
 
 from __future__ import annotations

@@ -2,23 +2,16 @@
 kernel, the kernel calls each exercise function on the grader's cases and saves what came back, and
 the grader judges those answers in its own process.
 
-The kernel is trusted with nothing but the function's outputs. The grader draws the cases and works
-out their expected answers before the kernel starts, writes the cases' arguments to a temporary
-folder, and appends one cell per exercise that calls ``answer_cases``: each case's return value (made
-``checker.portable``) or error goes to a file the grader named. The grader reads it with
-``torch.load(weights_only=True)`` (plain data only, no code runs) and judges it with the exercise's
-own judge. A kernel that replaces ``minillm.exercises.check``, or prints what a passing report looks
-like, changes nothing the grader reads.
-
-Every cell runs under nbclient's per-cell timeout with an asynchronous kernel manager, so that the
-timeout fires while a cell loops forever: the kernel (its whole process group) is killed. SIGINT and
-SIGTERM kill the kernel and stop the grading (``GradingStopped``).
-
-While a function's cases run, the package code it replaces raises (``forbid.py``). ``--grading`` adds
-cases the student never saw (``Exercise.grading_cases``: the teacher's seed, the teacher's cases file).
-A cell that runs past the timeout, kills its kernel or floods the output (more than ``max_output``
-characters) is skipped and the notebook is run again without it, so the rest is graded on what ran.
-This is no sandbox (notebooks/exercises/README.md shows how to grade inside a container).
+The kernel is trusted with nothing but the function's outputs. The grader draws the cases and their
+expected answers before the kernel starts and appends one cell per exercise that calls ``answer_cases``:
+each case's return value (made ``checker.portable``) or error goes to a file the grader named, read back
+with ``torch.load(weights_only=True)`` (plain data, no code runs) and judged by the exercise's own judge,
+so a kernel that replaces ``minillm.exercises.check`` changes nothing the grader reads. While a
+function's cases run, the package code it replaces raises (``forbid.py``); ``--grading`` adds cases the
+student never saw (``Exercise.grading_cases``). A cell that runs past nbclient's timeout (its kernel's
+process group is killed), kills its kernel or floods the output (over ``max_output`` characters) is
+skipped and the notebook run again without it. SIGINT and SIGTERM kill the kernel and stop the grading
+(``GradingStopped``). This is no sandbox (notebooks/exercises/README.md shows how to grade in a container).
 """
 
 from __future__ import annotations

@@ -7,16 +7,11 @@ Each format cuts a row into blocks of 32 weights (layouts in ``minillm.formats.g
     Q4_1  d = (max - min) / 15, m = min     q = min(15, trunc((x - m) / d + 0.5))
     Q5_0  d = x[argmax |x|] / -16           q = min(31, trunc(x / d + 16.5))  (Q4_0 with a fifth bit)
 
-``1/d`` is computed once per block (0 when d = 0) and multiplied, in float32, exactly as
-ggml-quants.c's reference ``quantize_row_*_ref`` and the ``gguf`` package do, so the bytes are
-identical to ``gguf.quants.quantize`` (tested on random and real weights). d and m are stored as
-float16. Q4_0 uses the *signed* largest-magnitude weight so that it lands exactly on code 0 (-8 d);
-Q4_1 is affine like RTN with group size 32 (but without forcing 0 into the range).
-
-The k-quants (Q4_K, Q6_K: 256-weight super-blocks) and llama.cpp's Q4_K_M recipe are in
-``minillm.formats.kquants``. ``write_gguf`` re-quantizes every 2-D tensor of a GGUF file to one of
-these types, or to the type the Q4_K_M recipe gives each tensor, copies the metadata, and writes a
-file that ``gguf.GGUFReader``, llama.cpp and ``minillm.load_model`` read back.
+``1/d`` is computed once per block (0 when d = 0) and multiplied, in float32, as ggml-quants.c's
+``quantize_row_*_ref`` does, so the bytes equal ``gguf.quants.quantize``'s (tested); d and m are float16.
+Q4_0 takes the *signed* largest-magnitude weight so that it lands exactly on code 0 (-8 d). The k-quants
+and the Q4_K_M recipe are ``minillm.formats.kquants``. ``write_gguf`` re-quantizes every 2-D tensor of a
+GGUF file and writes one that ``gguf.GGUFReader``, llama.cpp and ``minillm.load_model`` read back.
 """
 
 from __future__ import annotations

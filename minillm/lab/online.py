@@ -1,20 +1,16 @@
 """serve-bench --online: latency against request rate, the engine against static batching, in process
 and over HTTP.
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 6.2 and Fig. 12: requests arrive over time; the
-*normalised latency* (each request's end-to-end latency divided by its output tokens, averaged) stays
-flat while a system keeps up and turns up where it cannot; at the same latency vLLM sustains 2-4x the
-request rate of systems that reserve memory per request. Arrivals are drawn as vLLM's
-benchmarks/benchmark_serving.py draws them: gaps from a gamma distribution with shape ``burstiness``
-and mean 1 / rate (burstiness 1: a Poisson process; below 1 burstier, above 1 more regular).
+Kwon et al. 2023 (vLLM), Sec. 6.2 and Fig. 12: requests arrive over time; the *normalised latency*
+(end-to-end latency over output tokens, averaged) stays flat while a system keeps up and turns up where
+it cannot. Arrivals are drawn as vLLM's benchmarks/benchmark_serving.py draws them: gamma-distributed
+gaps with shape ``burstiness`` and mean 1 / rate (1: a Poisson process; below 1 burstier).
 
 Modes, on the same requests and arrival times, one after the other in real time: ``engine`` (``LLMEngine``
 in process, requests added between steps), ``static`` (``generate_batch`` batches that run until their
-longest request ends) and ``http`` (the server's app on 127.0.0.1, clients streaming with httpx).
-
-Per request (vLLM's definitions): TTFT (arrival to first token), TPOT = (latency - TTFT) / (output
-tokens - 1), inter-token latencies (gaps between tokens, or between chunks over HTTP), end-to-end
-latency; mean, p50, p99; goodput: requests per second meeting both the TTFT and the TPOT target.
+longest request ends) and ``http`` (the server's app on 127.0.0.1, clients streaming with httpx). Per
+request (vLLM's definitions): TTFT, TPOT = (latency - TTFT) / (output tokens - 1), inter-token latencies,
+end-to-end latency; mean, p50, p99; goodput: requests per second meeting both TTFT and TPOT targets.
 """
 
 from __future__ import annotations

@@ -1,23 +1,16 @@
 """serve-bench: offline throughput of the engine against one request at a time, static batches and
-transformers' continuous batching, on the same requests, in one process.
+transformers' continuous batching, on the same requests, in one process (Kwon et al. 2023, vLLM, Sec. 6;
+Yu et al. 2022, Orca, Sec. 5: continuous over static batching).
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 6 (throughput on ShareGPT / Alpaca traces: 2-4x Orca
-and FasterTransformer; Sec. 6.3-6.4 sharing: 6.1-30.5% memory saved by parallel sampling, 37.6-66.3%
-by beam search) and Yu et al. 2022 (Orca, Sec. 5: continuous over static batching).
-
-The requests (``make_requests``): prompt and output lengths from the fragmentation lab's log-normal
-traces (``minillm.paged.fragmentation.make_trace``: ShareGPT-like mean 161 / 338 tokens, Alpaca-like 19 / 58), each
-length multiplied by ``scale`` (default 1/4 so that the sequential mode fits minutes on a 2-core CPU),
-prompts cut at seeded offsets from a play (``minillm.data.play_text``), every request arriving at time 0,
-greedy, EOS ignored (each request runs to its drawn length).
-
-Each mode reports output tokens/s, total (prompt + output) tokens/s over its wall time, time to first
-token (from time 0: queueing included) and time per output token after the first, p50 / p99. The engine
-also reports its memory: peak and mean blocks in use, ``kv_utilization`` (slots of used blocks holding
-tokens, averaged over steps, as the lab averages over iterations) beside the lab's prediction for the same
-lengths and block size, preemptions and the prefix-cache hit rate. ``memory_run`` measures the share at
-the trace's full (unscaled) lengths on a tiny random model (memory accounting does not depend on the
-weights); ``sharing_run`` measures blocks saved by n = 4 sampling and beam width 4 on the real model.
+The requests (``make_requests``): lengths from the fragmentation lab's log-normal traces
+(``minillm.paged.fragmentation.make_trace``) times ``scale`` (default 1/4, so that the sequential mode
+fits minutes on a 2-core CPU), prompts cut at seeded offsets from a play (``minillm.data.play_text``),
+every request arriving at time 0, greedy, EOS ignored. Each mode reports output and total tokens/s, time
+to first token (queueing included) and time per output token, p50 / p99. The engine also reports its
+memory: peak and mean blocks, ``kv_utilization`` beside the lab's prediction, preemptions and the
+prefix-cache hit rate. ``memory_run`` measures that share at the trace's full lengths on a tiny random
+model (memory accounting does not depend on the weights); ``sharing_run`` measures blocks saved by
+n = 4 sampling and beam width 4 on the real model.
 """
 
 from __future__ import annotations

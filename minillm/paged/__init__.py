@@ -12,10 +12,7 @@ what paging saves (Sec. 3, Fig. 2).
   ``Scheduler`` (scheduler.py), ``pack_flat`` / ``pack_rows`` (batching.py), ``Sequence`` / ``RequestOutput``
   (sequence.py), beam search (beam.py).
 * ``kv_utilization`` and the request traces (fragmentation.py): the share of reserved KV memory holding
-  tokens under reservation and paging.
-
-What measures all this lives in ``minillm.lab``: ``serve-bench`` (serve_bench.py), the fragmentation
-lab and its figures (fragmentation.py), the attention paths' and row costs' timings (engine_costs.py).
+  tokens under reservation and paging. What measures all this lives in ``minillm.lab``.
 """
 
 from .attention import paged_attention

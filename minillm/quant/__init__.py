@@ -7,20 +7,13 @@
     qlinear.py    ``QuantLinear``: packed weights + scales + zeros, a reference and a fast forward
     recipe.py     ``Recipe``: a run's options in one frozen dataclass; GPTQ's presets ``PAPER`` and ``BEST``
     pipeline.py   ``quantize_model(model, recipe, calib)``: block by block, in execution order, on calibration text
-    checkpoint.py save / load a quantized model (safetensors)
-    head.py       the output layer (and the tied embedding) in int8 or int4
-    bitrate.py    variable bitrate as ExLlamaV2 does it: measure each layer's options, pick under a bpw budget
-    bitrate_cli.py  its command: quantize --bpw
-    sensitivity.py  its end-to-end measurement: each layer's KL cost on the model's output
+    checkpoint.py save / load a quantized model (safetensors); head.py: the output layer in int8 or int4
+    bitrate.py    variable bitrate as ExLlamaV2 does it (bitrate_cli.py: ``quantize --bpw``; sensitivity.py: KL costs)
     cli.py        ``python -m minillm perplexity | quantize``
 
-llama.cpp's block encoders and the GGUF writer are in ``minillm.formats``; what measures the methods is in
-``minillm.lab`` (quant.py, avenues.py, bitrate.py, kquants.py).
-
-Conventions (those of GPTQ / AutoGPTQ / vLLM): a weight W is (out_features, in_features);
-``codes`` are unsigned integers in [0, 2^bits - 1]; ``scales`` and ``zeros`` are
-(out_features, n_groups); input column j belongs to group ``g_idx[j]``; the dequantized weight is
-``scales[:, g_idx] * (codes - zeros[:, g_idx])``.
+Conventions (GPTQ / AutoGPTQ / vLLM's): W is (out_features, in_features); ``codes`` are unsigned in
+[0, 2^bits - 1]; ``scales`` and ``zeros`` are (out_features, n_groups); input column j is in group
+``g_idx[j]``; the dequantized weight is ``scales[:, g_idx] * (codes - zeros[:, g_idx])``.
 """
 
 from ..formats.gguf_quant import write_gguf  # re-exported from its old place (it moved to formats/)

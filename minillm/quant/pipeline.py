@@ -1,22 +1,19 @@
 """Quantize a whole ``Decoder`` as a ``Recipe`` says (``recipe.py``): calibration text and the block-by-block loop.
 
-The loop follows GPTQ's sequential scheme (paper Sec. 4, "Step 3"; AWQ's code does the same):
-the calibration tokens are embedded once, then for each block in order
+The loop follows GPTQ's sequential scheme (paper Sec. 4, "Step 3"; AWQ's code does the same): the
+calibration tokens are embedded once, then for each block in order
 
-1. (AWQ) the float block runs on its inputs X; scales are searched for q/k/v, gate/up and down and
+1. (AWQ) the float block runs on its inputs X; scales for q/k/v, gate/up and down are searched and
    folded in (``awq.py``);
 2. its linear layers are quantized **in execution order** (qkv, o, gate/up, down), each calibrated on
-   inputs computed with the layers before it already quantized ("true sequential", an option of the
-   GPTQ reference code; ``Recipe.true_sequential=False`` calibrates all four on one pass of the float block,
-   as the paper did) (AWQ: clip search first, except before a GPTQ with range search; GPTQ: the
-   Hessian of those inputs; RTN needs no inputs);
+   inputs computed with the layers before it already quantized ("true sequential"; with
+   ``Recipe.true_sequential=False`` all four calibrate on one pass of the float block, as the paper did);
 3. the quantized block's outputs become the next block's X.
 
-So every layer sees the activations the quantized model will really give it. With ``v2`` (GPTQv2's
-asymmetric calibration, ``gptq.asymmetric_target``) a float copy of the activations runs beside them
-through the float blocks, and each layer is fitted to the float model's outputs. The token embedding and
-the (tied) output layer stay unquantized, as in GPTQ and AWQ. Calibration uses a play disjoint from the
-evaluation play (``minillm.data``).
+So every layer sees the activations the quantized model will give it. With ``v2`` (GPTQv2) a float copy
+of the activations runs beside them and each layer is fitted to the float model's outputs. The embedding
+and the (tied) output layer stay unquantized, as in GPTQ and AWQ; the calibration text is a play
+disjoint from the evaluation play (``minillm.data``).
 """
 
 from __future__ import annotations

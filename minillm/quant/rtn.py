@@ -7,12 +7,10 @@ zero point from the group's min and max (asymmetric) or max |w| (symmetric):
     symmetric:  scale = 2 max|w| / (2^b - 1),       zero = 2^(b-1)   (the middle code)
     codes = clamp(round(w / scale) + zero, 0, 2^b - 1),   w_hat = scale * (codes - zero)
 
-The range always includes 0 (min <= 0 <= max), as in the GPTQ reference code, so that a zero
-weight stays exactly zero. Scales are rounded to float16 when they are chosen, before the zero point
-and the codes are computed from them: GPTQ and AWQ checkpoints store float16 scales, so the error a
-quantizer measures is the error of the weight the file holds, and bits per weight count 16 per scale. A group size that does not divide in_features is **handled**: the last
-group is shorter (576 columns in groups of 128 are 4 groups of 128 and one of 64). ``group_size=-1``
-means one group per row (per-channel).
+The range always includes 0, as in the GPTQ reference code, so that a zero weight stays zero. Scales
+are rounded to float16 before the zero point and codes follow from them, so the error a quantizer
+measures is that of the weight a GPTQ / AWQ checkpoint holds. A group size that does not divide
+in_features leaves a shorter last group; ``group_size=-1`` is one group per row (per-channel).
 
 Sources: Frantar et al. 2023 (GPTQ), Sec. 2 and the quantizer of its reference implementation;
 Jacob et al. 2018 (integer-arithmetic-only inference) for the affine scheme.

@@ -3,7 +3,6 @@
 Roofline (Williams, Waterman, Patterson, CACM 2009): a kernel that does F FLOPs and moves M bytes
 takes at least ``max(F / peak_flops, M / bandwidth)``. Its arithmetic intensity ``I = F / M``
 (FLOP/byte) against the machine's ridge point ``peak_flops / bandwidth`` says which bound applies.
-
 For a decoder (Pope et al. 2023, "Efficiently Scaling Transformer Inference", Sec. 2-3):
 
 * every forward reads every weight once, whatever the number of tokens B x T it processes;
@@ -13,9 +12,8 @@ For a decoder (Pope et al. 2023, "Efficiently Scaling Transformer Inference", Se
 * attention reads the KV cache: ``2 x B x S x n_layers x Hkv x D x bytes`` (``kv_cache.kv_cache_bytes``),
   and does ``4 x B x T x S x H x D`` FLOPs per layer (Q K^T and scores V).
 
-``decode_cost`` / ``prefill_cost`` predict; ``roofline.ceilings`` measures this machine's ceilings,
-``minillm.timing`` the real model's forwards, and ``roofline.compare`` and the plots set the two side
-by side.
+``decode_cost`` / ``prefill_cost`` predict; ``roofline.ceilings`` measures this machine's ceilings and
+``roofline.compare`` sets prediction and measurement side by side.
 """
 
 from __future__ import annotations
