@@ -39,24 +39,12 @@ RECOMPILE_LIMIT = 64
 def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     """Make ``model``'s one-token forwards run through ``torch.compile``; returns the same model.
 
-    The first decode step after this compiles (on the 2-core CPU about 1-2 minutes, on an H200's
-    host about 90 s; inductor keeps the result in its on-disk cache, so later processes start
-    faster), the second compiles once more
-    with the number of cached positions as a symbolic size; after that every step reuses the code
-    until the batch size changes. Logits agree with the eager model to float32 rounding (the GEMM
-    sums in another order), so greedy tokens can differ only at near-ties.
-
-    The weights are frozen into the compiled code: compile after the last change to them (loading,
-    quantization; ``quantize_model`` drops a compiled decode). The frozen copies (reassembled from
-    ``Linear``'s column shards and packed) cost about as much memory again as the weights. Forwards
-    with gradients enabled stay eager.
-
-    Each batch size and cache layout adds a compiled version; dynamo keeps up to ``RECOMPILE_LIMIT``
-    of them per model and then raises rather than silently running eager.
-
-    A quantized model compiles too (``QuantLinear`` says ``compilable``): on a CPU with AVX-512 inductor
-    lowers torch's int4 weight-only kernel to its own template (``CppMicroGemmWoQInt4Avx512``); with AVX2
-    only it calls ATen's kernel; either way it fuses the bfloat16 conversions around it.
+    The first decode step compiles (minutes on the 2-core CPU; inductor's on-disk cache speeds up later
+    processes), the second once more with the cached length as a symbolic size; then steps reuse the code
+    until the batch size changes (up to ``RECOMPILE_LIMIT`` versions, then it raises rather than run eager).
+    Logits agree with eager to float32 rounding. The weights are frozen into the code (as much memory
+    again): compile after the last change to them (``quantize_model`` drops a compiled decode). Forwards
+    with gradients stay eager; quantized layers compile too (docs/quant_methods.md).
 
     Args:
         model: a ``Decoder`` whose linear layers are ``minillm.linear.Linear`` or declare ``compilable``.

@@ -22,31 +22,16 @@ class Linear(nn.Module):
     """``y = x W^T + b``, with W stored as ``n_shards`` column blocks, one per CPU core, and (on a
     CPU in float32, for products of several rows) a second copy packed in oneDNN's blocked layout.
 
-    ``weight_shards`` is (n_shards, in_features, out_features / n_shards): shard s holds output
-    columns ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous. A one-row product is one batched
-    matmul over the shards, which torch spreads over the cores. Products of two rows or more (a
-    batch, a prefill, the k tokens a speculative step verifies) go through oneDNN's ``linear`` with
-    W reordered once into its blocked layout (the kernel ``torch.compile`` uses for frozen float32
-    linears on CPU).
-
-    Why: the same bytes are read each time, and the kernel decides how close to the memory bandwidth
-    they stream. Column shards give each core its own contiguous half of the weight for one row, and
-    oneDNN's packed weight streams several rows faster than the small-batch GEMMs of ``x @ W`` on the
-    2-core CPU this was chosen on; which layout wins moves with the machine and the minute (in some runs
-    plain ``F.linear`` streams one row fastest), so notebook 01 (``roofline.measure_linear_layouts``)
-    measures the layouts on the machine at hand. This is tensor parallelism across cores (Megatron-LM's column-parallel linear, Shoeybi
-    et al. 2019) for one row, and a layout change for several. ``linear_naive`` is the plain form
-    the tests compare with.
-
-    The packed copy (``packed_weight``) costs memory equal to W; it is built on the first such
-    forward, and rebuilt when ``weight_shards`` is replaced or modified in place (through the
-    Parameter: torch does not track writes through ``.data``). Forwards that need gradients, and
-    other devices and dtypes, use the shards.
-
-    The catch: each multi-threaded matmul waits for its slowest core. With OpenMP's default wait policy
-    (a thread at a barrier spins before it sleeps), another process on one of two cores made a two-thread
-    step 6-7x slower than a one-thread step; ``minillm`` makes waiting threads sleep and chooses the
-    thread count (``minillm.threads``), and then two threads beat one on a busy machine too.
+    ``weight_shards`` is (n_shards, in_features, out_features / n_shards): shard s holds output columns
+    ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous, so a one-row product is one batched matmul that
+    torch spreads over the cores (Megatron-LM's column-parallel linear, Shoeybi et al. 2019, across cores).
+    Products of two rows or more (a batch, a prefill, a speculative verification) go through oneDNN's
+    ``linear`` with W reordered once (``packed_weight``: as much memory again as W, rebuilt when
+    ``weight_shards`` is replaced or written through the Parameter), the kernel ``torch.compile`` uses for
+    frozen float32 linears. Why: the kernel decides how close to the memory bandwidth the same bytes
+    stream, and which layout wins moves with the machine, so notebook 01
+    (``roofline.measure_linear_layouts``) measures them. Gradients, other devices and dtypes use the
+    shards; ``minillm.threads`` chooses the threads. ``linear_naive`` is the baseline the tests compare with.
 
     Args:
         weight: (out_features, in_features), in PyTorch's usual layout.

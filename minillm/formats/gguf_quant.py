@@ -114,19 +114,18 @@ CHOICES = "Q8_0, Q4_0, Q4_1, Q5_0 or the recipe Q4_K_M"
 
 def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | str, progress: bool = False) -> Path:
     """Re-quantize a GGUF file: every tensor with 2+ dimensions and rows a multiple of 32 becomes
-    ``qtype`` (Q8_0, Q4_0, Q4_1 or Q5_0), or, for ``"q4_k_m"``, the type llama.cpp's Q4_K_M recipe
-    gives it (``kquants.q4_k_m_types``: Q4_K, Q6_K and their fallbacks Q5_0, Q8_0); others (norms)
-    stay as they are; all metadata is copied, ``general.file_type`` (where the source has it) set to llama.cpp's value
-    for what is written.
+    ``qtype`` (Q8_0, Q4_0, Q4_1 or Q5_0), or for ``"q4_k_m"`` the type llama.cpp's Q4_K_M recipe gives it
+    (``kquants.q4_k_m_types``); others (norms) stay as they are. The sources are dequantized first, as
+    ``llama-quantize --allow-requantize`` does; names, layout and metadata are kept (``general.file_type``
+    set to what is written). ``dst`` is written beside itself and renamed into place when complete
+    (``minillm.files``), so the source, memory-mapped while it is read, is never overwritten.
 
-    The source tensors are dequantized first (``minillm.formats.gguf_blocks``), as llama.cpp's
-    ``llama-quantize --allow-requantize`` does; the tensors keep llama.cpp's layout and names.
+    Returns:
+        ``dst`` as a Path.
 
-    ``dst`` is written beside itself and renamed into place when complete (``minillm.files``), so the
-    source, memory-mapped while its tensors are copied, is never overwritten.
-
-    Returns dst. Raises ValueError for an unsupported qtype or ``dst`` resolving to ``src``;
-    ModelFileError for a bad source.
+    Raises:
+        ValueError: an unsupported qtype, or ``dst`` resolving to ``src``.
+        ModelFileError: a bad source.
     """
     name = qtype.upper() if isinstance(qtype, str) else qtype.name
     if name not in FILE_TYPES:

@@ -25,21 +25,19 @@ from .rtn import QuantConfig
 
 
 def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str | None = None) -> Path:
-    """Write ``model`` (quantized by ``quantize_model``) to one ``.safetensors`` file.
+    """Write ``model`` (quantized by ``quantize_model``) to one ``.safetensors`` file, written beside
+    ``path`` and renamed into place when complete (``minillm.files``). It holds the packed ``QuantLinear``
+    buffers (``layers.{i}.attn.wqkv.qweight`` / ``qzeros`` / ``scales`` (float16, as GPTQ and AWQ
+    checkpoints) / ``g_idx``), the norms, and the token embedding as GGUF Q8_0 blocks
+    (``tok_embeddings.q8_0``) where that is lossless (the embedded model's is Q8_0: 30 MB, not 113 MB),
+    else float32; its metadata holds the model config, the quantization config with every layer's
+    [bits, group_size] (``layer_configs``) and ``tokenizer_source`` (the GGUF of the tokenizer).
 
-    The file holds the packed ``QuantLinear`` buffers (``layers.{i}.attn.wqkv.qweight`` / ``qzeros``
-    / ``scales`` / ``g_idx``; scales in float16, as GPTQ and AWQ checkpoints), the norms, and the
-    token embedding: as GGUF Q8_0 blocks (uint8
-    ``tok_embeddings.q8_0``) when that is lossless (the embedded model's embedding *is* Q8_0: 30 MB
-    instead of 113 MB), else in float32;
-    the metadata holds the model config, the quantization config (with every layer's [bits,
-    group_size] in ``layer_configs``: a variable-bitrate model mixes them) and ``tokenizer_source``
-    (the GGUF the tokenizer comes from).
+    Returns:
+        The path.
 
-    The file is written beside ``path`` and renamed into place when complete (``minillm.files``).
-
-    Returns the path. Raises ValueError for a model with float linear layers left, or ``path`` resolving
-    to ``tokenizer_source``.
+    Raises:
+        ValueError: float linear layers are left, or ``path`` resolves to ``tokenizer_source``.
     """
     state, layer_configs = {}, {}
     for i, block in enumerate(model.layers):
