@@ -249,11 +249,11 @@ class LLMEngine:
             return outputs
 
     def _schedule(self) -> SchedulerOutput:
-        """Drafts proposed, then the scheduler's plan (``Scheduler.schedule_step``) and its copies made."""
+        """Drafts proposed, then the scheduler's plan (``Scheduler.schedule_or_preempt_idle``) and its copies made."""
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts, before the plan that places them
         with interrupts_deferred():  # bookkeeping: an interrupt waits for the forward
-            plan = self.scheduler.schedule_step()
+            plan = self.scheduler.schedule_or_preempt_idle()
             for seq in plan.preempted:
                 self.beams.drop(seq.seq_id)
             self.cache.copy_blocks(plan.copies)

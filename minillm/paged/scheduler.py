@@ -132,7 +132,7 @@ class Scheduler:
                              f"({params.max_new_tokens}) need {copies * per_seq} blocks of {block_size} tokens{each}, "
                              f"but the pool has {num_blocks} blocks; lower max_tokens or give more blocks")
 
-    def schedule_step(self) -> SchedulerOutput:
+    def schedule_or_preempt_idle(self) -> SchedulerOutput:
         """``schedule``; when nothing fits although requests wait, preempt idle sequences (beams waiting
         for their siblings, ``preempt_idle``) and plan again. ``preempted`` lists every one preempted.
 
