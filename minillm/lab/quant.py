@@ -70,15 +70,15 @@ def quant_table(model, tokenizer, configs=TABLE_CONFIGS, *, seqlen: int = 512, m
                 progress: bool = True) -> dict:
     """Quantize and evaluate every (method, bits, group_size) in ``configs``.
 
-    GPTQ runs with ``act_order`` (and dynamic groups) when asked, dampening ``percdamp`` (0.1% of the
-    mean diagonal, where the paper uses 1%: on this model a larger dampening gave a worse 4-bit
-    perplexity) and, with ``gptq_mse``, each group's range searched (``QuantConfig.mse``, the GPTQ
-    reference quantizer's option; docs/quantization.md measures both). RTN keeps min / max: it is the
-    baseline. AWQ uses a
-    20-point alpha grid and its own clip search; AWQ+GPTQ with the range search uses AWQ's scales only
-    (``awq_clip``: see ``quantize_model``). Returns {"float": {...}, "rows": [...], "setup": {...}}; each row has method,
-    bits, group_size, bytes, bits_per_weight (linear layers), size_vs_float32, perplexity, kl,
-    top1_agreement, decode_tokens_per_s, quantize_s and layer errors.
+    GPTQ runs with ``act_order`` (and dynamic groups) when asked, dampening ``percdamp`` and, with
+    ``gptq_mse``, each group's range searched (the defaults are ``BEST``'s; docs/quantization.md says
+    why). RTN keeps min / max: it is the baseline. AWQ uses a 20-point alpha grid and its own clip
+    search; AWQ+GPTQ with the range search uses AWQ's scales only (``awq_clip``: see ``quantize_model``).
+
+    Returns:
+        {"float": {...}, "rows": [...], "setup": {...}}; each row has method, bits, group_size, bytes,
+        bits_per_weight (linear layers), size_vs_float32, perplexity, kl, top1_agreement,
+        decode_tokens_per_s, quantize_s and layer errors.
     """
 
     tokens = tokenizer.encode(play_text(HELD_OUT_PLAY))

@@ -22,15 +22,12 @@ from .spec import SPEC_WORKLOADS, compare_once
 
 def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT, figures: str | Path | None = None,
          quantized: bool = False) -> dict:
-    """Every technique so far against its naive baseline on the embedded model, as one table.
-
-    Naive vs KV-cached generation (contiguous, dynamic, int8; same greedy tokens, tokens/s, speedup), the
-    paged engine's continuous batching vs one request at a time (``engine_row``),
-    speculative decoding with n-gram drafts vs plain cached decoding on an input-grounded chat prompt, and
-    4-bit weights (RTN, group 64, torch's int4 kernel) vs float32 weights. Writes
-    tour_decode_step_time.png into ``figures`` (default ``runs_folder()``: figures/runs, git-ignored).
-    With ``quantized`` (a model loaded from a file that ``quantize`` wrote), the 4-bit row is left out:
-    its baseline would be the same quantized model.
+    """Every technique so far against its naive baseline on the embedded model, as one table: naive vs
+    KV-cached generation (contiguous, dynamic, int8), the paged engine vs one request at a time
+    (``engine_row``), n-gram speculative decoding vs plain cached decoding on an input-grounded chat
+    prompt, and 4-bit weights (RTN, group 64, torch's int4 kernel) vs float32 weights, which ``quantized``
+    (a model that ``quantize`` wrote) leaves out. Writes tour_decode_step_time.png into ``figures``
+    (default ``runs_folder()``: figures/runs, git-ignored).
     """
     figures = Path(figures) if figures is not None else runs_folder()
     prompt_tokens = tokenizer.encode(prompt)

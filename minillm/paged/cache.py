@@ -121,13 +121,14 @@ class PagedKVCache:
     def set_rows(self, seq_ids, widths=None, reserved: bool = False) -> None:
         """Row b of the next forwards belongs to sequence ``seq_ids[b]`` (ids may repeat).
 
-        ``reserved``: the rows' positions already have slots (the engine's scheduler reserved them with
-        ``BlockManager.grow``), so ``prepare`` takes no block and truncates nothing.
-
-        ``widths``: None for rectangular (B, T) forwards; or the forwards are one flat row of
-        sum(widths) tokens (vLLM V1's flat batch: (1, N) tokens), whose first widths[0] tokens are
-        "row" 0, the next widths[1] row 1, and so on (segments: the linear layers see no padding).
-        Only the paths that attend themselves ("bucketed", "blockwise") take segments.
+        Args:
+            seq_ids: the sequence of each row (or of each segment of a flat row).
+            widths: None for rectangular (B, T) forwards; else the forwards are one flat row of
+                sum(widths) tokens (vLLM V1's flat batch, (1, N)), its first widths[0] tokens "row" 0, the
+                next widths[1] row 1, and so on. Only the paths that attend themselves ("bucketed",
+                "blockwise") take segments.
+            reserved: the rows' positions already have slots (the scheduler reserved them with
+                ``BlockManager.grow``), so ``prepare`` takes no block and truncates nothing.
 
         Raises:
             UnknownSequenceError: an id the manager does not hold.

@@ -214,10 +214,9 @@ def optimize(table: dict, bpw: float, *, power: float | None = None, resolution:
     table's own (``setup["power"]``: 1 for the end-to-end KL costs of ``sensitivity.measure_logits``, which
     add), else 2 (block errors as independent noises, which add in power).
 
-    Dynamic programming over the budget in units of ``max(1, budget / resolution)`` bits, each cost
-    rounded to whole units; the answer is read back from the largest unit budget whose true total
-    fits (so it always fits, and is optimal when costs are whole units, as in the tests).
-    O(layers x options x resolution).
+    Dynamic programming over the budget in units of ``max(1, budget / resolution)`` bits (O(layers x
+    options x resolution)); the answer is read back from the largest unit budget whose true total fits,
+    so it always fits, and is optimal when costs are whole units.
 
     Returns:
         {"target_bpw", "bpw" (achieved), "total_bits", "objective", "power", "choice": {layer name:
@@ -302,9 +301,10 @@ def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor |
     (``optimize(...)["choice"]``) in place of the recipe's, through the pipeline's block loop
     (``pipeline.quantize_block``). RTN keeps min / max ranges here (the recipe's mse is GPTQ's).
 
-    Returns the report ``save_quantized`` needs: the recipe's options (``Recipe.report``) with bits /
-    group_size None, "layer_configs" {name: [bits, group_size]}, "layers" [{"name", "rel_error"}] (each
-    layer's output error on its calibration inputs).
+    Returns:
+        The report ``save_quantized`` needs: the recipe's options (``Recipe.report``) with bits /
+        group_size None, "layer_configs" {name: [bits, group_size]}, "layers" [{"name", "rel_error"}]
+        (each layer's output error on its calibration inputs).
 
     Raises:
         ValueError: ``choice`` misses a layer of the model or names one it does not have; a method other
