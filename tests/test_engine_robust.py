@@ -84,10 +84,10 @@ def drive(engine, reqs, fail=None):
 
 
 def assert_empty(engine):
-    """Nothing left behind: every block free, no request, stopper, generator or beam entry."""
+    """Nothing left behind: every block free, no request (its stopper and generators live on it), no beam entry."""
     assert engine.manager.num_free_blocks == engine.num_blocks
     assert engine.manager.seq_ids() == []
-    assert not engine.requests and not engine._stoppers and not engine._generators and not engine.beams.logprobs
+    assert not engine.requests and not engine.beams.logprobs
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 

@@ -119,8 +119,6 @@ class LLMEngine:
         self.stats = EngineStats()
         self.beams = EngineBeams(self.eos_ids, self.max_seq_len, tokenizer)
         self.logits: dict[tuple[str, int], list[torch.Tensor]] = {}  # record_logits: (request, index) -> (V,) per sample
-        self._generators: dict[tuple[str, int], torch.Generator] = {}  # (request, sample index), made at first use
-        self._stoppers: dict[str, Stopper] = {}
         self._pending: list[RequestOutput] = []  # outputs of a step that raised: the next step returns them
         self._driver = threading.RLock()
         self._next_seq_id = self._arrivals = 0
@@ -176,13 +174,11 @@ class LLMEngine:
             stopper = None if beam else Stopper(params, self.tokenizer, self.eos_ids)
             self.scheduler.check_fits(request_id, len(ids), params, check_prompt(self.model, ids, self.max_seq_len))
             arrival = time.perf_counter() if arrival_time is None else arrival_time
-            req = Request(request_id, text, ids, params, self._arrivals, RequestMetrics(arrival))
+            req = Request(request_id, text, ids, params, self._arrivals, RequestMetrics(arrival), stopper=stopper)
             seq = self._new_sequence(req, 0, list(ids))
             seq.seats = params.beam_width if beam else params.n  # what it forks into, reserved at admission
             req.seqs.append(seq)
             self._arrivals += 1
-            if stopper is not None:
-                self._stoppers[request_id] = stopper
             self.requests[request_id] = req
             self.scheduler.add(seq)
 
@@ -368,7 +364,7 @@ class LLMEngine:
                 outputs.append(request_output(req, self._decode))
                 continue
             if req.is_finished:
-                self._forget(req)
+                self.requests.pop(rid, None)
         if error is not None:
             raise error
 
@@ -399,9 +395,8 @@ class LLMEngine:
         req.metrics.first_token_time = req.metrics.first_token_time or now
         req.metrics.last_token_time = now
         result = GenerationResult(req.prompt_token_ids, tokens=seq.output_token_ids)
-        stopper = self._stoppers[req.request_id]
-        if stopper.check(result):
-            seq.stop_reason = stopper.stop_reason  # the stop string or stop token id (vLLM's), None for EOS
+        if req.stopper.check(result):
+            seq.stop_reason = req.stopper.stop_reason  # the stop string or stop token id (vLLM's), None for EOS
             seq.text = result.text if result.finish_reason == "stop" else self._decode(seq.output_token_ids[:-1])
             self._finish_seq(seq, "stop")
         elif seq.num_output_tokens >= req.params.max_new_tokens or seq.num_tokens >= self.max_seq_len:
@@ -412,12 +407,13 @@ class LLMEngine:
         seq.finish_reason = reason
         self.scheduler.finish(seq)
         self.beams.drop(seq.seq_id)
-        self._generators.pop((seq.request_id, seq.index), None)
         if self.spec is not None:
             self.spec.forget(seq)
         req = self.requests.get(seq.request_id)
-        if req is not None and req.is_finished:
-            req.metrics.finished_time = time.perf_counter()
+        if req is not None:
+            req.generators.pop(seq.index, None)
+            if req.is_finished:
+                req.metrics.finished_time = time.perf_counter()
 
     def _abort(self, req: Request) -> None:
         """End every sequence of the request ("abort"), free its blocks, forget it."""
@@ -426,25 +422,16 @@ class LLMEngine:
             if not seq.is_finished:
                 self._finish_seq(seq, "abort")
         req.metrics.finished_time = req.metrics.finished_time or time.perf_counter()
-        self._forget(req)
-
-    def _forget(self, req: Request) -> None:
-        """Drop a finished request's entries (its stopper, generators of samples never forked)."""
-        self.requests.pop(req.request_id, None)
-        self._stoppers.pop(req.request_id, None)
-        n = req.params.beam_width if req.is_beam_search else req.params.n
-        for k in range(n):
-            self._generators.pop((req.request_id, k), None)
+        self.requests.pop(req.request_id, None)  # its stopper and generators leave with it
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
 
     def _generator(self, req: Request, k: int) -> torch.Generator:
         """Sample k's generator (``sampler.sample_generator``), made at its first draw."""
-        key = (req.request_id, k)
-        if key not in self._generators:
-            self._generators[key] = sample_generator(req.params, k, self.model.device)
-        return self._generators[key]
+        if k not in req.generators:
+            req.generators[k] = sample_generator(req.params, k, self.model.device)
+        return req.generators[k]
 
 
 def _hashable(x) -> bool:

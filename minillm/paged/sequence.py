@@ -111,6 +111,8 @@ class Request:
 
     ``num_cached_tokens``: prompt tokens served from the prefix cache at its first admission.
     ``completed``: finished beams (beam search only), as (token_ids, cumulative_logprob) pairs.
+    ``stopper``: its ``generation.Stopper`` (None for beam search); ``generators``: sample index ->
+    ``torch.Generator``, made at the sample's first draw. Both leave with the request.
     """
 
     request_id: str
@@ -125,6 +127,8 @@ class Request:
     aborted: bool = False
     completed: list[tuple[list[int], float]] = field(default_factory=list)
     beam_output: object = None  # the BeamSearchOutput, once a beam search ends
+    stopper: object = None
+    generators: dict = field(default_factory=dict)
 
     @property
     def is_beam_search(self) -> bool:
