@@ -1,31 +1,18 @@
 """The scheduler of continuous batching: which sequences run in the next step, and how many tokens each.
 
-Yu et al. 2022 (Orca, OSDI, Sec. 4: iteration-level scheduling: the batch is re-formed every step, so a
-finished sequence leaves and a waiting one joins at once), Kwon et al. 2023 (vLLM, Sec. 4.5: when the
-pool runs out, preempt the latest sequences and recompute them later), and vLLM V1's scheduler
-(vllm/v1/core/sched/scheduler.py): no prefill or decode phases. Every sequence has known tokens
-(prompt and sampled outputs) and ``num_computed_tokens``; a step gives each sequence tokens to catch
-up, within ``max_num_batched_tokens`` for the whole step. A long prompt thus runs in chunks across
-steps (chunked prefill), in the same forward as other sequences' decode tokens.
+Orca (Yu et al. 2022, Sec. 4: the batch is re-formed every step), vLLM (Kwon et al. 2023, Sec. 4.5:
+preempt the latest sequences when the pool runs out, recompute them later) and vLLM V1's scheduler: no
+prefill or decode phases; each sequence catches up with its known tokens within the step's
+``max_num_batched_tokens``, so a long prompt runs in chunks beside other sequences' decodes.
 
-One step (``Scheduler.schedule``), as the paper and vLLM V1 do it:
-1. Running sequences first, oldest first. Each takes min(tokens to catch up, budget left). If the
-   pool cannot hold its new tokens, the newest running sequence is preempted (its blocks freed, its
-   computed tokens forgotten: recompute), until the tokens fit or it was itself the newest.
-2. Then, unless something was preempted this step, waiting sequences in priority order (arrival
-   order, preempted ones at their old place) while the budget, ``max_num_seqs`` and the pool allow;
-   the first that does not fit stops admission (no overtaking, so no starvation). Admission looks up
-   the prefix cache (``BlockManager.allocate``): cached blocks count as computed.
-A request is never dropped or truncated for memory: the engine refuses, when it is added, one that
-could not fit the whole pool, and a preempted one runs again once blocks free up. ``max_num_seqs``
-counts seats: a request that will fork into n samples (or beam_width beams) takes n seats when admitted.
-
-Blocks are reserved here, as each sequence is planned (``BlockManager.grow``): the forward only
-writes to slots it was given. A prompt admitted after an identical one in the same step finds the
-blocks that this step's forward writes for the first (``allocate``), so identical prompts share them.
-When the step fails, ``rollback`` undoes this plan (the engine calls it). A running sequence's draft
-tokens (speculative decoding, ``spec_decode``) ride after its own tokens when the budget and the pool
-left by every running sequence's own tokens hold them; otherwise it drafts less.
+One step (``schedule``):
+1. Running sequences, oldest first, each min(tokens to catch up, budget left); when the pool cannot hold
+   them, preempt the newest running sequence (blocks freed) until they fit or it was itself the newest.
+2. Unless something was preempted: waiting sequences in priority order while the budget, the seats
+   (``max_num_seqs``; n samples or beam_width beams take n) and the pool allow; the first that does not
+   fit stops admission (no overtaking, so no starvation). Prefix-cache hits count as computed.
+Blocks are reserved as each sequence is planned, so the forward only writes to slots it was given;
+``rollback`` undoes a failed step's plan. Drafts (``spec_decode``) take only what own tokens leave.
 """
 
 from __future__ import annotations
