@@ -224,13 +224,14 @@ class LLMEngine:
             start = time.perf_counter()
             try:
                 try:
-                    plan = self._schedule()  # blocks reserved, copy-on-write done
+                    plan = self._schedule()  # schedule: blocks reserved, copy-on-write done
                     if not plan.scheduled:
                         return outputs
-                    ready, logits, shape = self._forward(plan)  # packed into one forward
-                    record = self.stats.record_step(plan, shape, len(ready), self.manager, self.scheduler.running,
-                                                    start)
-                    draws = self._draw(ready, logits)
+                    rows, ready = self._pack(plan)  # pack: every scheduled token in one forward's rows
+                    logits = self._forward(rows, ready)  # forward: the ready sequences' next-token logits
+                    record = self.stats.record_step(plan, rows.shape, len(ready), self.manager,
+                                                    self.scheduler.running, start)
+                    draws = self._draw(ready, logits)  # sample
                 except BaseException:
                     with interrupts_deferred():
                         self._rollback()
@@ -257,10 +258,10 @@ class LLMEngine:
                 self.manager.commit()
         return plan
 
-    def _forward(self, plan) -> tuple[list[Sequence], torch.Tensor, tuple[int, int]]:
-        """One forward over every scheduled token; returns the sequences that caught up with their known
-        tokens (they sample), their next-token logits (R, V) (the output layer runs at those rows only)
-        and the forward's (B, T)."""
+    def _pack(self, plan):
+        """Every scheduled token in one flat row or (B, T) rows (``batching``), the cache told which
+        sequence each row is; returns the rows and the sequences that catch up with their known tokens
+        (they sample)."""
         spans = [(s.seq_id, s.num_computed_tokens, (s.token_ids[s.num_computed_tokens:] + s.spec_token_ids)[:n])
                  for s, n in plan.scheduled]  # drafts ride after the sequence's own tokens
         if self.layout == "flat":
@@ -268,14 +269,18 @@ class LLMEngine:
         else:
             rows = pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width)
         self.cache.set_rows(rows.seq_ids, rows.widths, reserved=True)
-        ready = [s for s, n in plan.scheduled if s.num_computed_tokens + n >= s.num_tokens]
+        return rows, [s for s, n in plan.scheduled if s.num_computed_tokens + n >= s.num_tokens]
+
+    def _forward(self, rows, ready: list[Sequence]) -> torch.Tensor:
+        """One forward over the packed rows; returns the ready sequences' next-token logits (R, V) (the
+        output layer runs at those rows only)."""
         at = (self.spec.logits_indices(rows, ready) if self.spec is not None  # the pending token and each draft
               else rows.logits_indices([s.seq_id for s in ready]))
         begun = time.perf_counter()
         logits = self.model(rows.tokens, rows.input_pos, self.cache, logits_indices=at)
         if self.spec is not None:  # "auto" follows the machine's load
             self.spec.observe(rows.tokens.numel(), time.perf_counter() - begun)
-        return ready, logits, rows.shape
+        return logits
 
     def _draw(self, ready: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
         """What each ready sequence draws (``sampler.draw_tokens``): one token per sample it becomes (a
