@@ -20,6 +20,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from .stats import PrefixCacheStats
+
+__all__ = ["BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PrefixCacheStats", "UnknownSequenceError",
+           "blocks_for", "hash_block_tokens"]
+
 
 class NoFreeBlocksError(RuntimeError):
     """Too few free blocks; nothing was changed (a scheduler preempts a sequence and tries again)."""
@@ -47,23 +52,6 @@ def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> in
     """The prefix-cache key of a full block: a hash of its parent block's hash and its own token ids,
     so the same tokens after a different prefix get a different key."""
     return hash((parent_hash, token_ids))
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache lookups counted in full blocks: ``queries`` looked up, ``hits`` reused."""
-
-    queries: int = 0
-    hits: int = 0
-
-    @property
-    def misses(self) -> int:
-        return self.queries - self.hits
-
-    @property
-    def hit_rate(self) -> float:
-        """hits / queries (0 when nothing was looked up)."""
-        return self.hits / self.queries if self.queries else 0.0
 
 
 @dataclass(frozen=True)

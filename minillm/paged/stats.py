@@ -1,10 +1,28 @@
 """What the engine records about its steps, for the timeline of notebook 03 and serve-bench's memory
 figures: one ``StepRecord`` per step, summed by ``EngineStats.summary``. The engine calls one hook
-(``EngineStats.record_step``) after each forward; nothing here changes what the engine computes."""
+(``EngineStats.record_step``) after each forward; nothing here changes what the engine computes. The
+block manager counts its prefix-cache lookups in a ``PrefixCacheStats``."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups counted in full blocks: ``queries`` looked up, ``hits`` reused."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def misses(self) -> int:
+        return self.queries - self.hits
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / queries (0 when nothing was looked up)."""
+        return self.hits / self.queries if self.queries else 0.0
 
 
 @dataclass
