@@ -158,44 +158,35 @@ METHOD_STYLE = {"rtn": ("tab:gray", "o"), "gptq": ("tab:blue", "s"), "awq": ("ta
                 "awq+gptq": ("tab:green", "D")}
 
 
-def _group_label(group_size: int) -> str:
-    return "ch" if group_size == -1 else f"g{group_size}"
-
-
-def plot_ppl_vs_bits(table: dict, path: str | Path | None = None):
-    """Perplexity vs bits per weight (16-bit scales): one line per method and bit width, through its group
-    sizes (each point labelled g32 / g64 / ch), the float model as a dashed line. Returns the figure
-    (saved to ``path`` when given, through ``files.save_figure``)."""
+def plot_ppl_vs_bits(table: dict, path: str | Path | None = None, method_style: dict | None = None):
+    """Perplexity against bits per weight, one line per method and bit width; each x position is one
+    (bits, group size) setting, named on the axis instead of beside every point (labels beside the points
+    overlap where two methods land close). ``method_style``: {method: (colour, marker)}, METHOD_STYLE by
+    default. Returns the figure (saved to ``path`` when given, through ``files.save_figure``)."""
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import FixedLocator, NullFormatter, NullLocator
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    ppls = [table["float"]["perplexity"]]
-    for method, (color, marker) in METHOD_STYLE.items():
+    settings = {}
+    for method, (color, marker) in (method_style or METHOD_STYLE).items():
         for bits, ls in ((4, "-"), (3, "--")):
             rows = sorted((r for r in table["rows"] if r["method"] == method and r["bits"] == bits),
                           key=lambda r: r["bits_per_weight"])
-            if not rows:
-                continue
-            x, y = [r["bits_per_weight"] for r in rows], [r["perplexity"] for r in rows]
-            ppls += y
-            ax.plot(x, y, ls=ls, marker=marker, color=color, label=f"{method} {bits}-bit")
+            if rows:
+                ax.plot([r["bits_per_weight"] for r in rows], [r["perplexity"] for r in rows], ls=ls, marker=marker,
+                        color=color, label=f"{method} {bits}-bit")
             for r in rows:
-                ax.annotate(_group_label(r["group_size"]), (r["bits_per_weight"], r["perplexity"]),
-                            textcoords="offset points", xytext=(4, 3), fontsize=7, color=color)
+                group = "per channel" if r["group_size"] == -1 else f"g{r['group_size']}"
+                settings[round(r["bits_per_weight"], 3)] = f"{bits}-bit {group}\n{r['bits_per_weight']:.2f}"
     ax.axhline(table["float"]["perplexity"], color="k", ls=":", lw=1, label="float (dequantized Q4_1)")
     ax.set_yscale("log")
-    lo, hi = min(ppls), max(ppls)
-    ticks = [t for t in (25, 28, 30, 32, 35, 40, 45, 50, 60, 70, 80, 100, 120) if lo * 0.95 <= t <= hi * 1.05]
-    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.set_xticks(list(settings), list(settings.values()), fontsize=8)
     ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_locator(NullLocator())
-    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_minor_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_xlabel("bits per weight (code + float16 scale + zero per group, linear layers)")
     ax.set_ylabel(f"perplexity ({table['setup']['eval_text']}, log scale)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    ax.set_title("SmolLM2-135M: perplexity vs bits per weight (g = group size, ch = per channel)")
+    ax.set_title("SmolLM2-135M: perplexity vs bits per weight")
     fig.tight_layout()
     if path is not None:
         save_figure(fig, path)

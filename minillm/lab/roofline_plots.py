@@ -80,7 +80,8 @@ def plot_linear_layouts(layouts: dict[int, dict[str, float]], weight_bytes: floa
                         title: str | None = None):
     """The bandwidth (GB/s) at which each weight layout streams one decode step's linear layers, per batch
     size, against the bandwidth ceiling measured beside it (``Ceilings.bandwidth``: the larger of a streaming
-    copy and a streaming read).
+    copy and a streaming read). The x axis ends just past the longest bar or the ceiling; the legend sits
+    below the axes.
 
     Args:
         layouts: {batch size: {layout: seconds}}, as ``measure_linear_layouts`` returns per batch size.
@@ -88,7 +89,7 @@ def plot_linear_layouts(layouts: dict[int, dict[str, float]], weight_bytes: floa
         read_bandwidth: the ceiling, bytes/s (``Ceilings.bandwidth``, whichever of copy and read was faster).
     """
     names = list(dict.fromkeys(n for per in layouts.values() for n in per))
-    fig, ax = _figure(7.5, 0.45 * len(names) * len(layouts) + 1.5)
+    fig, ax = _figure(7.5, 0.45 * len(names) * len(layouts) + 2.2)
     height = 0.8 / len(layouts)
     y = np.arange(len(names))
     for i, (batch, per) in enumerate(layouts.items()):
@@ -97,29 +98,30 @@ def plot_linear_layouts(layouts: dict[int, dict[str, float]], weight_bytes: floa
         ax.bar_label(bars, [f"{v:.1f}" for v in gbs], fontsize=7, padding=2)
     ax.axvline(read_bandwidth / 1e9, color="k", ls="--", lw=1, label=f"ceiling (larger of copy and read): {read_bandwidth / 1e9:.1f} GB/s")
     top = max(weight_bytes / s / 1e9 for per in layouts.values() for s in per.values())
-    ax.set_xlim(0, 2.0 * max(top, read_bandwidth / 1e9))  # room on the right for the legend, clear of the bars
+    ax.set_xlim(0, 1.15 * max(top, read_bandwidth / 1e9))  # room for the bars' labels, no empty half
     ax.set_yticks(y + height * (len(layouts) - 1) / 2, names, fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("GB/s of weights streamed by one decode step's linear layers")
-    ax.set_title(title or "Same weights, same bytes: the kernel sets the bandwidth")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(title or "Same weights, same bytes: the kernel sets the bandwidth", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2, frameon=False)
     fig.tight_layout()
     return save_figure(fig, path)
 
 
 def plot_decode_waterfall(steps: dict[str, float], path, title: str | None = None):
     """Batch-1 decode from the bound down: milliseconds per step for each stage (``{label: seconds}``, in
-    the order given: e.g. the roofline bound, a plain read of the model's own weights, compiled, eager),
-    each labelled with its share of the first (the bound)."""
+    the order given: e.g. the roofline bound, a plain read of the model's own weights, compiled, eager).
+    Each stage's share of the bound's speed goes under its name, so the x axis ends just past the slowest
+    stage."""
     labels, seconds = list(steps), list(steps.values())
-    fig, ax = _figure(7, 3.6)
+    fig, ax = _figure(7, 0.55 * len(labels) + 1.6)
     bars = ax.barh(range(len(labels)), [1e3 * s for s in seconds], color=["k"] + [f"C{i}" for i in range(len(labels) - 1)])
-    ax.bar_label(bars, [f"{1e3 * s:.1f} ms ({seconds[0] / s:.0%} of the bound's speed)" if i else f"{1e3 * s:.1f} ms"
-                        for i, s in enumerate(seconds)], fontsize=8, padding=3)
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.bar_label(bars, [f"{1e3 * s:.1f} ms" for s in seconds], fontsize=8, padding=3)
+    ax.set_yticks(range(len(labels)), [f"{name}\n({seconds[0] / s:.0%} of the bound's speed)" if i else name
+                                       for i, (name, s) in enumerate(zip(labels, seconds))], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlim(0, 1e3 * max(seconds) * 2.1)
+    ax.set_xlim(0, 1e3 * max(seconds) * 1.15)
     ax.set_xlabel("ms per decode step (batch 1, float32)")
-    ax.set_title(title or "From the roofline bound to eager decode")
+    ax.set_title(title or "From the roofline bound to eager decode", fontsize=10)
     fig.tight_layout()
     return save_figure(fig, path)
