@@ -207,3 +207,31 @@ def total_time(coeffs: list[float], prompt_tokens: int, new_tokens: int) -> floa
     """Seconds for ``new_tokens`` tokens after a ``prompt_tokens`` prompt under a fitted step-time model."""
     return float(np.polyval(coeffs, np.arange(prompt_tokens, prompt_tokens + new_tokens, dtype=float)).sum())
 
+
+
+def plot_step_time_vs_position(steps: dict[str, dict[int, float]], fits: dict[str, list[float]], path) -> Path:
+    """Step time against position (``step_time_at_positions``' output, points) and each path's fit (lines),
+    on linear axes: all paths on the left, the two caches alone on the right with their own scale, so
+    that a cache's small slope is visible beside recomputation's large one. Writes a PNG; returns its path."""
+    import matplotlib.pyplot as plt
+
+    from ..files import save_figure
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    grid = np.linspace(min(min(t) for t in steps.values()), max(max(t) for t in steps.values()), 100)
+    for ax, paths, title in ((axes[0], list(steps), "every path"),
+                             (axes[1], [p for p in steps if p != "none"], "the caches alone (zoomed)")):
+        for path_name in paths:
+            color = f"C{list(steps).index(path_name)}"
+            times = steps[path_name]
+            ax.plot(list(times), [1e3 * s for s in times.values()], "o", color=color, label=f"{path_name} (measured)")
+            ax.plot(grid, 1e3 * np.polyval(fits[path_name], grid), "-", color=color, alpha=0.6)
+        ax.set_xlabel("position of the generated token")
+        ax.set_ylabel("ms per token")
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylim(bottom=0)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Decode step time vs position (lines: the fits)", fontsize=11)
+    fig.tight_layout()
+    return save_figure(fig, path)

@@ -5,10 +5,14 @@
 * ``QUALITY_BUDGET``, ``protocol``, ``vs_float``, ``quality``: one quality budget for the course, every
   perplexity named by its protocol and stated relative to the float model on that same protocol;
 * ``without_goals``: a command's report without its acceptance-goal lines;
-* ``report_share``: how many of a notebook's code lines build reports rather than run the model or plot;
-* ``draft_summary``, ``int4_quality``: what records hold, in the words docs/speculative.md and the README
-  quote (tests keep them equal);
-* ``plot_*``: the lessons' figures that the lab's plots crowd (labels on points, empty axes).
+* ``report_share``: how many of a notebook's code lines build reports rather than run the model or plot
+  (``python -m tools.report_share`` prints it for every lesson);
+* ``draft_summary``, ``int4_quality``, ``gpu_record``: what records hold, in the words docs/speculative.md and
+  the README quote (tests keep them equal), and the GPU run docs/gpu.md records, for lessons run without one;
+* ``plot_allocations``, ``plot_scheduler_timeline``, ``plot_ppl_vs_bits``: lesson figures with nowhere
+  else to live (the last draws ``lab.quant``'s figure).
+
+The Markdown a lesson shows after it measures is built in ``lesson_notes``.
 """
 
 from __future__ import annotations
@@ -185,6 +189,30 @@ def draft_summary(report: dict) -> str:
     ])
 
 
+def gpu_record(path) -> dict:
+    """The GPU run docs/gpu.md records (``path``), for a lesson that runs where there is no GPU: its device and
+    command line ("Command: `.ci/gpu-check` on one NVIDIA H200, 2026-11-29.") and its table's float32 rows.
+
+    Returns:
+        {"device", "source", "rows": {forward: {"predicted_tokens_per_s", "measured_tokens_per_s"}},
+         "decode_B1": rows["decode B=1"]}.
+
+    Raises:
+        ValueError: the file has no command line or no "decode B=1" row (its format changed).
+    """
+    import re
+
+    text = Path(path).read_text(encoding="utf-8")
+    head = re.search(r"^Command: (`[^`]+`) on (.+?), (\d{4}-\d\d-\d\d)\.", text, re.M)
+    rows = {m.group(1): {"predicted_tokens_per_s": float(m.group(2).replace(",", "")),
+                         "measured_tokens_per_s": float(m.group(3).replace(",", ""))}
+            for m in re.finditer(r"^\| ((?:decode|prefill) [BT]=\d+(?: \w+)?) \| ([\d,.]+) \| ([\d,.]+) \|", text, re.M)}
+    if not head or "decode B=1" not in rows:
+        raise ValueError(f"{path}: no 'Command: ... on DEVICE, DATE.' line or no 'decode B=1' row")
+    return {"device": head.group(2), "source": f"docs/{Path(path).name}, {head.group(1)}, {head.group(3)}", "rows": rows,
+            "decode_B1": rows["decode B=1"]}
+
+
 # ---------------------------------------------------------------- figures
 
 
@@ -217,6 +245,33 @@ def plot_allocations(result: dict, path, option_bpw):
     return save_figure(fig, path)
 
 
+def plot_scheduler_timeline(stats, rows: dict, labels: list[str], path, budget: int = 48):
+    """Which request runs in which engine step (``stats``: the engine's ``EngineStats``; ``rows``: request id ->
+    row; ``labels``: one per row): prefill chunks (darker: more of the step's ``budget`` tokens), decodes,
+    recomputation after preemption and each preemption; the legend sits below the axes, clear of the data.
+    Writes a PNG; returns its path."""
+    import matplotlib.pyplot as plt
+
+    from ..files import save_figure
+
+    colors = {"prefill": "tab:orange", "decode": "tab:blue", "recompute": "tab:red"}
+    fig, ax = plt.subplots(figsize=(10, 0.4 * len(labels) + 2.2))
+    for rec in stats.records:
+        for rid, _, n, kind in rec.runs:
+            ax.barh(rows[rid], 1, left=rec.step, color=colors[kind], height=0.8, alpha=min(1.0, 0.4 + n / budget))
+        for rid, _ in rec.preempted:
+            ax.plot(rec.step, rows[rid], "kx", ms=9, mew=2)
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("engine step")
+    ax.set_title("Which request runs in which step")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()] + [plt.Line2D([], [], color="k", marker="x", ls="")]
+    ax.legend(handles, ["prefill chunk (darker: more tokens)", "decode", "recompute after preemption", "preempted"],
+              loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
 def int4_quality(table: dict, budget: float = QUALITY_BUDGET) -> str:
     """The README's sentence on what the int4 rows cost in quality, from notebook 05's results table
     (``figures/05_quant_table.json``): RTN and GPTQ at 4 bits, group 64, and the best 4-bit entry, each
@@ -234,112 +289,10 @@ def int4_quality(table: dict, budget: float = QUALITY_BUDGET) -> str:
             "On this 135M model, 4 bits buy speed and size, not free quality.")
 
 
-def plot_speedups(rows: list[dict], path):
-    """Speculative decoding per workload, one row each: the three predictions (closed form, closed form
-    with the measured verify cost, proposer-aware) and the measured speedup on one axis, so that no two
-    workloads' labels share a place. Writes a PNG; returns its path."""
-    import matplotlib.pyplot as plt
-
-    from ..files import save_figure
-
-    kinds = (("leviathan_speedup", "x", "closed form (free verification)"),
-             ("leviathan_speedup_with_verify_cost", "+", "closed form with the measured verify cost"),
-             ("predicted_speedup", "o", "proposer-aware prediction"),
-             ("measured_speedup", "*", "measured"))
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.8))
-    for i, r in enumerate(rows):
-        ax.plot([min(r[k] for k, _, _ in kinds), max(r[k] for k, _, _ in kinds)], [i, i], color="0.8", lw=1, zorder=0)
-    for j, (key, marker, label) in enumerate(kinds):
-        ax.plot([r[key] for r in rows], range(len(rows)), marker, ls="", ms=12 if marker == "*" else 8,
-                color="k" if key == "measured_speedup" else f"C{j}", label=label)
-    ax.axvline(1, color="k", ls=":", lw=1)
-    ax.set_yticks(range(len(rows)), [r["workload"].split(" (")[0] for r in rows])
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.08 * max(r[k] for r in rows for k, _, _ in kinds))
-    ax.set_xlabel("speedup over plain cached decoding (x); dotted: 1x")
-    ax.set_title("Speculative decoding: three predictions and the measurement, per workload", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
-    fig.tight_layout()
-    return save_figure(fig, path)
-
-
 def plot_ppl_vs_bits(table: dict, path, method_style: dict):
-    """Perplexity against bits per weight, one line per method and bit width; each x position is one
-    (bits, group size) setting, named on the axis instead of beside every point. Writes a PNG; returns its path."""
-    import matplotlib.pyplot as plt
+    """``minillm.lab.quant.plot_ppl_vs_bits``, the figure ``python -m minillm bench quant`` draws too, saved
+    to ``path``; returns the path."""
+    from .quant import plot_ppl_vs_bits as draw
 
-    from ..files import save_figure
-
-    fig, ax = plt.subplots(figsize=(8, 4.8))
-    settings = {}
-    for method, (color, marker) in method_style.items():
-        for bits, ls in ((4, "-"), (3, "--")):
-            rows = sorted((r for r in table["rows"] if r["method"] == method and r["bits"] == bits),
-                          key=lambda r: r["bits_per_weight"])
-            if rows:
-                ax.plot([r["bits_per_weight"] for r in rows], [r["perplexity"] for r in rows], ls=ls, marker=marker,
-                        color=color, label=f"{method} {bits}-bit")
-            for r in rows:
-                group = "per channel" if r["group_size"] == -1 else f"g{r['group_size']}"
-                settings[round(r["bits_per_weight"], 3)] = f"{bits}-bit {group}\n{r['bits_per_weight']:.2f}"
-    ax.axhline(table["float"]["perplexity"], color="k", ls=":", lw=1, label="float (dequantized Q4_1)")
-    ax.set_yscale("log")
-    ax.set_xticks(list(settings), list(settings.values()), fontsize=8)
-    ax.yaxis.set_major_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.yaxis.set_minor_formatter(plt.FuncFormatter(lambda v, _: f"{v:g}"))
-    ax.set_xlabel("bits per weight (code + float16 scale + zero per group, linear layers)")
-    ax.set_ylabel(f"perplexity ({table['setup']['eval_text']}, log scale)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, ncol=2)
-    ax.set_title("SmolLM2-135M: perplexity vs bits per weight")
-    fig.tight_layout()
-    return save_figure(fig, path)
-
-
-def plot_linear_layouts(layouts: dict[int, dict[str, float]], weight_bytes: float, ceiling: float, path):
-    """GB/s at which each weight layout streams one decode step's linear layers, per batch size, against the
-    ceiling measured beside them; the x axis ends just past the longest bar and the legend sits below the
-    plot. ``layouts``: {batch: {layout: seconds}}; ``ceiling`` in bytes/s. Writes a PNG; returns its path."""
-    import matplotlib.pyplot as plt
-
-    from ..files import save_figure
-
-    names = list(dict.fromkeys(n for per in layouts.values() for n in per))
-    fig, ax = plt.subplots(figsize=(7.5, 0.45 * len(names) * len(layouts) + 2.2))
-    height = 0.8 / len(layouts)
-    for i, (batch, per) in enumerate(layouts.items()):
-        gbs = [weight_bytes / per[n] / 1e9 if n in per else 0 for n in names]
-        bars = ax.barh([k + i * height for k in range(len(names))], gbs, height, label=f"batch {batch}")
-        ax.bar_label(bars, [f"{v:.1f}" for v in gbs], fontsize=7, padding=2)
-    ax.axvline(ceiling / 1e9, color="k", ls="--", lw=1, label=f"ceiling (larger of copy and read): {ceiling / 1e9:.1f} GB/s")
-    top = max(max(weight_bytes / s / 1e9 for per in layouts.values() for s in per.values()), ceiling / 1e9)
-    ax.set_xlim(0, 1.15 * top)
-    ax.set_yticks([k + height * (len(layouts) - 1) / 2 for k in range(len(names))], names, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("GB/s of weights streamed by one decode step's linear layers")
-    ax.set_title("Same weights, same bytes: the kernel sets the bandwidth", fontsize=10)
-    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
-    fig.tight_layout()
-    return save_figure(fig, path)
-
-
-def plot_decode_waterfall(steps: dict[str, float], path, title: str | None = None):
-    """Batch-1 decode from the bound down (``{label: seconds}``, the bound first): each bar labelled inside
-    with its milliseconds and its share of the bound's speed, so the x axis ends at the slowest stage.
-    Writes a PNG; returns its path."""
-    import matplotlib.pyplot as plt
-
-    from ..files import save_figure
-
-    labels, seconds = list(steps), list(steps.values())
-    fig, ax = plt.subplots(figsize=(7, 0.5 * len(labels) + 1.4))
-    bars = ax.barh(range(len(labels)), [1e3 * s for s in seconds], color=["k"] + [f"C{i}" for i in range(len(labels) - 1)])
-    ax.bar_label(bars, [f"{1e3 * s:.1f} ms" + (f" ({seconds[0] / s:.0%} of the bound's speed)" if i else "")
-                        for i, s in enumerate(seconds)], fontsize=8, label_type="center", color="w")
-    ax.set_yticks(range(len(labels)), labels, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1e3 * max(seconds) * 1.02)
-    ax.set_xlabel("ms per decode step (batch 1, float32)")
-    ax.set_title(title or "From the roofline bound to eager decode", fontsize=10)
-    fig.tight_layout()
-    return save_figure(fig, path)
+    draw(table, path, method_style)
+    return Path(path)
