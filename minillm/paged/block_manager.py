@@ -1,25 +1,24 @@
-"""The block manager of PagedAttention: a free list, reference counts, one block table per sequence,
-copy-on-write after a fork, and prefix caching.
+"""The block manager of PagedAttention: a free queue, reference counts, one block table per sequence,
+copy-on-write after a fork.
 
 Kwon et al. 2023 (vLLM, arXiv 2309.06180): Sec. 4.1-4.2 (a sequence's logical blocks map to physical
-blocks through its block table), Sec. 4.4 (samples and beams share blocks, counted by reference; the
-first write into a shared block copies it), and vLLM's automatic prefix caching
-(docs/design/prefix_caching.md: a full block is found by a hash chained over its parent's hash and
-its own token ids; free blocks queue in eviction order).
+blocks through its block table) and Sec. 4.4 (samples and beams share blocks, counted by reference; the
+first write into a shared block copies it). Free blocks queue in eviction order for the prefix cache
+(``prefix_cache.py``), which the manager holds and tells when a block is taken or freed.
 
 One rule: ``blocks_for(n) = ceil(n / block_size)``, so a new block is taken exactly when a token lands at
 a multiple of block_size. ``grow(n)`` takes blocks until the sequence holds ``blocks_for(n)``;
 ``truncate(n)`` and ``free`` give back the rest. The manager holds no tensors: it returns the
 copy-on-write copies for the KV pool (``cache.py``) to make, and reads each sequence's known tokens
-from the sequence's own list (one ledger). The prefix cache's choices are in docs/paged.md.
+from the sequence's own list (one ledger).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable, Iterable
 
+from .prefix_cache import PrefixCache, hash_block_tokens
 from .stats import PrefixCacheStats
 
 __all__ = ["BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PrefixCacheStats", "UnknownSequenceError",
@@ -48,27 +47,15 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
-def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The prefix-cache key of a full block: a hash of its parent block's hash and its own token ids,
-    so the same tokens after a different prefix get a different key."""
-    return hash((parent_hash, token_ids))
-
-
-@dataclass(frozen=True)
-class _CachedBlock:
-    block_hash: int
-    token_ids: tuple[int, ...]
-    parent: tuple[int, int] | None  # (block id, allocation count) of the block before it; None for a first block
-
-
 class BlockManager:
     """Physical KV blocks, their reference counts, and each sequence's block table.
 
     Args:
         num_blocks: physical blocks in the pool (at least 1).
         block_size: tokens per block.
-        enable_prefix_caching: keep full blocks findable by their hash after their sequence ends.
-        hash_fn: ``(parent_hash, token_ids) -> int`` (``hash_block_tokens``; tests pass a colliding one).
+        enable_prefix_caching: keep full blocks findable by their tokens (``prefix_cache``), also after
+            their sequence ends.
+        hash_fn: the prefix cache's key of a full block (``hash_block_tokens``; tests pass a colliding one).
 
     Per sequence (by id): its ``block_table`` (logical block i -> physical block), ``num_tokens``
     (positions that have slots), and its known token ids, which name its full blocks in the prefix cache.
@@ -85,21 +72,26 @@ class BlockManager:
         if block_size < 1:
             raise ValueError(f"block_size: must be at least 1, got {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.enable_prefix_caching, self.hash_fn = enable_prefix_caching, hash_fn
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache = PrefixCache(num_blocks, block_size, hash_fn)
+        self.stats: PrefixCacheStats = self.prefix_cache.stats
         self.ref_counts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front is taken first
-        self._times_taken = [0] * num_blocks  # a block's identity for verifying a cached prefix
-        self._cached: dict[int, _CachedBlock] = {}  # block id -> what it holds
-        self._hash_to_block: dict[int, int] = {}
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
         self._token_ids: dict[int, list[int]] = {}
-        self._block_hashes: dict[int, list[int]] = {}  # hashes of the leading full blocks with known tokens
+        self._block_hashes: dict[int, list[int]] = {}  # prefix-cache keys of the leading full blocks with known tokens
         self._freed: set[int] = set()
-        self._uncommitted: set[int] = set()  # named since ``begin``: their K/V is not written yet
-        self._in_step = False  # between begin and commit / rollback
         self.step_copies: list[tuple[int, int]] = []  # copy-on-write made since begin (a rollback makes them again)
-        self.stats = PrefixCacheStats()
+
+    @property
+    def hash_fn(self) -> Callable[[int | None, tuple[int, ...]], int]:
+        """The prefix cache's key of a full block (``PrefixCache.hash_fn``)."""
+        return self.prefix_cache.hash_fn
+
+    @hash_fn.setter
+    def hash_fn(self, fn: Callable[[int | None, tuple[int, ...]], int]) -> None:
+        self.prefix_cache.hash_fn = fn
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -137,7 +129,7 @@ class BlockManager:
 
     def is_cached(self, block: int) -> bool:
         """Whether a prefix lookup can find this block."""
-        return block in self._cached
+        return block in self.prefix_cache
 
     def slot_mapping(self, seq_id: int, positions: Iterable[int]) -> list[int]:
         """The pool slot of each position: ``block_table[pos // block_size] * block_size + pos % block_size``.
@@ -181,7 +173,7 @@ class BlockManager:
         if needed > self.num_blocks:
             raise ValueError(f"pool too small: {len(token_ids)} tokens need {needed} blocks of {self.block_size} "
                              f"but the pool has {self.num_blocks}; make the pool larger")
-        hits = self._lookup(token_ids) if self.enable_prefix_caching else []
+        hits = self.prefix_cache.lookup(token_ids) if self.enable_prefix_caching else []
         for block, _ in hits:
             if self.ref_counts[block] == 0:
                 del self._free[block]
@@ -219,13 +211,13 @@ class BlockManager:
             old = table[i]
             if self.ref_counts[old] > 1:  # shared: the first write copies it
                 new = self._take()
-                if self._in_step:
+                if self.prefix_cache.in_step:  # between begin and commit: a rollback makes this copy again
                     self.step_copies.append((old, new))
                 table[i] = new
                 self.ref_counts[old] -= 1
                 copies.append((old, new))
-            elif old in self._cached:  # a full cached block cut by truncate: its content changes now
-                self._uncache(old)
+            else:  # its own: if it is a full cached block cut by truncate, its content changes now
+                self.prefix_cache.forget(old)
         while len(table) < blocks_for(n, bs):
             table.append(self._take())
         self._num_tokens[seq_id] = n
@@ -252,26 +244,20 @@ class BlockManager:
         del self._block_hashes[seq_id][n // self.block_size:]
 
     def begin(self) -> None:
-        """A step starts: blocks named from now on wait for ``commit`` (outside a step, a name holds at once)."""
-        self._uncommitted.clear()
+        """A step starts: the blocks it names wait for ``commit`` (``PrefixCache.begin``); its copies are kept."""
+        self.prefix_cache.begin()
         self.step_copies = []
-        self._in_step = True
 
     def commit(self) -> None:
-        """The forward that writes the blocks named since ``begin`` succeeded: they stay findable."""
-        self._uncommitted.clear()
+        """The step's forward wrote its blocks: their names hold (``PrefixCache.commit``)."""
+        self.prefix_cache.commit()
         self.step_copies = []
-        self._in_step = False
 
     def rollback(self) -> None:
-        """The forward failed: the blocks named since ``begin`` hold no keys and values, so they are no
-        longer findable (the scheduler rolls back the sequences)."""
-        for block in self._uncommitted:
-            if block in self._cached:
-                self._uncache(block)
-        self._uncommitted.clear()
+        """The step's forward failed: the blocks it named are no longer findable (``PrefixCache.rollback``;
+        the scheduler rolls back the sequences)."""
+        self.prefix_cache.rollback()
         self.step_copies = []
-        self._in_step = False
 
     def fork(self, parent_id: int, child_id: int, token_ids: list[int] | None = None) -> None:
         """Make ``child_id`` share every block of ``parent_id`` (one more reference each); ``token_ids``:
@@ -318,60 +304,20 @@ class BlockManager:
     def _take(self) -> int:
         """Pop the block at the front of the free queue (evicting it from the prefix cache)."""
         block, _ = self._free.popitem(last=False)
-        if block in self._cached:
-            self._uncache(block)
-        self._times_taken[block] += 1
+        self.prefix_cache.taken(block)
         self.ref_counts[block] = 1
         return block
 
     def _release(self, block: int) -> None:
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            if block in self._uncommitted:  # named for a forward that will not write it now
-                self._uncommitted.discard(block)
-                if block in self._cached:
-                    self._uncache(block)
+            findable = self.prefix_cache.released(block)
             self._free[block] = None  # at the back: evicted last
-            if block not in self._cached:
+            if not findable:
                 self._free.move_to_end(block, last=False)  # holds nothing reusable: taken first
 
-    def _uncache(self, block: int) -> None:
-        entry = self._cached.pop(block)
-        if self._hash_to_block.get(entry.block_hash) == block:
-            del self._hash_to_block[entry.block_hash]
-
-    def _lookup(self, token_ids: list[int]) -> list[tuple[int, int]]:
-        """(block, hash) of the longest verified cached prefix, leaving the last token uncached."""
-        bs, hits = self.block_size, []
-        n_full = (len(token_ids) - 1) // bs if token_ids else 0
-        self.stats.queries += n_full
-        parent_hash, parent = None, None
-        for i in range(n_full):
-            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = self.hash_fn(parent_hash, tokens)
-            block = self._hash_to_block.get(h)
-            entry = self._cached.get(block)
-            if entry is None or entry.token_ids != tokens or entry.parent != parent:
-                break  # a miss, or a collision that verification catches
-            hits.append((block, h))
-            parent_hash, parent = h, (block, self._times_taken[block])
-        self.stats.hits += len(hits)
-        return hits
-
     def _cache_full_blocks(self, seq_id: int) -> None:
-        """Name each newly full block whose tokens are known by its chained hash."""
-        if not self.enable_prefix_caching:
-            return
-        bs, table, hashes = self.block_size, self._tables[seq_id], self._block_hashes[seq_id]
-        tokens = self._token_ids[seq_id]
-        for i in range(len(hashes), min(self._num_tokens[seq_id], len(tokens)) // bs):
-            block_tokens = tuple(tokens[i * bs:(i + 1) * bs])
-            h = self.hash_fn(hashes[-1] if i else None, block_tokens)
-            hashes.append(h)
-            block = table[i]
-            if block not in self._cached and h not in self._hash_to_block:
-                parent = (table[i - 1], self._times_taken[table[i - 1]]) if i else None
-                if self._in_step:  # first: a name given halfway is still forgotten by a rollback
-                    self._uncommitted.add(block)
-                self._cached[block] = _CachedBlock(h, block_tokens, parent)
-                self._hash_to_block[h] = block
+        """Name the sequence's newly full blocks whose tokens are known (``PrefixCache.name_full_blocks``)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache.name_full_blocks(self._tables[seq_id], self._block_hashes[seq_id],
+                                               self._token_ids[seq_id], self._num_tokens[seq_id])
