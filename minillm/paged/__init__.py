@@ -3,28 +3,24 @@ a block table per sequence, copy-on-write after a fork, prefix caching, attentio
 what paging saves (Sec. 3, Fig. 2).
 
 * ``BlockManager`` (block_manager.py): free queue, reference counts, block tables, slot_mapping,
-  fork / copy-on-write, prefix caching; ``NoFreeBlocksError`` when the pool runs out.
+  fork / copy-on-write; ``NoFreeBlocksError`` when the pool runs out. ``PrefixCache`` (prefix_cache.py):
+  full blocks found again by their tokens.
 * ``PagedKVCache`` (cache.py): the pool of (num_blocks, block_size, Hkv, D) tensors per layer behind
   the cache interface, so ``minillm.model.Decoder.forward`` runs on it, for ragged batches too.
 * ``paged_attention`` (attention.py): block-wise attention with an online softmax (the kernel's algorithm).
 * ``generate_paged`` (generate.py): ``generate_cached`` on a paged cache.
-* The engine: ``LLM`` / ``LLMEngine`` (llm.py, engine.py: continuous batching in vLLM's API),
-  ``Scheduler`` (scheduler.py), ``pack_flat`` / ``pack_rows`` (batching.py), ``Sequence`` / ``RequestOutput``
-  (sequence.py), beam search (beam.py).
+* The engine: ``LLM`` / ``LLMEngine`` (llm.py, engine.py: continuous batching in vLLM's API; its
+  settings: config.py), ``Scheduler`` (scheduler.py), ``pack_flat`` / ``pack_rows`` (batching.py), what
+  each request draws, forks and keeps (requests.py), ``Sequence`` / ``RequestOutput`` (sequence.py),
+  beam search (beam.py).
 * ``kv_utilization`` and the request traces (fragmentation.py): the share of reserved KV memory holding
   tokens under reservation and paging. What measures all this lives in ``minillm.lab``.
 """
 
 from .attention import paged_attention
-from .block_manager import (
-    BlockManager,
-    DoubleFreeError,
-    NoFreeBlocksError,
-    PrefixCacheStats,
-    UnknownSequenceError,
-    blocks_for,
-    hash_block_tokens,
-)
+from .block_manager import BlockManager, DoubleFreeError, NoFreeBlocksError, UnknownSequenceError, blocks_for
+from .prefix_cache import PrefixCache, hash_block_tokens
+from .stats import PrefixCacheStats
 from .batching import pack_flat, pack_rows, pack_rows_naive
 from .beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_search_naive
 from .cache import PagedKVCache
@@ -39,7 +35,7 @@ __all__ = [
     "LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "LLMEngine",
     "RequestMetrics", "RequestOutput", "Scheduler", "Sequence", "SequenceStatus", "beam_search_naive", "pack_flat",
     "pack_rows", "pack_rows_naive",
-    "BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PagedKVCache", "PrefixCacheStats", "TRACES",
+    "BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PagedKVCache", "PrefixCache", "PrefixCacheStats", "TRACES",
     "UnknownSequenceError", "blocks_for", "generate_paged", "hash_block_tokens", "kv_utilization", "make_trace",
     "paged_attention",
 ]

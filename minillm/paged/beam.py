@@ -182,7 +182,7 @@ class EngineBeams:
         """Once every live beam of ``req`` has its logits: fork beams kept more than once (before any
         token is appended, so a fork copies its parent's state), finish dropped beams; the live beams
         hold the request's beam_width seats. ``fork(req, parent, index)`` and ``finish(seq, reason)``
-        are the engine's."""
+        are the ``RequestTracker``'s."""
         beams = [s for s in req.seqs if not s.is_finished]
         if not all(s.seq_id in self.logprobs for s in beams):
             return

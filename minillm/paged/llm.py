@@ -20,7 +20,8 @@ from tqdm.auto import tqdm
 from ..loading import load_model
 from ..sampling import SamplingParams
 from .beam import BeamSearchOutput, BeamSearchParams
-from .engine import LLMEngine, check_engine_args
+from .config import check_engine_args
+from .engine import LLMEngine
 from .sequence import RequestOutput
 
 

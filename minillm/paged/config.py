@@ -1,0 +1,40 @@
+"""The engine's settings, refused before any memory is taken or any model loaded (as nano-vllm's
+``Config`` and vLLM's ``EngineArgs``): each error names the setting and what it takes. ``LLM`` checks
+the sizes before it loads a model; ``LLMEngine`` checks them all before it allocates the KV pool."""
+
+from __future__ import annotations
+
+import numbers
+
+from .cache import ATTENTION_PATHS, FLAT_PATHS
+
+__all__ = ["DEFAULT_KV_BYTES", "check_engine_args"]
+
+DEFAULT_KV_BYTES = 512 * 2 ** 20  # the pool when neither num_blocks nor kv_cache_bytes is given (at most)
+
+
+def check_engine_args(block_size=16, num_blocks=None, kv_cache_bytes=None, max_num_seqs=64,
+                      max_num_batched_tokens=256, max_seq_len=None, attention="bucketed", row_width=None) -> None:
+    """Refuse an engine setting before any memory is taken or model loaded, naming the setting.
+
+    Raises:
+        ValueError: a size that is not a positive integer (num_blocks, max_seq_len: or None), a
+            kv_cache_bytes that is not a positive number, an unknown attention path, or a row_width
+            with a path that packs one flat row.
+    """
+    for name, value, optional in (("block_size", block_size, False), ("num_blocks", num_blocks, True),
+                                  ("max_num_seqs", max_num_seqs, False),
+                                  ("max_num_batched_tokens", max_num_batched_tokens, False),
+                                  ("max_seq_len", max_seq_len, True)):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1{' (or None)' if optional else ''}, got {value!r}")
+    if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real)
+                                       or not 0 < kv_cache_bytes < float("inf")):
+        raise ValueError(f"kv_cache_bytes: must be a positive number of bytes (or None), got {kv_cache_bytes!r}")
+    if attention not in ATTENTION_PATHS:
+        raise ValueError(f"attention: {attention!r} is not one of {ATTENTION_PATHS}")
+    if row_width is not None and attention in FLAT_PATHS:
+        raise ValueError(f"row_width: attention={attention!r} packs one flat row without padding; row_width "
+                         "applies to the padded rows of 'indexed' and 'gather'")
