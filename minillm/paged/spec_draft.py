@@ -49,10 +49,14 @@ class DraftRunner:
 
     def draft_token_cost(self, n: int) -> float:
         """Seconds per drafted token when n sequences draft together: the forwards run so far at n (a
-        moving average: the machine's load changes), else the cost measured at start."""
+        moving average: the machine's load changes), else the cost measured at start scaled as the nearest
+        count run so far was (the start measures the bare forward, without packing and the paged cache)."""
         if not n or self.cost is None:
             return 0.0
-        return self.seconds.get(n, self.cost(n)) / n
+        if n in self.seconds or not self.seconds:
+            return self.seconds.get(n, self.cost(n)) / n
+        near = min(self.seconds, key=lambda m: abs(m - n))
+        return self.cost(n) * self.seconds[near] / self.cost(near) / n
 
     @torch.inference_mode()
     def propose(self, seqs) -> None:
@@ -84,16 +88,17 @@ class DraftRunner:
             seq.spec_token_ids, self._q[seq.seq_id] = [], []
         depth = 0
         while work:
+            start = time.perf_counter()
             spans = [(seq.seq_id, len(self.fed[seq.seq_id]), feed) for seq, _, _, feed in work]
             rows = pack_flat(spans, self.model.device)
             self.cache.set_rows(rows.seq_ids, rows.widths)
-            start = time.perf_counter()
             logits = self.model(rows.tokens, rows.input_pos, self.cache,
                                 logits_indices=rows.logits_indices([s for s, _, _ in spans]))
-            if depth:  # one token per sequence (the first forward also catches up)
-                n, took = len(spans), time.perf_counter() - start
-                self.seconds[n] = 0.7 * self.seconds.get(n, took) + 0.3 * took
             greedy = logits.argmax(-1).tolist()
+            # every forward is timed, the first too: with one draft per sequence it is the only one, and
+            # a draft's cost is its packing and its paged cache as much as its weights
+            n, took = len(spans), time.perf_counter() - start
+            self.seconds[n] = 0.7 * self.seconds.get(n, took) + 0.3 * took
             for i, (seq, req, k, feed) in enumerate(work):
                 self.fed[seq.seq_id] += feed
                 if req.params.greedy:
