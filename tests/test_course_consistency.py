@@ -65,11 +65,14 @@ def _outputs_text(notebook: str) -> str:
 
 
 def draft_numbers() -> dict:
-    """04a's draft-model and replay numbers: from its record when its run recorded them, else read from the
-    outputs it stores (a run from before the record held them)."""
+    """04a's draft-model and replay numbers, from its record (figures/04a_gamma_sweep.json)."""
     record = json.loads((ROOT / "figures" / "04a_gamma_sweep.json").read_text(encoding="utf-8"))["report"]
-    if "draft" in record:
-        return record
+    assert "draft" in record and "replay" in record, "figures/04a_gamma_sweep.json: no draft/replay numbers; re-execute 04a"
+    return record
+
+
+def shown_draft_numbers() -> dict:
+    """The same numbers as notebook 04a's stored outputs print them."""
     text = _outputs_text("04a_speculative_appendix")
 
     def grab(pattern):
@@ -92,6 +95,17 @@ def draft_numbers() -> dict:
                       "perfect_gamma2": perfect2, "perfect_gamma2_cost": cost2},
             "replay": {"gamma_max": 32, "summarise": summ, "edit_code": edit, "rewrite": rewrite,
                        "rewrite_gamma": int(rewrite_gamma)}}
+
+
+def test_04a_record_is_what_the_notebook_shows():
+    """The record the docs quote holds the numbers 04a's stored outputs print (to the digits printed)."""
+    record, shown = draft_numbers(), shown_draft_numbers()
+    for part in ("draft", "replay"):
+        for key, value in shown[part].items():
+            digits = len(repr(value).split(".")[1]) if isinstance(value, float) else 0
+            assert abs(record[part][key] - value) <= 0.5 * 10 ** -digits + 1e-9, (
+                f"figures/04a_gamma_sweep.json {part}.{key} = {record[part][key]} but notebook 04a shows {value}: "
+                "the record and the notebook come from different runs; re-execute 04a")
 
 
 def test_speculative_docs_quote_04a():

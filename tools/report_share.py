@@ -3,8 +3,8 @@
 ``python -m tools.report_share [NOTEBOOK ...]`` prints, per lesson (every ``notebooks/*.ipynb`` by default, the
 exercises left out), its code lines, the lines that build reports and their share, then the total.
 
-The counting rule is ``minillm.lab.lessons.report_share``'s, the one lessons 05 and 05b state in their closing
-notes:
+The counting rule is ``minillm.lab.lessons.report_share``'s (a measure for the course's authors, so it stays out
+of the lessons' outputs):
 
 * code lines: the non-blank lines of code cells that are not comments (``#``) or magics (``%``);
 * report lines: the whole of every call to ``Markdown(...)`` or ``record(...)`` (however many lines it spans),
