@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import itertools
 import types
+import warnings
 
 import torch
 
 from .linear import Linear
 from .model import Decoder
+
+# inductor's GEMM autotuning calls the deprecated Tensor.storage() inside torch itself; the warning says
+# nothing a user of compiled decode can act on
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
 
 #: inductor settings: autotuned GEMMs over frozen (constant) weights; no CUDA graphs, because the
 #: number of cached positions (a shape) changes every step
