@@ -6,7 +6,27 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from minillm.paged import BlockManager, DoubleFreeError, NoFreeBlocksError, UnknownSequenceError, blocks_for
+from minillm.paged import BlockManager, BlockPool, DoubleFreeError, NoFreeBlocksError, UnknownSequenceError, blocks_for
+
+
+def test_block_pool_takes_plain_blocks_first_and_reusable_ones_last():
+    pool = BlockPool(4)
+    a, b, c = pool.take(), pool.take(), pool.take()
+    assert (a, b, c) == (0, 1, 2) and pool.free_block_ids() == [3] and pool.ref_counts == [1, 1, 1, 0]
+    pool.incref(a)  # a second table holds a
+    pool.release(a, reusable=True)
+    assert pool.ref_counts[a] == 1 and pool.num_free_blocks == 1  # still held: not queued
+    pool.release(a, reusable=True)  # a cached prefix block: evicted last
+    pool.release(b)  # holds nothing reusable: taken first
+    pool.release(c, reusable=True)
+    assert pool.free_block_ids() == [b, 3, a, c] and pool.ref_counts == [0, 0, 0, 0]
+    pool.incref(a)  # a prefix hit on a free block takes it out of the queue, wherever it is
+    assert pool.free_block_ids() == [b, 3, c] and pool.ref_counts[a] == 1
+    assert [pool.take() for _ in range(3)] == [b, 3, c]
+    with pytest.raises(NoFreeBlocksError, match="need 1 free blocks but 0 of 4 are free"):
+        pool.check_free(1)
+    with pytest.raises(ValueError, match="at least one block"):
+        BlockPool(0)
 
 
 def test_blocks_for_rule_one_block_per_block_size_tokens():

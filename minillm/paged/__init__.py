@@ -2,9 +2,9 @@
 a block table per sequence, copy-on-write after a fork, prefix caching, attention over blocks, and
 what paging saves (Sec. 3, Fig. 2).
 
-* ``BlockManager`` (block_manager.py): free queue, reference counts, block tables, slot_mapping,
-  fork / copy-on-write; ``NoFreeBlocksError`` when the pool runs out. ``PrefixCache`` (prefix_cache.py):
-  full blocks found again by their tokens.
+* ``BlockManager`` (block_manager.py): block tables, slot_mapping, fork / copy-on-write, over a
+  ``BlockPool`` (block_pool.py: free queue, reference counts; ``NoFreeBlocksError`` when it runs out).
+  ``PrefixCache`` (prefix_cache.py): full blocks found again by their tokens.
 * ``PagedKVCache`` (cache.py): the pool of (num_blocks, block_size, Hkv, D) tensors per layer behind
   the cache interface, so ``minillm.model.Decoder.forward`` runs on it, for ragged batches too.
 * ``paged_attention`` (attention.py): block-wise attention with an online softmax (the kernel's algorithm).
@@ -19,6 +19,7 @@ what paging saves (Sec. 3, Fig. 2).
 
 from .attention import paged_attention
 from .block_manager import BlockManager, DoubleFreeError, NoFreeBlocksError, UnknownSequenceError, blocks_for
+from .block_pool import BlockPool
 from .prefix_cache import PrefixCache, hash_block_tokens
 from .stats import PrefixCacheStats
 from .batching import pack_flat, pack_rows, pack_rows_naive
@@ -35,7 +36,7 @@ __all__ = [
     "LLM", "BeamSearchOutput", "BeamSearchParams", "BeamSearchSequence", "CompletionOutput", "LLMEngine",
     "RequestMetrics", "RequestOutput", "Scheduler", "Sequence", "SequenceStatus", "beam_search_naive", "pack_flat",
     "pack_rows", "pack_rows_naive",
-    "BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PagedKVCache", "PrefixCache", "PrefixCacheStats", "TRACES",
-    "UnknownSequenceError", "blocks_for", "generate_paged", "hash_block_tokens", "kv_utilization", "make_trace",
-    "paged_attention",
+    "BlockManager", "BlockPool", "DoubleFreeError", "NoFreeBlocksError", "PagedKVCache", "PrefixCache",
+    "PrefixCacheStats", "TRACES", "UnknownSequenceError", "blocks_for", "generate_paged", "hash_block_tokens",
+    "kv_utilization", "make_trace", "paged_attention",
 ]

@@ -1,10 +1,9 @@
-"""The block manager of PagedAttention: a free queue, reference counts, one block table per sequence,
-copy-on-write after a fork.
+"""The block manager of PagedAttention: one block table per sequence, copy-on-write after a fork.
 
 Kwon et al. 2023 (vLLM, arXiv 2309.06180): Sec. 4.1-4.2 (a sequence's logical blocks map to physical
 blocks through its block table) and Sec. 4.4 (samples and beams share blocks, counted by reference; the
-first write into a shared block copies it). Free blocks queue in eviction order for the prefix cache
-(``prefix_cache.py``), which the manager holds and tells when a block is taken or freed.
+first write into a shared block copies it). It holds a ``BlockPool`` (``block_pool.py``: the free queue,
+the reference counts) and a ``PrefixCache`` (``prefix_cache.py``), which it tells when a block is taken or freed.
 
 One rule: ``blocks_for(n) = ceil(n / block_size)``, so a new block is taken exactly when a token lands at
 a multiple of block_size. ``grow(n)`` takes blocks until the sequence holds ``blocks_for(n)``;
@@ -15,23 +14,14 @@ from the sequence's own list (one ledger).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable, Iterable
 
+from .block_pool import BlockPool, NoFreeBlocksError
 from .prefix_cache import PrefixCache, hash_block_tokens
 from .stats import PrefixCacheStats
 
 __all__ = ["BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PrefixCacheStats", "UnknownSequenceError",
            "blocks_for", "hash_block_tokens"]
-
-
-class NoFreeBlocksError(RuntimeError):
-    """Too few free blocks; nothing was changed (a scheduler preempts a sequence and tries again)."""
-
-    def __init__(self, needed: int, free: int, total: int):
-        super().__init__(f"out of KV blocks: need {needed} free blocks but {free} of {total} are free; "
-                         "preempt a sequence (free its blocks) or make the pool larger")
-        self.needed, self.free, self.total = needed, free, total
 
 
 class UnknownSequenceError(ValueError):
@@ -48,11 +38,10 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 
 
 class BlockManager:
-    """Physical KV blocks, their reference counts, and each sequence's block table.
+    """Each sequence's block table over a ``BlockPool`` of physical KV blocks.
 
     Args:
-        num_blocks: physical blocks in the pool (at least 1).
-        block_size: tokens per block.
+        num_blocks: physical blocks in the pool (at least 1). block_size: tokens per block (at least 1).
         enable_prefix_caching: keep full blocks findable by their tokens (``prefix_cache``), also after
             their sequence ends.
         hash_fn: the prefix cache's key of a full block (``hash_block_tokens``; tests pass a colliding one).
@@ -66,17 +55,14 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  hash_fn: Callable[[int | None, tuple[int, ...]], int] = hash_block_tokens):
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks: the pool needs at least one block, got {num_blocks}; give more blocks "
-                             "or more KV bytes")
         if block_size < 1:
             raise ValueError(f"block_size: must be at least 1, got {block_size}")
+        self.pool = BlockPool(num_blocks)
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache = PrefixCache(num_blocks, block_size, hash_fn)
         self.stats: PrefixCacheStats = self.prefix_cache.stats
-        self.ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # front is taken first
+        self.ref_counts = self.pool.ref_counts  # the pool's own list (it never rebinds it), read by index
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
         self._token_ids: dict[int, list[int]] = {}
@@ -97,15 +83,15 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no sequence holds (free cached blocks included: taking one evicts it)."""
-        return len(self._free)
+        return self.pool.num_free_blocks
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.pool.num_free_blocks
 
     def free_block_ids(self) -> list[int]:
         """The free blocks in eviction order (the first is taken next)."""
-        return list(self._free)
+        return self.pool.free_block_ids()
 
     def holds(self, seq_id: int) -> bool:
         """Whether the sequence is allocated (holds a block table)."""
@@ -175,9 +161,7 @@ class BlockManager:
                              f"but the pool has {self.num_blocks}; make the pool larger")
         hits = self.prefix_cache.lookup(token_ids) if self.enable_prefix_caching else []
         for block, _ in hits:
-            if self.ref_counts[block] == 0:
-                del self._free[block]
-            self.ref_counts[block] += 1
+            self.pool.incref(block)
         self._freed.discard(seq_id)
         self._tables[seq_id] = [b for b, _ in hits]
         self._block_hashes[seq_id] = [h for _, h in hits]
@@ -202,9 +186,7 @@ class BlockManager:
         table, bs, cur = self._table(seq_id), self.block_size, self._num_tokens[seq_id]
         if n < cur:
             raise ValueError(f"n: sequence {seq_id} holds {cur} tokens; grow to {n} would shrink it, use truncate")
-        needed = self.blocks_needed(seq_id, cur, n)
-        if needed > len(self._free):
-            raise NoFreeBlocksError(needed, len(self._free), self.num_blocks)
+        self.pool.check_free(self.blocks_needed(seq_id, cur, n))
         copies = []
         if n > cur and cur % bs:
             i = cur // bs
@@ -214,7 +196,7 @@ class BlockManager:
                 if self.prefix_cache.in_step:  # between begin and commit: a rollback makes this copy again
                     self.step_copies.append((old, new))
                 table[i] = new
-                self.ref_counts[old] -= 1
+                self.pool.release(old)  # still held by the other tables
                 copies.append((old, new))
             else:  # its own: if it is a full cached block cut by truncate, its content changes now
                 self.prefix_cache.forget(old)
@@ -270,7 +252,7 @@ class BlockManager:
         if child_id in self._tables:
             raise ValueError(f"child_id: {child_id} is already allocated; fork into a new id")
         for block in table:
-            self.ref_counts[block] += 1
+            self.pool.incref(block)
         self._freed.discard(child_id)
         self._tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
@@ -302,19 +284,14 @@ class BlockManager:
         return table
 
     def _take(self) -> int:
-        """Pop the block at the front of the free queue (evicting it from the prefix cache)."""
-        block, _ = self._free.popitem(last=False)
+        """Take the block at the front of the free queue, evicting it from the prefix cache."""
+        block = self.pool.take()
         self.prefix_cache.taken(block)
-        self.ref_counts[block] = 1
         return block
 
     def _release(self, block: int) -> None:
-        self.ref_counts[block] -= 1
-        if self.ref_counts[block] == 0:
-            findable = self.prefix_cache.released(block)
-            self._free[block] = None  # at the back: evicted last
-            if not findable:
-                self._free.move_to_end(block, last=False)  # holds nothing reusable: taken first
+        last = self.ref_counts[block] == 1  # only the last reference asks the cache: a step's new name goes then
+        self.pool.release(block, reusable=last and self.prefix_cache.released(block))
 
     def _cache_full_blocks(self, seq_id: int) -> None:
         """Name the sequence's newly full blocks whose tokens are known (``PrefixCache.name_full_blocks``)."""
