@@ -52,6 +52,7 @@ def test_compiled_decode_matches_eager_on_the_embedded_model(model, tokenizer):
     assert generate_cached(compiled, prompt[:5], params).tokens == generate_cached(model, prompt[:5], params).tokens
 
 
+@pytest.mark.slow  # about a dozen inductor compiles (each cache, int8, padded and unpadded batches): minutes on 2 cores
 def test_compiled_decode_batches_padding_and_int8_cache(tiny):
     compiled = compile_decode(copy.deepcopy(tiny))
     calls, inner = [], compiled.__dict__["_compiled_decode"]

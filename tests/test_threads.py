@@ -70,6 +70,13 @@ def test_read_sample_parses_proc_stat(tmp_path):
     assert threads.read_sample(str(tmp_path / "missing")) is None
 
 
+@pytest.fixture(autouse=True)
+def _no_fixed_count(monkeypatch):
+    """A count fixed by whoever runs the tests (OMP_NUM_THREADS=1) would turn every governor here off."""
+    for name in ("MINILLM_THREADS", "OMP_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def _governor(monkeypatch, readings, cores=2):
     """A governor on 2 cores fed synthetic readings, one per call to read_sample."""
     it = iter(readings)
