@@ -7,6 +7,7 @@ and docs' tables from the records:
     roofline_plots.py               the roofline's figures (the command is ``roofline/cli.py``)
     fragmentation.py                ``fragmentation``: reserved KV memory holding tokens, reservation vs paging
     engine_costs.py                 the attention paths' and the row cost model's timings (docs/paged.md)
+    flex_paged.py                   FlexAttention reading the block pool against the indexed read (docs/paged.md)
     serve_bench.py, serve_bench_cli.py, online.py, serve_spec.py
                                     ``serve-bench``: the engine vs one at a time, static batches, transformers;
                                     ``--online`` (latency against request rate); ``--spec``
