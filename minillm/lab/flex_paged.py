@@ -1,5 +1,6 @@
 """Decode attention read from the block pool through ``torch.nn.attention.flex_attention``, measured against
-the engine's indexed read (one ``index_select`` of every row's slots, then SDPA).
+the engine's indexed read (one ``index_select`` of every row's slots, then SDPA) and its default, "bucketed"
+(``PagedKVCache.attend``: rows grouped by the keys they attend over, one read and one SDPA per group).
 
 FlexAttention takes a ``BlockMask``: for each query block, the key blocks it attends. With one query row per
 sequence and key blocks the size of the pool's blocks, a row's block table *is* its list of key blocks, so
@@ -20,7 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from ..model import ModelConfig
 from ..paged.attention import padded_slots
+from ..paged.cache import PagedKVCache
 
 _flex = torch.compile(flex_attention, dynamic=False)
 
@@ -86,6 +89,25 @@ def random_step(batch: int, lo: int, hi: int, num_blocks: int = 728, block_size:
     return torch.randn(batch, heads, head_dim, generator=g), k, v, tables, lens
 
 
+def bucketed_step(lens: list[int], num_blocks: int, block_size: int):
+    """A one-layer ``PagedKVCache`` on the "bucketed" path holding sequences of ``lens`` tokens, planned for
+    one decode step; returns (cache, its tables, a function attending q (B, H, D) -> (B, H, D) through it).
+    Planning (``prepare``) is once per step, as the block mask's build; ``attend`` writes the step's new keys
+    and values too, as in the engine."""
+    cache = PagedKVCache(ModelConfig(n_layers=1), num_blocks, block_size, enable_prefix_caching=False,
+                         attention="bucketed")
+    for i, n in enumerate(lens):
+        cache.add_sequence(i)
+        cache.manager.grow(i, n - 1)
+    cache.set_rows(list(range(len(lens))), widths=[1] * len(lens))
+    cache.prepare(torch.tensor([[n - 1 for n in lens]]))
+    kv = torch.zeros(1, cache.n_kv_heads, len(lens), cache.head_dim)
+
+    def attend(q):
+        return cache.attend(0, q.transpose(0, 1)[None], kv, kv)[0].transpose(0, 1)  # one flat row of B tokens
+    return cache, [cache.manager.block_table(i) for i in range(len(lens))], attend
+
+
 def _median_s(fn, repeats: int = 30) -> float:
     for _ in range(3):
         fn()
@@ -99,32 +121,45 @@ def _median_s(fn, repeats: int = 30) -> float:
 
 def measure(cases=((1, 64, 64), (1, 512, 512), (16, 32, 256), (16, 128, 512), (64, 32, 256)), rounds: int = 3,
             block_size: int = 16, num_blocks: int = 728) -> list[dict]:
-    """Per case (batch, shortest, longest): milliseconds per layer of the indexed read + SDPA and of flex
-    (the medians of ``rounds`` interleaved rounds), the block mask's build (once per step, shared by the
-    layers), and the largest difference of their outputs."""
+    """Per case (batch, shortest, longest), on one step's pool and block tables: milliseconds per layer of
+    the indexed read + SDPA, of "bucketed" and of flex (the medians of ``rounds`` interleaved rounds); what
+    each does once per step for all layers (bucketed's plan, flex's block mask); the largest difference of
+    flex's and bucketed's outputs from the indexed read's."""
     rows = []
     with torch.inference_mode():
         for batch, lo, hi in cases:
-            q, k, v, tables, lens = random_step(batch, lo, hi, num_blocks, block_size)
+            q, k, v, _, lens = random_step(batch, lo, hi, num_blocks, block_size)
+            cache, tables, bucketed = bucketed_step(lens, num_blocks, block_size)
+            cache.k[0].copy_(k)
+            cache.v[0].copy_(v)
+            bucketed(q)  # its write of the step's keys and values, once, so that every path reads the same pool
+            k, v = cache.k[0], cache.v[0]
             kf, vf = head_major(k), head_major(v)
             mask = paged_block_mask(tables, lens, block_size, num_blocks)
-            diff = (flex_decode(q, kf, vf, mask) - indexed_decode(q, k, v, tables, lens, block_size)).abs().max()
-            indexed, flex = [], []
+            ref = indexed_decode(q, k, v, tables, lens, block_size)
+            paths = {"indexed": lambda: indexed_decode(q, k, v, tables, lens, block_size),
+                     "bucketed": lambda: bucketed(q), "flex": lambda: flex_decode(q, kf, vf, mask)}
+            diff = {name: float((paths[name]() - ref).abs().max()) for name in ("bucketed", "flex")}
+            times = {name: [] for name in paths}
             for _ in range(rounds):
-                indexed.append(_median_s(lambda: indexed_decode(q, k, v, tables, lens, block_size)))
-                flex.append(_median_s(lambda: flex_decode(q, kf, vf, mask)))
-            build = _median_s(lambda: paged_block_mask(tables, lens, block_size, num_blocks), repeats=10)
+                for name, fn in paths.items():
+                    times[name].append(_median_s(fn))
+            pos = torch.tensor([[n - 1 for n in lens]])
             rows.append({"batch": batch, "lens": (lo, hi), "mean_len": sum(lens) / batch,
-                         "indexed_ms": statistics.median(indexed) * 1e3, "flex_ms": statistics.median(flex) * 1e3,
-                         "mask_build_ms": build * 1e3, "max_abs_diff": float(diff)})
+                         **{f"{name}_ms": statistics.median(t) * 1e3 for name, t in times.items()},
+                         "plan_ms": _median_s(lambda: cache.prepare(pos), repeats=10) * 1e3,
+                         "mask_build_ms": _median_s(lambda: paged_block_mask(tables, lens, block_size, num_blocks),
+                                                    repeats=10) * 1e3,
+                         "max_abs_diff": max(diff.values())})
     return rows
 
 
 if __name__ == "__main__":
     from ..timing import machine
 
-    print(machine(), "float32, H 9, Hkv 3, D 64, block 16, pool 728 blocks; ms per layer")
+    print(machine(), "float32, H 9, Hkv 3, D 64, block 16, pool 728 blocks; ms per layer, then once per step")
     for r in measure():
         print(f"B={r['batch']:<3} lengths {r['lens'][0]}-{r['lens'][1]} (mean {r['mean_len']:.0f}): indexed "
-              f"{r['indexed_ms']:.3f}, flex {r['flex_ms']:.3f} ({r['indexed_ms'] / r['flex_ms']:.2f}x); block mask "
-              f"{r['mask_build_ms']:.2f} ms a step; max |diff| {r['max_abs_diff']:.1e}")
+              f"{r['indexed_ms']:.3f}, bucketed {r['bucketed_ms']:.3f}, flex {r['flex_ms']:.3f} "
+              f"({r['bucketed_ms'] / r['flex_ms']:.2f}x bucketed); per step: bucketed's plan {r['plan_ms']:.2f}, "
+              f"flex's block mask {r['mask_build_ms']:.2f}; max |diff| {r['max_abs_diff']:.1e}")
