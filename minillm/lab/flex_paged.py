@@ -15,7 +15,6 @@ kernel reads; the engine's pool is (num_blocks, block_size, Hkv, D).
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from ..model import ModelConfig
 from ..paged.attention import padded_slots
 from ..paged.cache import PagedKVCache
+from ..timing import machine, time_median
 
 _flex = torch.compile(flex_attention, dynamic=False)
 
@@ -108,17 +108,6 @@ def bucketed_step(lens: list[int], num_blocks: int, block_size: int):
     return cache, [cache.manager.block_table(i) for i in range(len(lens))], attend
 
 
-def _median_s(fn, repeats: int = 30) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def measure(cases=((1, 64, 64), (1, 512, 512), (16, 32, 256), (16, 128, 512), (64, 32, 256)), rounds: int = 3,
             block_size: int = 16, num_blocks: int = 728) -> list[dict]:
     """Per case (batch, shortest, longest), on one step's pool and block tables: milliseconds per layer of
@@ -143,20 +132,18 @@ def measure(cases=((1, 64, 64), (1, 512, 512), (16, 32, 256), (16, 128, 512), (6
             times = {name: [] for name in paths}
             for _ in range(rounds):
                 for name, fn in paths.items():
-                    times[name].append(_median_s(fn))
+                    times[name].append(time_median(fn, repeats=30, warmup=3))
             pos = torch.tensor([[n - 1 for n in lens]])
             rows.append({"batch": batch, "lens": (lo, hi), "mean_len": sum(lens) / batch,
                          **{f"{name}_ms": statistics.median(t) * 1e3 for name, t in times.items()},
-                         "plan_ms": _median_s(lambda: cache.prepare(pos), repeats=10) * 1e3,
-                         "mask_build_ms": _median_s(lambda: paged_block_mask(tables, lens, block_size, num_blocks),
-                                                    repeats=10) * 1e3,
+                         "plan_ms": time_median(lambda: cache.prepare(pos), repeats=10) * 1e3,
+                         "mask_build_ms": time_median(lambda: paged_block_mask(tables, lens, block_size, num_blocks),
+                                                      repeats=10) * 1e3,
                          "max_abs_diff": max(diff.values())})
     return rows
 
 
 if __name__ == "__main__":
-    from ..timing import machine
-
     print(machine(), "float32, H 9, Hkv 3, D 64, block 16, pool 728 blocks; ms per layer, then once per step")
     for r in measure():
         print(f"B={r['batch']:<3} lengths {r['lens'][0]}-{r['lens'][1]} (mean {r['mean_len']:.0f}): indexed "
