@@ -26,8 +26,9 @@ from .linear import Linear
 from .model import Decoder
 
 # inductor's GEMM autotuning calls the deprecated Tensor.storage() inside torch itself; the warning says
-# nothing a user of compiled decode can act on
-warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning)
+# nothing a user of compiled decode can act on. Only inductor's own call is silenced: a user's stays.
+warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
+                        module=r"torch\._inductor\.")
 
 #: inductor settings: autotuned GEMMs over frozen (constant) weights; no CUDA graphs, because the
 #: number of cached positions (a shape) changes every step
