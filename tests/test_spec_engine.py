@@ -410,3 +410,22 @@ def test_observed_forwards_move_the_measured_cost():
         cost.observe(16, 8.0)  # the machine got 4x slower at 16 tokens
         cost.observe(15, 7.5)
     assert cost(16) == pytest.approx(8.0, rel=0.05) and cost(1) == 1.0
+
+
+def test_a_draft_forward_that_catches_up_is_costed_as_one_token_per_sequence(tiny, draft, monkeypatch):
+    """The first draft forward also feeds the tokens the draft has not seen (here the prompt): its time is
+    scaled along the start's cost curve to one token per sequence, so a catch-up does not read as drafting."""
+    import types
+
+    from minillm.paged import spec_draft
+    from minillm.paged.spec_auto import PiecewiseCost
+    config = spec("draft_model", "auto", draft, max_num_speculative_tokens=1, step_cost=lambda n: 1.0)
+    engine = LLMEngine(tiny, block_size=4, speculative_config=config)
+    runner = engine.spec.draft
+    runner.cost = PiecewiseCost([(1, 1e-3), (64, 64e-3)])  # a draft forward of n tokens: n ms
+    clock = iter(range(1000))
+    monkeypatch.setattr(spec_draft, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    engine.add_request("0", {"prompt_token_ids": ids(20, 9)}, greedy(4))
+    engine.step()  # the prefill: nothing to draft
+    engine.step()  # the first decode step drafts one token, feeding the prompt and the first output (21 tokens)
+    assert runner.seconds == {1: pytest.approx(1.0 * 1e-3 / 21e-3)}  # 1 s as timed, scaled by cost(1) / cost(21)

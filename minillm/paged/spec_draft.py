@@ -96,8 +96,12 @@ class DraftRunner:
                                 logits_indices=rows.logits_indices([s for s, _, _ in spans]))
             greedy = logits.argmax(-1).tolist()
             # every forward is timed, the first too: with one draft per sequence it is the only one, and
-            # a draft's cost is its packing and its paged cache as much as its weights
-            n, took = len(spans), time.perf_counter() - start
+            # a draft's cost is its packing and its paged cache as much as its weights. A first forward
+            # that also catches up on tokens the draft has not seen is scaled to one token per sequence
+            # along the start's curve, so a catch-up does not read as the cost of drafting
+            n, fed, took = len(spans), rows.tokens.numel(), time.perf_counter() - start
+            if fed > n and self.cost is not None:
+                took *= self.cost(n) / self.cost(fed)
             self.seconds[n] = 0.7 * self.seconds.get(n, took) + 0.3 * took
             for i, (seq, req, k, feed) in enumerate(work):
                 self.fed[seq.seq_id] += feed
