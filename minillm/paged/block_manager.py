@@ -14,6 +14,7 @@ from the sequence's own list (one ledger).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from .block_pool import BlockPool, NoFreeBlocksError
@@ -37,6 +38,16 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+@dataclass
+class _SeqBlocks:
+    """What the manager holds for one sequence (``BlockManager._seqs[seq_id]``)."""
+
+    table: list[int]  # its block_table: logical block i -> physical block
+    num_tokens: int  # positions that have slots
+    token_ids: list[int]  # its known tokens (the sequence's own list): they name its full blocks in the prefix cache
+    block_hashes: list[int]  # prefix-cache keys of the leading full blocks with known tokens
+
+
 class BlockManager:
     """Each sequence's block table over a ``BlockPool`` of physical KV blocks.
 
@@ -45,9 +56,6 @@ class BlockManager:
         enable_prefix_caching: keep full blocks findable by their tokens (``prefix_cache``), also after
             their sequence ends.
         hash_fn: the prefix cache's key of a full block (``hash_block_tokens``; tests pass a colliding one).
-
-    Per sequence (by id): its ``block_table`` (logical block i -> physical block), ``num_tokens``
-    (positions that have slots), and its known token ids, which name its full blocks in the prefix cache.
 
     Raises:
         ValueError: num_blocks or block_size below 1.
@@ -63,10 +71,7 @@ class BlockManager:
         self.prefix_cache = PrefixCache(num_blocks, block_size, hash_fn)
         self.stats: PrefixCacheStats = self.prefix_cache.stats
         self.ref_counts = self.pool.ref_counts  # the pool's own list (it never rebinds it), read by index
-        self._tables: dict[int, list[int]] = {}
-        self._num_tokens: dict[int, int] = {}
-        self._token_ids: dict[int, list[int]] = {}
-        self._block_hashes: dict[int, list[int]] = {}  # prefix-cache keys of the leading full blocks with known tokens
+        self._seqs: dict[int, _SeqBlocks] = {}
         self._freed: set[int] = set()
         self.step_copies: list[tuple[int, int]] = []  # copy-on-write made since begin (a rollback makes them again)
 
@@ -95,23 +100,21 @@ class BlockManager:
 
     def holds(self, seq_id: int) -> bool:
         """Whether the sequence is allocated (holds a block table)."""
-        return seq_id in self._tables
+        return seq_id in self._seqs
 
     def seq_ids(self) -> list[int]:
-        return list(self._tables)
+        return list(self._seqs)
 
     def block_table(self, seq_id: int) -> list[int]:
         """Physical block of each logical block of the sequence (a copy)."""
-        return list(self._table(seq_id))
+        return list(self._seq(seq_id).table)
 
     def num_tokens(self, seq_id: int) -> int:
         """Positions of the sequence that have slots (written, or about to be in this forward)."""
-        self._table(seq_id)
-        return self._num_tokens[seq_id]
+        return self._seq(seq_id).num_tokens
 
     def token_ids(self, seq_id: int) -> list[int]:
-        self._table(seq_id)
-        return list(self._token_ids[seq_id])
+        return list(self._seq(seq_id).token_ids)
 
     def is_cached(self, block: int) -> bool:
         """Whether a prefix lookup can find this block."""
@@ -123,7 +126,8 @@ class BlockManager:
         Raises:
             ValueError: a position outside ``0..num_tokens-1`` (past the sequence's blocks: ``grow`` first).
         """
-        table, bs, n = self._table(seq_id), self.block_size, self._num_tokens[seq_id]
+        seq, bs = self._seq(seq_id), self.block_size
+        table, n = seq.table, seq.num_tokens
         slots = []
         for p in positions:
             if not 0 <= p < n:
@@ -135,10 +139,10 @@ class BlockManager:
     def blocks_needed(self, seq_id: int, start: int, end: int) -> int:
         """Free blocks that writing positions ``start..end-1`` takes, after truncating to ``start``:
         new blocks, plus one when the first write lands in a shared, partly filled block (copy-on-write)."""
-        table, bs = self._table(seq_id), self.block_size
-        n = min(start, self._num_tokens[seq_id])
+        seq, bs = self._seq(seq_id), self.block_size
+        n = min(start, seq.num_tokens)
         needed = max(0, blocks_for(end, bs) - blocks_for(n, bs))
-        if end > n and n % bs and self.ref_counts[table[n // bs]] > 1:
+        if end > n and n % bs and self.ref_counts[seq.table[n // bs]] > 1:
             needed += 1
         return needed
 
@@ -153,7 +157,7 @@ class BlockManager:
             ValueError: the id is in use, or the prompt needs more blocks than the whole pool has.
         """
         token_ids = token_ids if isinstance(token_ids, list) else list(token_ids)
-        if seq_id in self._tables:
+        if seq_id in self._seqs:
             raise ValueError(f"seq_id: {seq_id} is already allocated; free it first or use another id")
         needed = blocks_for(len(token_ids), self.block_size)
         if needed > self.num_blocks:
@@ -163,17 +167,15 @@ class BlockManager:
         for block, _ in hits:
             self.pool.incref(block)
         self._freed.discard(seq_id)
-        self._tables[seq_id] = [b for b, _ in hits]
-        self._block_hashes[seq_id] = [h for _, h in hits]
-        self._num_tokens[seq_id] = len(hits) * self.block_size
-        self._token_ids[seq_id] = token_ids
-        return self._num_tokens[seq_id]
+        self._seqs[seq_id] = _SeqBlocks(table=[b for b, _ in hits], num_tokens=len(hits) * self.block_size,
+                                        token_ids=token_ids, block_hashes=[h for _, h in hits])
+        return len(hits) * self.block_size
 
     def add_token_ids(self, seq_id: int, token_ids: Iterable[int]) -> None:
         """Record more known tokens (a sampled token, before the forward that writes its KV)."""
-        self._table(seq_id)
-        self._token_ids[seq_id].extend(token_ids)
-        self._cache_full_blocks(seq_id)
+        seq = self._seq(seq_id)
+        seq.token_ids.extend(token_ids)
+        self._cache_full_blocks(seq)
 
     def grow(self, seq_id: int, n: int) -> list[tuple[int, int]]:
         """Give the sequence slots for n tokens (``blocks_for(n)`` blocks); returns the (source,
@@ -183,27 +185,27 @@ class BlockManager:
             ValueError: n below the sequence's ``num_tokens`` (use ``truncate``).
             NoFreeBlocksError: too few free blocks; nothing is changed.
         """
-        table, bs, cur = self._table(seq_id), self.block_size, self._num_tokens[seq_id]
+        seq, bs = self._seq(seq_id), self.block_size
+        table, cur = seq.table, seq.num_tokens
         if n < cur:
             raise ValueError(f"n: sequence {seq_id} holds {cur} tokens; grow to {n} would shrink it, use truncate")
         self.pool.check_free(self.blocks_needed(seq_id, cur, n))
         copies = []
         if n > cur and cur % bs:
-            i = cur // bs
-            old = table[i]
+            old = table[cur // bs]
             if self.ref_counts[old] > 1:  # shared: the first write copies it
                 new = self._take()
                 if self.prefix_cache.in_step:  # between begin and commit: a rollback makes this copy again
                     self.step_copies.append((old, new))
-                table[i] = new
+                table[cur // bs] = new
                 self.pool.release(old)  # still held by the other tables
                 copies.append((old, new))
             else:  # its own: if it is a full cached block cut by truncate, its content changes now
                 self.prefix_cache.forget(old)
         while len(table) < blocks_for(n, bs):
             table.append(self._take())
-        self._num_tokens[seq_id] = n
-        self._cache_full_blocks(seq_id)
+        seq.num_tokens = n
+        self._cache_full_blocks(seq)
         return copies
 
     def truncate(self, seq_id: int, n: int, keep_token_ids: bool = False) -> None:
@@ -213,17 +215,17 @@ class BlockManager:
         Raises:
             ValueError: n negative or above the sequence's ``num_tokens``.
         """
-        table = self._table(seq_id)
-        if not 0 <= n <= self._num_tokens[seq_id]:
-            raise ValueError(f"n: cannot truncate sequence {seq_id} of {self._num_tokens[seq_id]} tokens to {n}")
+        seq = self._seq(seq_id)
+        if not 0 <= n <= seq.num_tokens:
+            raise ValueError(f"n: cannot truncate sequence {seq_id} of {seq.num_tokens} tokens to {n}")
         keep = blocks_for(n, self.block_size)
-        for block in reversed(table[keep:]):
+        for block in reversed(seq.table[keep:]):  # last block first
             self._release(block)
-        del table[keep:]
-        self._num_tokens[seq_id] = n
+        del seq.table[keep:]
+        seq.num_tokens = n
         if not keep_token_ids:
-            del self._token_ids[seq_id][n:]
-        del self._block_hashes[seq_id][n // self.block_size:]
+            del seq.token_ids[n:]
+        del seq.block_hashes[n // self.block_size:]
 
     def begin(self) -> None:
         """A step starts: the blocks it names wait for ``commit`` (``PrefixCache.begin``); its copies are kept."""
@@ -248,16 +250,14 @@ class BlockManager:
         Raises:
             UnknownSequenceError: no such parent. ValueError: child_id already in use.
         """
-        table = self._table(parent_id)
-        if child_id in self._tables:
+        parent = self._seq(parent_id)
+        if child_id in self._seqs:
             raise ValueError(f"child_id: {child_id} is already allocated; fork into a new id")
-        for block in table:
+        for block in parent.table:
             self.pool.incref(block)
         self._freed.discard(child_id)
-        self._tables[child_id] = list(table)
-        self._num_tokens[child_id] = self._num_tokens[parent_id]
-        self._token_ids[child_id] = list(self._token_ids[parent_id]) if token_ids is None else token_ids
-        self._block_hashes[child_id] = list(self._block_hashes[parent_id])
+        ledger = list(parent.token_ids) if token_ids is None else token_ids
+        self._seqs[child_id] = _SeqBlocks(list(parent.table), parent.num_tokens, ledger, list(parent.block_hashes))
 
     def free(self, seq_id: int) -> None:
         """End a sequence: each of its blocks loses a reference; those left with none return to the
@@ -268,20 +268,17 @@ class BlockManager:
         """
         if seq_id in self._freed:
             raise DoubleFreeError(f"seq_id: sequence {seq_id} was already freed; free each sequence once")
-        table = self._table(seq_id)
-        for block in reversed(table):
-            self._release(block)
-        for state in (self._tables, self._num_tokens, self._token_ids, self._block_hashes):
-            del state[seq_id]
+        self.truncate(seq_id, 0, keep_token_ids=True)  # the token ids are the sequence's own list: left as they are
+        del self._seqs[seq_id]
         self._freed.add(seq_id)
 
     # ---- internals -----------------------------------------------------------------------------
-    def _table(self, seq_id: int) -> list[int]:
-        table = self._tables.get(seq_id)
-        if table is None:
+    def _seq(self, seq_id: int) -> _SeqBlocks:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
             state = "was freed" if seq_id in self._freed else "was never allocated"
             raise UnknownSequenceError(f"seq_id: sequence {seq_id} {state}; allocate it first")
-        return table
+        return seq
 
     def _take(self) -> int:
         """Take the block at the front of the free queue, evicting it from the prefix cache."""
@@ -293,8 +290,7 @@ class BlockManager:
         last = self.ref_counts[block] == 1  # only the last reference asks the cache: a step's new name goes then
         self.pool.release(block, reusable=last and self.prefix_cache.released(block))
 
-    def _cache_full_blocks(self, seq_id: int) -> None:
+    def _cache_full_blocks(self, seq: _SeqBlocks) -> None:
         """Name the sequence's newly full blocks whose tokens are known (``PrefixCache.name_full_blocks``)."""
         if self.enable_prefix_caching:
-            self.prefix_cache.name_full_blocks(self._tables[seq_id], self._block_hashes[seq_id],
-                                               self._token_ids[seq_id], self._num_tokens[seq_id])
+            self.prefix_cache.name_full_blocks(seq.table, seq.block_hashes, seq.token_ids, seq.num_tokens)
