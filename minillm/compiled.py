@@ -86,9 +86,11 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
 
     recompiles = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
 
-    def decode_layers(x, rope, cache, mask):
+    def decode_layers(x, rope, cache, mask, logits_indices=None):
         with torch._inductor.config.patch(settings), torch._dynamo.config.patch(recompiles):
-            return compiled(model, x, rope, cache, mask)
+            logits = compiled(model, x, rope, cache, mask)
+        # compiled without logits_indices (one graph whichever rows are wanted): every row is projected, then picked
+        return logits if logits_indices is None else logits.flatten(0, 1)[logits_indices]
 
     model._compiled_decode = decode_layers
     return model

@@ -409,16 +409,11 @@ class Decoder(nn.Module):
         per_row = self._check_inputs(tokens, input_pos, cache, pad_lengths)
         if tokens.device.type == "cpu":
             GOVERNOR.tick()  # every few seconds: threads for the cores other processes leave free
-        pos = self._positions(input_pos, pad_lengths, per_row)  # (T,), or (B, T) per row
-        x = self.embed(tokens)  # (B, T, C)
-        if self.pos_embeddings is not None:
-            x = x + self.pos_embeddings[pos]
-        rope = self._rope(pos)
+        x, rope = self._add_positions(self.embed(tokens), input_pos, pad_lengths, per_row)  # x (B, T, C)
         key_pos = input_pos if cache is None else torch.arange(cache.prepare(input_pos), device=tokens.device)
         mask = attention_mask(input_pos, key_pos, pad_lengths)
         if self._compiled_decode is not None and tokens.shape[1] == 1 and not torch.is_grad_enabled():
-            logits = self._compiled_decode(x, rope, cache, mask)
-            return logits if logits_indices is None else logits.flatten(0, 1)[logits_indices]
+            return self._compiled_decode(x, rope, cache, mask, logits_indices)  # one-token steps: minillm.compiled
         return self.forward_layers(x, rope, cache, mask, logits_indices)
 
     def _check_inputs(self, tokens, input_pos, cache, pad_lengths) -> bool:
@@ -443,6 +438,15 @@ class Decoder(nn.Module):
             raise ValueError("input_pos: must start at 0 without a cache (and be >= 0 with one; -1 marks padding "
                              "in per-row positions)")
         return per_row
+
+    def _add_positions(self, x, input_pos, pad_lengths, per_row: bool):
+        """Each token's position (``_positions``) enters the model one of two ways: GPT-2 adds learned position
+        embeddings to x (B, T, C); Llama rotates queries and keys by RoPE in attention. Returns x and RoPE's
+        (cos, sin) (``_rope``; None for GPT-2)."""
+        pos = self._positions(input_pos, pad_lengths, per_row)  # (T,), or (B, T) per row
+        if self.pos_embeddings is not None:
+            x = x + self.pos_embeddings[pos]
+        return x, self._rope(pos)
 
     @staticmethod
     def _positions(input_pos, pad_lengths, per_row: bool) -> torch.Tensor:
