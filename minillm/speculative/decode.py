@@ -113,6 +113,21 @@ def _keep(stopper: Stopper, result: GenerationResult, emitted: list[int], max_ne
     return kept, done
 
 
+def _verify(target, cache: KVCache, tokens: list[int], draft: list[int], draft_probs, params: SamplingParams,
+            gen) -> tuple[list[int], int]:
+    """One target pass: the target scores the pending token (``tokens[-1]``) and the drafts in one forward,
+    ``rejection_sample`` keeps a prefix, and the cache rolls back to it; returns the emitted ids and the
+    number of drafts accepted."""
+    start, device = len(tokens) - 1, target.device
+    feed = torch.tensor([[tokens[-1]] + draft], device=device)  # (1, 1 + k)
+    logits = target(feed, torch.arange(start, start + feed.shape[1], device=device), cache)[0]
+    target_probs = logits_to_probs(logits, params).cpu()  # (1 + k, V)
+    # greedy: target and draft probabilities are one-hot, so acceptance is an exact comparison
+    emitted, n_ok = rejection_sample(draft, draft_probs, target_probs, gen)
+    cache.truncate(start + 1 + n_ok)  # roll back the rejected drafts' keys and values
+    return emitted, n_ok
+
+
 @torch.inference_mode()
 def speculative_generate(target, proposer, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
                          num_speculative_tokens: int = 4, max_seq_len: int | None = None, tokenizer=None,
@@ -151,13 +166,8 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
     while len(result.tokens) < params.max_new_tokens and len(tokens) < ctx:
         room = min(num_speculative_tokens, ctx - len(tokens) - 1, params.max_new_tokens - len(result.tokens) - 1)
         draft, draft_probs = proposer.propose(tokens, room, params, gen) if room > 0 else ([], None)
-        draft, draft_s, start = draft[:room], clock.lap(), len(tokens) - 1
-        feed = torch.tensor([[tokens[-1]] + draft], device=device)  # (1, 1 + k)
-        logits = target(feed, torch.arange(start, start + feed.shape[1], device=device), cache)[0]
-        target_probs = logits_to_probs(logits, params).cpu()  # (1 + k, V)
-        # greedy: target and draft probabilities are one-hot, so acceptance is an exact comparison
-        emitted, n_ok = rejection_sample(draft, draft_probs, target_probs, gen)
-        cache.truncate(start + 1 + n_ok)  # roll back the rejected drafts' keys and values
+        draft, draft_s = draft[:room], clock.lap()
+        emitted, n_ok = _verify(target, cache, tokens, draft, draft_probs, params, gen)
         verify_s = clock.lap()
         kept, done = _keep(stopper, result, emitted, params.max_new_tokens, on_token, draft_s + verify_s)
         tokens += emitted[:kept]
