@@ -42,9 +42,12 @@ def test_bytes_per_token_count_what_each_step_reads(tiny_path):
     quantize_output(model, "int4")
     kernels = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(kernels) == 4 * L + 1 and all(m.fast for m in kernels)
-    # int4 codes (half a byte per weight) + a bfloat16 (scale, zero) pair per 32 weights, + float norms
+    # int4 codes (half a byte per weight) + per 32 weights a (scale, zero) pair: float32 in minillm's kernel,
+    # bfloat16 in torch's; + float norms
     weights = L * model.config.layer_linear_params + V * C
-    assert decode_bytes_per_token(model) == weights // 2 + weights // 32 * 4 + 4 * (2 * L + 1) * C
+    pair = 8 if kernels[0].kernel == "minillm-int4" else 4
+    assert {m.kernel for m in kernels} == {kernels[0].kernel}
+    assert decode_bytes_per_token(model) == weights // 2 + weights // 32 * pair + 4 * (2 * L + 1) * C
     # llama.cpp reads every tensor of the GGUF as stored, the tied embedding once (all float32 here)
     reader = read_gguf(tiny_path)
     assert gguf_bytes_per_token(tiny_path) == sum(int(t.n_bytes) for t in reader.tensors) == float_bytes

@@ -4,10 +4,12 @@ Two forwards with the same signature:
 
 * ``forward_reference`` (the baseline): unpack, dequantize ``scales[:, g_idx] * (codes - zeros)`` to
   float32, then ``F.linear``. Exact: it computes with the very weight the quantizer chose.
-* ``forward`` (the fast path): torch's int4 weight-only kernels, which read 4-bit codes (about 1/7 of
-  float32's bytes) and dequantize in registers, on bfloat16 activations, scales and zeros (so within
-  bfloat16 rounding of the reference; tested). 8-bit per-channel codes take torch's int8 weight-only
-  kernel; other layouts fall back to the reference path (``fast`` says which).
+* ``forward`` (the fast path): a kernel that reads the packed codes (about 1/7 of float32's bytes) and
+  dequantizes in registers. On a CPU with AVX2, minillm's own (``minillm.kernels``: float32 throughout,
+  so within float32 rounding of the reference); elsewhere, or where it cannot be built, torch's int4
+  weight-only kernels on bfloat16 activations, scales and zeros (within bfloat16 rounding; tested).
+  8-bit per-channel codes take the int8 kernel of the same pair; other layouts fall back to the
+  reference path (``fast`` says which, ``kernel`` names it).
 
 ``rows(index)`` dequantizes only some output rows: the lookup of a tied embedding whose output layer
 is quantized (``minillm.quant.head``). docs/quant_methods.md says which layouts the kernels take and how
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from .pack import codes_per_word, pack_weight, pack_zeros, unpack_rows, unpack_weight, unpack_zeros
 from .rtn import QuantConfig, QuantizedWeight, dequantize_codes
 
@@ -59,7 +62,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("g_idx", qw.g_idx.to(device=qw.codes.device, dtype=torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone().float())
         self.want_fast = fast  # use the kernel wherever the layout and device allow (kept across .to())
-        self._kernel = None  # (packed codes, kernel group size, scales and zeros, column permutation or None)
+        self._kernel = None  # (kind, the tensors its product reads ...): see prepare_fast
         if fast:
             self.prepare_fast()
 
@@ -67,6 +70,12 @@ class QuantLinear(nn.Module):
     def fast(self) -> bool:
         """Whether ``forward`` takes the int4 kernel (its tensors are built)."""
         return self._kernel is not None
+
+    @property
+    def kernel(self) -> str:
+        """Which product ``forward`` runs: "minillm-int4", "minillm-int8", "torch-int4", "torch-int8" or
+        "reference"."""
+        return "reference" if self._kernel is None else self._kernel[0]
 
     # ---- storage ------------------------------------------------------------------------------
     def quantized_weight(self) -> QuantizedWeight:
@@ -128,6 +137,7 @@ class QuantLinear(nn.Module):
         group_of_kernel_group = g_sorted.reshape(-1, kg)[:, 0]  # (I / kg,)
         s = qw.scales[:, group_of_kernel_group]  # (O, I / kg)
         z = qw.zeros[:, group_of_kernel_group].float()
+        order = None if (perm == torch.arange(I, device=perm.device)).all() else perm.to(self.qweight.device)
         # ours: s (q - z) = s (q - 8) + s (8 - z): the kernel's (scale, zero) pair is (s, s (8 - z))
         scales_and_zeros = torch.stack([s.t(), (s * (8 - z)).t()], dim=-1).to(torch.bfloat16).contiguous()
         dev = self.qweight.device
@@ -140,11 +150,16 @@ class QuantLinear(nn.Module):
             # (O, I / 2) uint8, two codes per byte, the even column in the high nibble (torch >= 2.5)
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), inner_k_tiles)  # pragma: no cover
+        elif self.out_features % kernels.TILE == 0 and kernels.available():
+            # ours: W_hat = s q + zs per kernel group, in float32 (zs = -s z)
+            self._kernel = ("minillm-int4", kernels.int4_panels(codes), s.t().contiguous().float(),
+                            (-s * z).t().contiguous().float(), kg, order)
+            return True
         else:
             if self.out_features % 16:  # the CPU kernel packs rows in blocks of 16
                 return False
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-        self._kernel = (packed, kg, scales_and_zeros.to(dev), None if (perm == torch.arange(I, device=perm.device)).all() else perm.to(dev))
+        self._kernel = ("torch-int4", packed, kg, scales_and_zeros.to(dev), order)
         return True
 
     def _prepare_int8(self, qw: QuantizedWeight) -> bool:
@@ -155,7 +170,11 @@ class QuantLinear(nn.Module):
         w8 = (qw.codes - 128).to(torch.int8).contiguous()  # (O, I)
         s = qw.scales[:, 0].float()
         offset = s * (128 - qw.zeros[:, 0].float())  # (O,), zero for symmetric codes
-        self._kernel = ("int8", w8, s.to(torch.bfloat16), None if bool((offset == 0).all()) else offset)
+        offset = None if bool((offset == 0).all()) else offset
+        if self.out_features % kernels.TILE == 0 and kernels.available():
+            self._kernel = ("minillm-int8", kernels.int8_panels(w8), s, offset)
+        else:
+            self._kernel = ("torch-int8", w8, s.to(torch.bfloat16), offset)
         return True
 
     def kernel_nbytes(self) -> int:
@@ -175,28 +194,26 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., I) -> (..., O)
         if not self.fast:
             return self.forward_reference(x)
-        if isinstance(self._kernel[0], str):  # ("int8", ...)
-            return self._forward_int8(x)
-        packed, kg, sz, perm = self._kernel
+        kind, *tensors = self._kernel
         x2 = x.reshape(-1, self.in_features)
-        if perm is not None:
-            x2 = x2[:, perm]
-        x2 = x2.to(torch.bfloat16)
-        if x2.is_cuda:  # pragma: no cover (no GPU in CI)
-            y = torch.ops.aten._weight_int4pack_mm(x2, packed, kg, sz)
+        if kind == "minillm-int4":
+            panels, s, zs, kg, perm = tensors
+            y = kernels.int4_linear((x2 if perm is None else x2[:, perm]).float(), panels, s, zs, kg)
+        elif kind == "minillm-int8":
+            y = kernels.int8_linear(x2.float(), *tensors)
+        elif kind == "torch-int8":
+            w8, s, offset = tensors
+            y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), w8, s)
+            if offset is not None:
+                y = y.to(x.dtype) + x2.sum(-1, keepdim=True) * offset.to(x.dtype)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, kg, sz)
+            packed, kg, sz, perm = tensors
+            x2 = (x2 if perm is None else x2[:, perm]).to(torch.bfloat16)
+            if x2.is_cuda:  # pragma: no cover (no GPU in CI)
+                y = torch.ops.aten._weight_int4pack_mm(x2, packed, kg, sz)
+            else:
+                y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, kg, sz)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
-
-
-    def _forward_int8(self, x: torch.Tensor) -> torch.Tensor:
-        _, w8, s, offset = self._kernel
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int8pack_mm(x2, w8, s).to(x.dtype)
-        if offset is not None:
-            y = y + x.reshape(-1, self.in_features).sum(-1, keepdim=True) * offset.to(x.dtype)
-        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 

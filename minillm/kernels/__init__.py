@@ -1,0 +1,143 @@
+"""minillm's own CPU kernels: weight-only int4 and int8 linear products for AVX2 (``cpu.cpp``).
+
+Why: a 4-bit decode step should cost what its bytes cost. torch's weight-only CPU kernels
+(``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) take bfloat16 activations and, on a CPU
+without AVX-512, decode the codes slower than memory delivers them (docs/decode.md measures both). These
+kernels read each code once per call, turn it into float32 in registers, and keep the sums of up to six
+rows in registers, so one row (a decode step) and a few rows (a speculative verification) cost about
+one pass over the codes; every sum is float32, so the result is the dequantized weight's product
+within float32 rounding. The layout is one tile of 32 output columns after another, each tile's codes
+for all K inputs contiguous (``int4_panels``, ``int8_panels``).
+
+The C++ builds once, on first use, with torch's extension builder (a C++ compiler and ninja; about a
+minute; cached under ``TORCH_EXTENSIONS_DIR``). Where it cannot build (no compiler, no AVX2, or
+``MINILLM_KERNELS=0``), ``available()`` is False and ``minillm.quant`` keeps torch's kernels. The
+products go through ``torch.library`` custom ops, so ``torch.compile`` calls them as they are.
+``int4_linear_naive`` and ``int8_linear_naive`` are the baselines (dequantize, then ``F.linear``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("cpu.cpp")
+TILE = 32  # output columns per tile: the kernels' layout wants out_features % TILE == 0
+_state: dict = {}
+
+
+def why_unavailable() -> str | None:
+    """None when the kernels can be built or loaded here, else the reason."""
+    if os.environ.get("MINILLM_KERNELS", "1") == "0":
+        return "MINILLM_KERNELS=0"
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+        return f"the CPU has no AVX2 (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    if not (shutil.which(os.environ.get("CXX", "c++")) and shutil.which("ninja")):
+        return "no C++ compiler or no ninja on PATH"
+    return None
+
+
+def load():
+    """The built extension (built on the first call), or None where it cannot be built (a warning says
+    why, once)."""
+    if "ext" not in _state:
+        _state["ext"], reason = None, why_unavailable()
+        if reason is None:
+            try:
+                from torch.utils.cpp_extension import load as build
+                _state["ext"] = build("minillm_cpu_kernels", [str(SOURCE)],
+                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+            except Exception as e:  # a failed build leaves torch's kernels in charge
+                reason = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+        if reason is not None and reason != "MINILLM_KERNELS=0":
+            warnings.warn(f"minillm's AVX2 int4/int8 kernels are off: {reason}; quantized layers use torch's "
+                          "kernels instead (slower on CPUs without AVX-512)", stacklevel=2)
+    return _state["ext"]
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (builds them on the first call)."""
+    return load() is not None
+
+
+# ---- the products, as custom ops so that torch.compile calls them as they are ----------------------------
+@torch.library.custom_op("minillm::int4_linear", mutates_args=())
+def _int4_op(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor | None,
+             group_size: int) -> torch.Tensor:
+    return load().int4_linear(x, panels, scales, zs, group_size)
+
+
+@_int4_op.register_fake
+def _(x, panels, scales, zs, group_size):
+    return x.new_empty(x.shape[0], panels.shape[0] * TILE)
+
+
+@torch.library.custom_op("minillm::int8_linear", mutates_args=())
+def _int8_op(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    return load().int8_linear(x, panels, scales, offset)
+
+
+@_int8_op.register_fake
+def _(x, panels, scales, offset):
+    return x.new_empty(x.shape[0], panels.shape[0] * TILE)
+
+
+def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor | None,
+                group_size: int) -> torch.Tensor:
+    """``x W_hat^T`` with ``W_hat[n, k] = scales[g, n] * q[n, k] + zs[g, n]``, ``g = k // group_size``.
+
+    x: (M, K) float32; panels: ``int4_panels(q)``; scales, zs: (K / group_size, N) float32 (zs None: 0).
+    """
+    if torch.compiler.is_compiling():
+        return _int4_op(x.contiguous(), panels, scales, zs, group_size)
+    return load().int4_linear(x, panels, scales, zs, group_size)  # eager: without the custom op's dispatch
+
+
+def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
+    """``x W_hat^T`` with ``W_hat[n, k] = scales[n] * q[n, k] + offset[n]`` (one scale per output channel).
+
+    x: (M, K) float32; panels: ``int8_panels(q)`` of int8 codes q; scales, offset: (N,) float32.
+    """
+    if torch.compiler.is_compiling():
+        return _int8_op(x.contiguous(), panels, scales, offset)
+    return load().int8_linear(x, panels, scales, offset)
+
+
+def int4_panels(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in 0..15 -> (N / 32, K, 4) int32: word j of (tile t, input k) holds the codes of
+    columns ``32 t + 8 j + i`` at bits ``4 i``."""
+    n, k = codes.shape
+    c = codes.reshape(n // TILE, 4, 8, k).permute(0, 3, 1, 2).to(torch.int64)  # (T, K, 4, 8)
+    words = (c << (4 * torch.arange(8, device=codes.device))).sum(-1)  # 0 .. 2^32 - 1
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
+
+
+def int8_panels(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 codes -> (N / 32, K, 32): each tile's 32 columns side by side for every input."""
+    n, k = codes.shape
+    return codes.reshape(n // TILE, TILE, k).permute(0, 2, 1).contiguous()
+
+
+def int4_linear_naive(x, codes, scales, zs, group_size) -> torch.Tensor:
+    """The baseline of ``int4_linear`` (codes (N, K) as they are, not panels): dequantize, then ``F.linear``."""
+    w = scales.t().repeat_interleave(group_size, 1) * codes.float()
+    if zs is not None:
+        w = w + zs.t().repeat_interleave(group_size, 1)
+    return F.linear(x, w)
+
+
+def int8_linear_naive(x, codes, scales, offset) -> torch.Tensor:
+    """The baseline of ``int8_linear`` (codes (N, K) int8): dequantize, then ``F.linear``."""
+    w = scales[:, None] * codes.float() + (0 if offset is None else offset[:, None])
+    return F.linear(x, w)
+
+
+if __name__ == "__main__":  # `python -m minillm.kernels`: build now (make setup does), say whether it worked
+    print("minillm kernels:", "built and loaded" if available() else f"off ({why_unavailable() or 'build failed'})")
+    sys.exit(0)

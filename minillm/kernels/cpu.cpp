@@ -1,0 +1,213 @@
+// minillm's CPU kernels: weight-only int4 and int8 products in float32, for AVX2 + FMA.
+//
+// Both read each weight once per call and keep up to 6 rows' sums in registers, so that a decode step
+// (1 row) or a speculative verification (k + 1 rows) costs about one pass over the codes. Codes become
+// float32 in registers and every sum is float32: the result is the dequantized weight's product within
+// float32 rounding (torch's weight-only CPU kernels take bfloat16 activations).
+// Threads: at::parallel_for over 32-column tiles, on torch's own OpenMP pool (torch.set_num_threads).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <vector>
+
+// y = x W_hat^T for 4-bit codes: W_hat[n, k] = s[g, n] * q[n, k] + zs[g, n], g = k / group_size.
+// panels: (N / 32, K, 4) int32; word j of (t, k) holds the codes of columns t*32 + j*8 + i at bits 4i.
+// Sum_k x q is taken per group in registers, then scaled: y += s * (x . q)_g + zs * sum(x)_g.
+template <int MR, int NT>
+static void tile(const float* x, int64_t M_ld, int64_t K, const int32_t* w, int j0, const float* s,
+                 const float* zs, const float* xsum, int64_t G, int64_t gs, int64_t N, int64_t n0,
+                 float* y, int64_t ldy) {
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i mask = _mm256_set1_epi32(0xF);
+  __m256 out[MR][NT];
+  for (int m = 0; m < MR; ++m) for (int j = 0; j < NT; ++j) out[m][j] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256 acc[MR][NT];
+    for (int m = 0; m < MR; ++m) for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+      const int32_t* wk = w + k * 4 + j0;
+      __m256 q[NT];
+      for (int j = 0; j < NT; ++j)
+        q[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wk[j]), shifts), mask));
+      for (int m = 0; m < MR; ++m) {
+        __m256 b = _mm256_broadcast_ss(x + m * M_ld + k);
+        for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_fmadd_ps(b, q[j], acc[m][j]);
+      }
+    }
+    for (int j = 0; j < NT; ++j) {
+      const int64_t n = n0 + (j0 + j) * 8;
+      __m256 sj = _mm256_loadu_ps(s + g * N + n);
+      __m256 zj = zs ? _mm256_loadu_ps(zs + g * N + n) : _mm256_setzero_ps();
+      for (int m = 0; m < MR; ++m) {
+        out[m][j] = _mm256_fmadd_ps(acc[m][j], sj, out[m][j]);
+        if (zs) out[m][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xsum + m * G + g), zj, out[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) for (int j = 0; j < NT; ++j)
+    _mm256_storeu_ps(y + m * ldy + n0 + (j0 + j) * 8, out[m][j]);
+}
+
+
+// Many rows: the tile's weights are dequantized once into a (K, 32) float32 panel (in L2), then every
+// row block runs a float32 micro-kernel over it, so decoding costs once per tile, not once per 6 rows.
+template <int MR>
+static void panel_rows(const float* x, int64_t K, const float* wf, float* y, int64_t ldy) {
+  for (int h = 0; h < 32; h += 16) {
+    __m256 acc[MR][2];
+    for (int m = 0; m < MR; ++m) { acc[m][0] = _mm256_setzero_ps(); acc[m][1] = _mm256_setzero_ps(); }
+    for (int64_t k = 0; k < K; ++k) {
+      __m256 w0 = _mm256_loadu_ps(wf + k * 32 + h), w1 = _mm256_loadu_ps(wf + k * 32 + h + 8);
+      for (int m = 0; m < MR; ++m) {
+        __m256 b = _mm256_broadcast_ss(x + m * K + k);
+        acc[m][0] = _mm256_fmadd_ps(b, w0, acc[m][0]);
+        acc[m][1] = _mm256_fmadd_ps(b, w1, acc[m][1]);
+      }
+    }
+    for (int m = 0; m < MR; ++m) { _mm256_storeu_ps(y + m * ldy + h, acc[m][0]); _mm256_storeu_ps(y + m * ldy + h + 8, acc[m][1]); }
+  }
+}
+
+static void panel_all_rows(const float* x, int64_t M, int64_t K, const float* wf, float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) panel_rows<6>(x + m * K, K, wf, y + m * ldy, ldy);
+  const float* xm = x + m * K; float* ym = y + m * ldy;
+  switch (M - m) {
+    case 1: panel_rows<1>(xm, K, wf, ym, ldy); break;
+    case 2: panel_rows<2>(xm, K, wf, ym, ldy); break;
+    case 3: panel_rows<3>(xm, K, wf, ym, ldy); break;
+    case 4: panel_rows<4>(xm, K, wf, ym, ldy); break;
+    case 5: panel_rows<5>(xm, K, wf, ym, ldy); break;
+  }
+}
+
+constexpr int64_t DECODE_ONCE_ROWS = 12;  // from this many rows on a tile is dequantized once (measured: docs/decode.md)
+
+template <int MR, int NT>
+static void run_rows(const float* x, int64_t K, const int32_t* w, const float* s, const float* zs, const float* xsum,
+                     int64_t G, int64_t gs, int64_t N, int64_t n0, float* y) {
+  for (int j0 = 0; j0 < 4; j0 += NT) tile<MR, NT>(x, K, K, w, j0, s, zs, xsum, G, gs, N, n0, y, N);
+}
+
+static void rows_tile(const float* x, int64_t M, int64_t K, const int32_t* w, const float* s, const float* zs,
+                      const float* xsum, int64_t G, int64_t gs, int64_t N, int64_t n0, float* y) {
+  if (M == 1) return run_rows<1, 4>(x, K, w, s, zs, xsum, G, gs, N, n0, y);
+  if (M == 2) return run_rows<2, 4>(x, K, w, s, zs, xsum, G, gs, N, n0, y);
+  if (M == 3) return run_rows<3, 4>(x, K, w, s, zs, xsum, G, gs, N, n0, y);
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) run_rows<6, 2>(x + m * K, K, w, s, zs, xsum + m * G, G, gs, N, n0, y + m * N);
+  const float* xm = x + m * K; const float* xs = xsum + m * G; float* ym = y + m * N;
+  switch (M - m) {
+    case 1: run_rows<1, 4>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
+    case 2: run_rows<2, 4>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
+    case 3: run_rows<3, 4>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
+    case 4: run_rows<4, 2>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
+    case 5: run_rows<5, 2>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
+  }
+}
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s, c10::optional<torch::Tensor> zs_opt,
+                          int64_t group_size) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 4, "x (M, K), panels (N/32, K, 4)");
+  const int64_t M = x.size(0), K = x.size(1), T = panels.size(0), N = T * 32, G = K / group_size;
+  TORCH_CHECK(panels.size(1) == K && K % group_size == 0 && s.size(0) == G && s.size(1) == N, "int4_linear: shapes");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kInt && s.scalar_type() == torch::kFloat
+              && panels.is_contiguous() && s.is_contiguous(), "int4_linear: float32 x, int32 panels, contiguous float32 scales");
+  TORCH_CHECK(!zs_opt.has_value() || (zs_opt->scalar_type() == torch::kFloat && zs_opt->is_contiguous()
+              && zs_opt->sizes() == s.sizes()), "int4_linear: zs like scales");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>(); const int32_t* wp = panels.data_ptr<int32_t>();
+  const float* sp = s.data_ptr<float>(); const float* zp = zs_opt.has_value() ? zs_opt->data_ptr<float>() : nullptr;
+  std::vector<float> xsum(M * G, 0.f);  // sum of x over each group, for the zero points' term
+  if (zp) for (int64_t m = 0; m < M; ++m) for (int64_t k = 0; k < K; ++k) xsum[m * G + k / group_size] += xp[m * K + k];
+  const float* xsp = xsum.data(); float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(M >= DECODE_ONCE_ROWS ? K * 32 : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      if (M < DECODE_ONCE_ROWS) {
+        rows_tile(xp, M, K, wp + t * K * 4, sp, zp, xsp, G, group_size, N, t * 32, yp);
+        continue;
+      }
+      const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0xF);
+      for (int64_t k = 0; k < K; ++k) {  // W_hat = s q + zs: the same float32 values as s (q - z)
+        const int64_t g = k / group_size;
+        for (int j = 0; j < 4; ++j) {
+          const int64_t n = t * 32 + j * 8;
+          __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wp[(t * K + k) * 4 + j]), shifts), mask));
+          __m256 z = zp ? _mm256_loadu_ps(zp + g * N + n) : _mm256_setzero_ps();
+          _mm256_storeu_ps(wf.data() + k * 32 + j * 8, _mm256_fmadd_ps(q, _mm256_loadu_ps(sp + g * N + n), z));
+        }
+      }
+      panel_all_rows(xp, M, K, wf.data(), yp + t * 32, N);
+    }
+  });
+  return y;
+}
+
+
+// y = x W_hat^T for 8-bit codes per output channel: W_hat[n, k] = s[n] * q[n, k] + off[n].
+// panels: (N / 32, K, 32) int8, the 32 columns of tile t side by side for each k.
+template <int MR, int NT>
+static void tile8(const float* x, int64_t K, const int8_t* w, int j0, float* out_rows, int64_t ldy, int64_t n0) {
+  __m256 acc[MR][NT];
+  for (int m = 0; m < MR; ++m) for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const int8_t* wk = w + k * 32 + j0 * 8;
+    __m256 q[NT];
+    for (int j = 0; j < NT; ++j)
+      q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk + j * 8))));
+    for (int m = 0; m < MR; ++m) {
+      __m256 b = _mm256_broadcast_ss(x + m * K + k);
+      for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_fmadd_ps(b, q[j], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) for (int j = 0; j < NT; ++j)
+    _mm256_storeu_ps(out_rows + m * ldy + n0 + (j0 + j) * 8, acc[m][j]);
+}
+
+template <int MR, int NT>
+static void run8(const float* x, int64_t K, const int8_t* w, float* y, int64_t N, int64_t n0) {
+  for (int j0 = 0; j0 < 4; j0 += NT) tile8<MR, NT>(x, K, w, j0, y, N, n0);
+}
+
+static void rows_tile8(const float* x, int64_t M, int64_t K, const int8_t* w, float* y, int64_t N, int64_t n0) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) run8<6, 2>(x + m * K, K, w, y + m * N, N, n0);
+  const float* xm = x + m * K; float* ym = y + m * N;
+  switch (M - m) {
+    case 1: run8<1, 4>(xm, K, w, ym, N, n0); break;
+    case 2: run8<2, 4>(xm, K, w, ym, N, n0); break;
+    case 3: run8<3, 4>(xm, K, w, ym, N, n0); break;
+    case 4: run8<4, 2>(xm, K, w, ym, N, n0); break;
+    case 5: run8<5, 2>(xm, K, w, ym, N, n0); break;
+  }
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s, c10::optional<torch::Tensor> off) {
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 32, "x (M, K), panels (N/32, K, 32)");
+  const int64_t M = x.size(0), K = x.size(1), T = panels.size(0), N = T * 32;
+  TORCH_CHECK(panels.size(1) == K && x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kChar
+              && panels.is_contiguous(), "int8_linear: float32 x (M, K), contiguous int8 panels (N/32, K, 32)");
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>(); const int8_t* wp = panels.data_ptr<int8_t>(); float* yp = y.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(M >= DECODE_ONCE_ROWS ? K * 32 : 0);
+    for (int64_t t = begin; t < end; ++t) {
+      if (M < DECODE_ONCE_ROWS) {
+        rows_tile8(xp, M, K, wp + t * K * 32, yp, N, t * 32);
+        continue;
+      }
+      for (int64_t i = 0; i < K * 32; i += 8)  // codes as float32; the scale and offset follow below
+        _mm256_storeu_ps(wf.data() + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + t * K * 32 + i)))));
+      panel_all_rows(xp, M, K, wf.data(), yp + t * 32, N);
+    }
+  });
+  y.mul_(s);
+  if (off.has_value()) y.add_(x.sum(-1, true) * *off);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_linear", &int4_linear); m.def("int8_linear", &int8_linear); }

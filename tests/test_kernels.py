@@ -1,0 +1,102 @@
+"""minillm's own AVX2 int4/int8 kernels (minillm.kernels) against their naive baselines, inside
+QuantLinear, under torch.compile, and the fallback to torch's kernels."""
+
+import pytest
+import torch
+
+from minillm import kernels
+from minillm.quant import QuantConfig, rtn_quantize
+from minillm.quant.gptq import Hessian, gptq_quantize
+from minillm.quant.qlinear import QuantLinear, quant_linear_naive
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels off: {kernels.why_unavailable()}")
+
+
+def bound(x, w):
+    """float32 rounding bound of x w^T: a few ulps of sum |x| |w| (so a wrong code or scale shows)."""
+    return 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13])
+@pytest.mark.parametrize("out_features,in_features,group_size", [(32, 64, 32), (96, 256, 64), (64, 384, 128)])
+@pytest.mark.parametrize("zero_points", [True, False])
+def test_int4_linear_equals_dequantize_then_matmul(rows, out_features, in_features, group_size, zero_points):
+    g = torch.Generator().manual_seed(rows * 1000 + out_features)
+    codes = torch.randint(0, 16, (out_features, in_features), generator=g)
+    scales = torch.rand(in_features // group_size, out_features, generator=g) * 0.1
+    zs = torch.randn(scales.shape, generator=g) if zero_points else None
+    x = torch.randn(rows, in_features, generator=g)
+    y = kernels.int4_linear(x, kernels.int4_panels(codes), scales, zs, group_size)
+    ref = kernels.int4_linear_naive(x.double(), codes, scales.double(), None if zs is None else zs.double(), group_size)
+    w = kernels.int4_linear_naive(torch.eye(in_features), codes, scales, zs, group_size).t()  # (N, K) dequantized
+    assert y.shape == (rows, out_features)
+    assert ((y.double() - ref).abs() <= bound(x, w).double()).all()
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6, 9, 12, 14])
+@pytest.mark.parametrize("with_offset", [True, False])
+def test_int8_linear_equals_dequantize_then_matmul(rows, with_offset):
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.randint(-128, 128, (96, 160), generator=g).to(torch.int8)
+    scales = torch.rand(96, generator=g) * 0.01
+    offset = torch.randn(96, generator=g) * 0.01 if with_offset else None
+    x = torch.randn(rows, 160, generator=g)
+    y = kernels.int8_linear(x, kernels.int8_panels(codes), scales, offset)
+    ref = kernels.int8_linear_naive(x.double(), codes, scales.double(), None if offset is None else offset.double())
+    w = kernels.int8_linear_naive(torch.eye(160), codes, scales, offset).t()
+    assert ((y.double() - ref).abs() <= bound(x, w).double()).all()
+
+
+def test_int4_panels_put_each_code_where_the_kernel_reads_it():
+    codes = torch.randint(0, 16, (64, 8))
+    panels = kernels.int4_panels(codes)  # (2, 8, 4)
+    words = panels.to(torch.int64) & 0xFFFFFFFF
+    for n, k in ((0, 0), (7, 3), (8, 0), (31, 7), (32, 1), (63, 5)):
+        t, j, i = n // 32, (n % 32) // 8, n % 8
+        assert (words[t, k, j] >> (4 * i)) & 0xF == codes[n, k]
+
+
+@pytest.mark.parametrize("bits,group_size,act_order", [(4, 64, False), (4, 64, True), (3, 128, False), (2, 32, True),
+                                                     (4, -1, False), (8, -1, False)])
+def test_quant_linear_takes_our_kernel_within_float32_rounding_of_its_reference(bits, group_size, act_order):
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(512, 256, generator=g)
+    x[:, :4] *= 8
+    h = Hessian(256)
+    h.add_batch(x)
+    qw = gptq_quantize(torch.randn(96, 256, generator=g) * 0.05, h.H, QuantConfig(bits, group_size), act_order=act_order)
+    layer = QuantLinear(qw, bias=torch.randn(96, generator=g))
+    assert layer.kernel == ("minillm-int8" if bits == 8 else "minillm-int4")
+    for rows in (1, 5, 8, 12, 20):
+        y, ref = layer(x[:rows]), quant_linear_naive(x[:rows], layer)
+        assert ((y - ref).abs() <= bound(x[:rows], layer.dequantize()) + 1e-5).all()  # torch's: bfloat16's 1e-2
+
+
+def test_our_kernel_runs_inside_torch_compile():
+    layer = QuantLinear(rtn_quantize(torch.randn(64, 128) * 0.05, QuantConfig(4, 64)))
+    x = torch.randn(3, 128)
+    compiled = torch.compile(lambda x: torch.relu(layer(x)), fullgraph=True)  # fullgraph: no break at the op
+    torch.testing.assert_close(compiled(x), torch.relu(layer(x)))
+
+
+def test_minillm_kernels_0_keeps_torchs_kernels(monkeypatch):
+    monkeypatch.setenv("MINILLM_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_state", {})
+    assert kernels.why_unavailable() == "MINILLM_KERNELS=0" and not kernels.available()
+    layer = QuantLinear(rtn_quantize(torch.randn(64, 128) * 0.05, QuantConfig(4, 64)))
+    assert layer.kernel == "torch-int4"
+    x = torch.randn(2, 128)
+    ref = quant_linear_naive(x, layer)
+    assert ((layer(x) - ref).norm() / ref.norm()).item() < 2e-2  # bfloat16 activations
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch):
+    import torch.utils.cpp_extension as ext
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("Error building extension 'minillm_cpu_kernels'")
+    monkeypatch.setattr(ext, "load", broken)
+    monkeypatch.setattr(kernels, "_state", {})
+    with pytest.warns(UserWarning, match="kernels are off: the build failed"):
+        assert kernels.load() is None
+    assert QuantLinear(rtn_quantize(torch.randn(64, 128), QuantConfig(4, 64))).kernel == "torch-int4"
