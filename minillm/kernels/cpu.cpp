@@ -8,6 +8,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <vector>
 
 // y = x W_hat^T for 4-bit codes: W_hat[n, k] = s[g, n] * q[n, k] + zs[g, n], g = k / group_size.
@@ -81,6 +82,7 @@ static void panel_all_rows(const float* x, int64_t M, int64_t K, const float* wf
   }
 }
 
+constexpr int64_t GEMM_ROWS = 192;  // from this many rows on: dequantize chunks of the layer for a float32 GEMM
 constexpr int64_t DECODE_ONCE_ROWS = 12;  // from this many rows on a tile is dequantized once (measured: docs/decode.md)
 
 template <int MR, int NT>
@@ -106,6 +108,44 @@ static void rows_tile(const float* x, int64_t M, int64_t K, const int32_t* w, co
   }
 }
 
+
+// Tile t's dequantized weights W_hat^T[k, 32 t .. 32 t + 31] for every k, as float32 rows of 32 at stride
+// ld: W_hat = s q + zs, the same float32 values as s (q - z).
+static void decode_tile(const int32_t* wp, const float* sp, const float* zp, int64_t K, int64_t N, int64_t group_size,
+                        int64_t t, float* out, int64_t ld) {
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0xF);
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t g = k / group_size;
+    for (int j = 0; j < 4; ++j) {
+      const int64_t n = t * 32 + j * 8;
+      __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wp[(t * K + k) * 4 + j]), shifts), mask));
+      __m256 z = zp ? _mm256_loadu_ps(zp + g * N + n) : _mm256_setzero_ps();
+      _mm256_storeu_ps(out + k * ld + j * 8, _mm256_fmadd_ps(q, _mm256_loadu_ps(sp + g * N + n), z));
+    }
+  }
+}
+
+
+// Many rows: dequantize CHUNK_TILES tiles at a time into a float32 buffer that stays in cache, and multiply
+// it with torch's blocked float32 GEMM; decode(t, out, ld) writes tile t's (K, 32) weights at stride ld.
+template <typename Decode>
+static torch::Tensor chunked_gemm(const torch::Tensor& x, int64_t T, Decode decode) {
+  constexpr int64_t CHUNK_TILES = 8;
+  const int64_t K = x.size(1);
+  auto y = torch::empty({x.size(0), T * 32}, x.options());
+  thread_local std::vector<float> buf;
+  buf.resize(K * CHUNK_TILES * 32);
+  for (int64_t t0 = 0; t0 < T; t0 += CHUNK_TILES) {
+    const int64_t nt = std::min(CHUNK_TILES, T - t0), nc = nt * 32;
+    float* b = buf.data();
+    at::parallel_for(t0, t0 + nt, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) decode(t, b + (t - t0) * 32, nc);
+    });
+    y.narrow(1, t0 * 32, nc).copy_(at::mm(x, torch::from_blob(b, {K, nc}, x.options())));
+  }
+  return y;
+}
+
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s, c10::optional<torch::Tensor> zs_opt,
                           int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 4, "x (M, K), panels (N/32, K, 4)");
@@ -116,9 +156,12 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
   TORCH_CHECK(!zs_opt.has_value() || (zs_opt->scalar_type() == torch::kFloat && zs_opt->is_contiguous()
               && zs_opt->sizes() == s.sizes()), "int4_linear: zs like scales");
   x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>(); const int32_t* wp = panels.data_ptr<int32_t>();
+  const int32_t* wp = panels.data_ptr<int32_t>();
   const float* sp = s.data_ptr<float>(); const float* zp = zs_opt.has_value() ? zs_opt->data_ptr<float>() : nullptr;
+  if (M >= GEMM_ROWS)
+    return chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) { decode_tile(wp, sp, zp, K, N, group_size, t, out, ld); });
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
   std::vector<float> xsum(M * G, 0.f);  // sum of x over each group, for the zero points' term
   if (zp) for (int64_t m = 0; m < M; ++m) for (int64_t k = 0; k < K; ++k) xsum[m * G + k / group_size] += xp[m * K + k];
   const float* xsp = xsum.data(); float* yp = y.data_ptr<float>();
@@ -129,16 +172,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
         rows_tile(xp, M, K, wp + t * K * 4, sp, zp, xsp, G, group_size, N, t * 32, yp);
         continue;
       }
-      const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0xF);
-      for (int64_t k = 0; k < K; ++k) {  // W_hat = s q + zs: the same float32 values as s (q - z)
-        const int64_t g = k / group_size;
-        for (int j = 0; j < 4; ++j) {
-          const int64_t n = t * 32 + j * 8;
-          __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wp[(t * K + k) * 4 + j]), shifts), mask));
-          __m256 z = zp ? _mm256_loadu_ps(zp + g * N + n) : _mm256_setzero_ps();
-          _mm256_storeu_ps(wf.data() + k * 32 + j * 8, _mm256_fmadd_ps(q, _mm256_loadu_ps(sp + g * N + n), z));
-        }
-      }
+      decode_tile(wp, sp, zp, K, N, group_size, t, wf.data(), 32);
       panel_all_rows(xp, M, K, wf.data(), yp + t * 32, N);
     }
   });
@@ -190,6 +224,17 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
   TORCH_CHECK(panels.size(1) == K && x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kChar
               && panels.is_contiguous(), "int8_linear: float32 x (M, K), contiguous int8 panels (N/32, K, 32)");
   x = x.contiguous();
+  if (M >= GEMM_ROWS) {  // codes as float32 through the GEMM; the scale and offset follow as below
+    const int8_t* wp = panels.data_ptr<int8_t>();
+    auto y = chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) {
+      for (int64_t k = 0; k < K; ++k)
+        for (int j = 0; j < 32; j += 8)
+          _mm256_storeu_ps(out + k * ld + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + (t * K + k) * 32 + j)))));
+    });
+    y.mul_(s);
+    return off.has_value() ? y.add_(x.sum(-1, true) * *off) : y;
+  }
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>(); const int8_t* wp = panels.data_ptr<int8_t>(); float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {

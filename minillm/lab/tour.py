@@ -25,7 +25,7 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
     """Every technique so far against its naive baseline on the embedded model, as one table: naive vs
     KV-cached generation (contiguous, dynamic, int8), the paged engine vs one request at a time
     (``engine_row``), n-gram speculative decoding vs plain cached decoding on an input-grounded chat
-    prompt, and 4-bit weights (RTN, group 64, torch's int4 kernel) vs float32 weights, which ``quantized``
+    prompt, and 4-bit weights (RTN, group 64, the int4 kernel) vs float32 weights, which ``quantized``
     (a model that ``quantize`` wrote) leaves out. Writes tour_decode_step_time.png into ``figures``
     (default ``runs_folder()``: figures/runs, git-ignored).
     """
