@@ -350,8 +350,12 @@ def test_auto_lengths_follow_the_step_cost_and_the_acceptance_rate():
         best = max(range(9), key=lambda j: expected_tokens_per_pass(a, j) / (1 + c * j))
         assert k == best, (a, c)
     # a draft model's own cost per token counts against its drafts
-    assert choose_draft_lengths([0.6], [5], 1, flat, draft_token_cost=0.7) == [0]
-    assert choose_draft_lengths([0.6], [5], 1, flat, draft_token_cost=0.5) == [1]
+    assert choose_draft_lengths([0.6], [5], 1, flat, draft_cost=lambda n: 0.7) == [0]
+    assert choose_draft_lengths([0.6], [5], 1, flat, draft_cost=lambda n: 0.5) == [1]
+    # two drafts for one sequence of two take two draft forwards, not two shares of one: a flat 0.5 s draft
+    # forward does not pay here (per token, c(2) / 2 = 0.25 s, it would have seemed to: [2, 0])
+    assert choose_draft_lengths([0.9, 0.1], [2, 2], 2, flat, draft_cost=lambda n: 0.5) == [0, 0]
+    assert choose_draft_lengths([0.9, 0.9], [2, 2], 2, flat, draft_cost=lambda n: 0.3) == [2, 2]
     cost = PiecewiseCost([(1, 1.0), (4, 1.0), (8, 2.0)])
     assert cost(2) == 1.0 and cost(6) == 1.5 and cost(12) == 3.0
 

@@ -5,7 +5,8 @@ A draft token at position j of a sequence whose drafts are accepted with probabi
 alpha^j expected tokens (Leviathan et al. 2023, Sec. 3: a pass with k drafts emits (1 - alpha^(k+1)) /
 (1 - alpha) tokens on average, the sum of alpha^0 .. alpha^k). A step of N tokens costs c(N) seconds
 (measured at engine start, ``measure_step_cost``, then moved by each forward as run; or given); with m
-draft tokens it emits E0 + the sum of their gains and costs c(N + m) + m * c_draft. Gains fall along a
+draft tokens it emits E0 + the sum of their gains and costs c(N + m) plus the draft model's forwards, one
+per depth, each over the sequences that draft that far. Gains fall along a
 sequence, so the best m drafts are the m largest gains over all sequences; ``choose_draft_lengths`` takes the m that maximises the
 step's expected tokens per second. At batch 1 on a CPU, c(N) is flat (memory-bound) and drafts are
 nearly free; at 64 sequences c(N) grows with N and only well-accepted drafts pay. A sequence whose
@@ -22,25 +23,32 @@ import torch
 
 
 def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int, step_cost,
-                         draft_token_cost: float = 0.0, emitted: float | None = None) -> list[int]:
+                         draft_cost=None, emitted: float | None = None) -> list[int]:
     """Per sequence, the number of drafts (0..most[i]) that maximises the step's expected tokens/s.
 
     Args:
         alphas: each sequence's acceptance rate (0..1); most: the drafts it may carry.
         step_tokens: tokens the step computes without drafts (N); step_cost: N -> seconds.
-        draft_token_cost: seconds each draft token costs to propose (0 for prompt lookup).
+        draft_cost: n -> seconds of one draft forward over n sequences (None for prompt lookup: free).
+            Draft j of every sequence that drafts that far comes from the j-th forward, so the drafts
+            cost the sum over depths j of draft_cost(sequences drafting at depth j).
         emitted: tokens the step emits without drafts (default: one per sequence).
     Returns: the draft length of each sequence.
     """
     base = float(len(alphas) if emitted is None else emitted)
-    # every candidate draft token, best first: (gain alpha^j, sequence); a merge of falling sequences
-    gains = heapq.merge(*[[(a ** j, i) for j in range(1, m + 1)] for i, (a, m) in enumerate(zip(alphas, most))],
+    # every candidate draft token, best first: (gain alpha^j, sequence, depth j); a merge of falling sequences
+    gains = heapq.merge(*[[(a ** j, i, j) for j in range(1, m + 1)] for i, (a, m) in enumerate(zip(alphas, most))],
                         key=lambda g: -g[0])
     best, best_m, total, order = base / step_cost(step_tokens), 0, base, []
-    for m, (gain, i) in enumerate(gains, start=1):
+    at_depth, drafting = {}, 0.0  # sequences drafting at each depth; seconds of the draft forwards
+    for m, (gain, i, j) in enumerate(gains, start=1):
         total += gain
         order.append(i)
-        rate = total / (step_cost(step_tokens + m) + m * draft_token_cost)
+        if draft_cost is not None:
+            n = at_depth.get(j, 0)
+            drafting += draft_cost(n + 1) - (draft_cost(n) if n else 0.0)
+            at_depth[j] = n + 1
+        rate = total / (step_cost(step_tokens + m) + drafting)
         if rate > best:
             best, best_m = rate, m
     ks = [0] * len(alphas)

@@ -211,8 +211,8 @@ class SpecDecoder:
         own = sum(min(s.num_tokens - s.num_computed_tokens, self.engine.scheduler.max_num_batched_tokens)
                   for s in running if s.num_tokens > s.num_computed_tokens)
         alphas = [self.alpha(seq.seq_id) for seq, _, _ in seqs]
-        extra = self.draft.draft_token_cost(len(seqs)) if self.draft is not None else 0.0
-        ks = choose_draft_lengths(alphas, most, own, self.step_cost, extra)
+        ks = choose_draft_lengths(alphas, most, own, self.step_cost,
+                                  self.draft.forward_cost if self.draft is not None else None)
         for (seq, _, _), k in zip(seqs, ks):
             del seq.spec_token_ids[k:]
         return [(seq, req, k) for (seq, req, _), k in zip(seqs, ks) if k > 0]

@@ -47,16 +47,16 @@ class DraftRunner:
         self.cost = measure_step_cost(model, engine.scheduler.max_num_seqs, repeats=2) if auto else None
         self.seconds: dict[int, float] = {}  # sequences drafting together -> seconds of one such forward, as run
 
-    def draft_token_cost(self, n: int) -> float:
-        """Seconds per drafted token when n sequences draft together: the forwards run so far at n (a
-        moving average: the machine's load changes), else the cost measured at start scaled as the nearest
-        count run so far was (the start measures the bare forward, without packing and the paged cache)."""
+    def forward_cost(self, n: int) -> float:
+        """Seconds of one draft forward over n sequences: the forwards run so far at n (a moving average:
+        the machine's load changes), else the cost measured at start scaled as the nearest count run so far
+        was (the start measures the bare forward, without packing and the paged cache)."""
         if not n or self.cost is None:
             return 0.0
         if n in self.seconds or not self.seconds:
-            return self.seconds.get(n, self.cost(n)) / n
+            return self.seconds.get(n, self.cost(n))
         near = min(self.seconds, key=lambda m: abs(m - n))
-        return self.cost(n) * self.seconds[near] / self.cost(near) / n
+        return self.cost(n) * self.seconds[near] / self.cost(near)
 
     @torch.inference_mode()
     def propose(self, seqs) -> None:
