@@ -100,3 +100,14 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch):
     with pytest.warns(UserWarning, match="kernels are off: the build failed"):
         assert kernels.load() is None
     assert QuantLinear(rtn_quantize(torch.randn(64, 128), QuantConfig(4, 64))).kernel == "torch-int4"
+
+
+def test_the_build_command_make_setup_runs_says_what_it_did():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "minillm.kernels"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0 and "minillm kernels: built and loaded" in out.stdout, out.stderr
+    off = subprocess.run([sys.executable, "-m", "minillm.kernels"], capture_output=True, text=True, timeout=60,
+                         env={**__import__("os").environ, "MINILLM_KERNELS": "0"})
+    assert off.returncode == 0 and "off (MINILLM_KERNELS=0)" in off.stdout

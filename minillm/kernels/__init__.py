@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import warnings
 from pathlib import Path
 
@@ -136,8 +135,3 @@ def int8_linear_naive(x, codes, scales, offset) -> torch.Tensor:
     """The baseline of ``int8_linear`` (codes (N, K) int8): dequantize, then ``F.linear``."""
     w = scales[:, None] * codes.float() + (0 if offset is None else offset[:, None])
     return F.linear(x, w)
-
-
-if __name__ == "__main__":  # `python -m minillm.kernels`: build now (make setup does), say whether it worked
-    print("minillm kernels:", "built and loaded" if available() else f"off ({why_unavailable() or 'build failed'})")
-    sys.exit(0)
