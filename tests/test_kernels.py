@@ -111,3 +111,22 @@ def test_the_build_command_make_setup_runs_says_what_it_did():
     off = subprocess.run([sys.executable, "-m", "minillm.kernels"], capture_output=True, text=True, timeout=60,
                          env={**__import__("os").environ, "MINILLM_KERNELS": "0"})
     assert off.returncode == 0 and "off (MINILLM_KERNELS=0)" in off.stdout
+
+
+def test_bad_arguments_raise_instead_of_crashing_or_broadcasting():
+    panels4 = kernels.int4_panels(torch.randint(0, 16, (32, 64)))
+    with pytest.raises(RuntimeError, match="group_size"):  # was an integer division by zero: SIGFPE
+        kernels.int4_linear(torch.randn(2, 64), panels4, torch.rand(1, 32), None, 0)
+    panels8 = kernels.int8_panels(torch.randint(-128, 128, (32, 64)).to(torch.int8))
+    with pytest.raises(RuntimeError, match="scales"):  # one scale for 32 columns was broadcast silently
+        kernels.int8_linear(torch.randn(2, 64), panels8, torch.rand(1), None)
+    with pytest.raises(RuntimeError, match="offset"):
+        kernels.int8_linear(torch.randn(2, 64), panels8, torch.rand(32), torch.rand(1))
+
+
+def test_calling_a_product_without_the_extension_says_why(monkeypatch):
+    monkeypatch.setenv("MINILLM_KERNELS", "0")
+    monkeypatch.setattr(kernels, "_state", {})
+    with pytest.raises(RuntimeError, match="MINILLM_KERNELS=0"):  # was: 'NoneType' has no attribute 'int4_linear'
+        kernels.int4_linear(torch.randn(2, 64), kernels.int4_panels(torch.randint(0, 16, (32, 64))),
+                            torch.rand(1, 32), None, 64)

@@ -60,6 +60,14 @@ def load():
     return _state["ext"]
 
 
+def _loaded():
+    """The extension, or a RuntimeError saying why it is off (a call without it would fail on None)."""
+    ext = load()
+    if ext is None:
+        raise RuntimeError(f"minillm's CPU kernels are off: {why_unavailable() or 'the build failed'}")
+    return ext
+
+
 def available() -> bool:
     """Whether the kernels are built and loaded (builds them on the first call)."""
     return load() is not None
@@ -69,7 +77,7 @@ def available() -> bool:
 @torch.library.custom_op("minillm::int4_linear", mutates_args=())
 def _int4_op(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor | None,
              group_size: int) -> torch.Tensor:
-    return load().int4_linear(x, panels, scales, zs, group_size)
+    return _loaded().int4_linear(x, panels, scales, zs, group_size)
 
 
 @_int4_op.register_fake
@@ -79,7 +87,7 @@ def _(x, panels, scales, zs, group_size):
 
 @torch.library.custom_op("minillm::int8_linear", mutates_args=())
 def _int8_op(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    return load().int8_linear(x, panels, scales, offset)
+    return _loaded().int8_linear(x, panels, scales, offset)
 
 
 @_int8_op.register_fake
@@ -95,7 +103,7 @@ def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zs:
     """
     if torch.compiler.is_compiling():
         return _int4_op(x.contiguous(), panels, scales, zs, group_size)
-    return load().int4_linear(x, panels, scales, zs, group_size)  # eager: without the custom op's dispatch
+    return _loaded().int4_linear(x, panels, scales, zs, group_size)  # eager: without the custom op's dispatch
 
 
 def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -105,7 +113,7 @@ def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, off
     """
     if torch.compiler.is_compiling():
         return _int8_op(x.contiguous(), panels, scales, offset)
-    return load().int8_linear(x, panels, scales, offset)
+    return _loaded().int8_linear(x, panels, scales, offset)
 
 
 def int4_panels(codes: torch.Tensor) -> torch.Tensor:

@@ -149,6 +149,11 @@ static torch::Tensor chunked_gemm(const torch::Tensor& x, int64_t T, Decode deco
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s, c10::optional<torch::Tensor> zs_opt,
                           int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 4, "x (M, K), panels (N/32, K, 4)");
+  // checked before K / group_size: a zero group size would stop the process (integer division by zero)
+  TORCH_CHECK(group_size > 0, "int4_linear: group_size must be positive, got ", group_size);
+  // the loops read the tensors' memory directly: a tensor on another device would be read as host memory
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && s.device().is_cpu()
+              && (!zs_opt.has_value() || zs_opt->device().is_cpu()), "int4_linear: tensors on the CPU");
   const int64_t M = x.size(0), K = x.size(1), T = panels.size(0), N = T * 32, G = K / group_size;
   TORCH_CHECK(panels.size(1) == K && K % group_size == 0 && s.size(0) == G && s.size(1) == N, "int4_linear: shapes");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kInt && s.scalar_type() == torch::kFloat
@@ -223,6 +228,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
   const int64_t M = x.size(0), K = x.size(1), T = panels.size(0), N = T * 32;
   TORCH_CHECK(panels.size(1) == K && x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kChar
               && panels.is_contiguous(), "int8_linear: float32 x (M, K), contiguous int8 panels (N/32, K, 32)");
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "int8_linear: tensors on the CPU");
+  // scales and offset are applied by broadcasting: a wrong length would be broadcast silently, not refused
+  TORCH_CHECK(s.dim() == 1 && s.size(0) == N && s.scalar_type() == torch::kFloat, "int8_linear: scales (N,) float32, N = ", N);
+  TORCH_CHECK(!off.has_value() || (off->dim() == 1 && off->size(0) == N && off->scalar_type() == torch::kFloat),
+              "int8_linear: offset (N,) float32, N = ", N);
   x = x.contiguous();
   if (M >= GEMM_ROWS) {  // codes as float32 through the GEMM; the scale and offset follow as below
     const int8_t* wp = panels.data_ptr<int8_t>();
