@@ -130,3 +130,45 @@ def test_calling_a_product_without_the_extension_says_why(monkeypatch):
     with pytest.raises(RuntimeError, match="MINILLM_KERNELS=0"):  # was: 'NoneType' has no attribute 'int4_linear'
         kernels.int4_linear(torch.randn(2, 64), kernels.int4_panels(torch.randint(0, 16, (32, 64))),
                             torch.rand(1, 32), None, 64)
+
+
+def test_a_pickled_layer_rebuilds_its_kernel_where_it_lands(monkeypatch):
+    import pickle
+
+    layer = QuantLinear(rtn_quantize(torch.randn(64, 128) * 0.05, QuantConfig(4, 64)))
+    blob = pickle.dumps(layer)
+    assert pickle.loads(blob).kernel == "minillm-int4"
+    monkeypatch.setenv("MINILLM_KERNELS", "0")  # a process where minillm's kernels are off
+    monkeypatch.setattr(kernels, "_state", {})
+    there = pickle.loads(blob)
+    assert there.kernel == "torch-int4"
+    x = torch.randn(2, 128)
+    ref = quant_linear_naive(x, there)
+    assert ((there(x) - ref).norm() / ref.norm()).item() < 2e-2
+
+
+def test_gradients_take_the_reference_path():
+    layer = QuantLinear(rtn_quantize(torch.randn(64, 128) * 0.05, QuantConfig(4, 64)))
+    x = torch.randn(3, 128, requires_grad=True)
+    layer(x).sum().backward()
+    x2 = x.detach().clone().requires_grad_()
+    quant_linear_naive(x2, layer).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_a_second_thread_waits_for_the_first_build(monkeypatch):
+    import threading
+    import time
+    import torch.utils.cpp_extension as ext
+
+    real = kernels.load()
+    monkeypatch.setattr(ext, "load", lambda *a, **k: (time.sleep(0.5), real)[1])  # a slow first build
+    monkeypatch.setattr(kernels, "_state", {})
+    got = [None, None]
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, kernels.load())) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join()
+    assert got == [real, real]

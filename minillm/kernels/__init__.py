@@ -6,8 +6,11 @@ without AVX-512, decode the codes slower than memory delivers them (docs/decode.
 kernels read each code once per call, turn it into float32 in registers, and keep the sums of up to six
 rows in registers, so one row (a decode step) and a few rows (a speculative verification) cost about
 one pass over the codes; every sum is float32, so the result is the dequantized weight's product
-within float32 rounding. The layout is one tile of 32 output columns after another, each tile's codes
-for all K inputs contiguous (``int4_panels``, ``int8_panels``).
+within float32 rounding (up to 11 rows the zero points enter once per group as ``zs * sum(x)``, which
+can cancel against the codes' sum where codes sit at the zero point and x has a large mean: then the
+error grows to about 1e-3 of the output, still a tenth of bfloat16's). The layout is one tile of 32
+output columns after another, each tile's codes for all K inputs contiguous (``int4_panels``,
+``int8_panels``).
 
 The C++ builds once, on first use, with torch's extension builder (a C++ compiler and ninja; about a
 minute; cached under ``TORCH_EXTENSIONS_DIR``). Where it cannot build (no compiler, no AVX2, or
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import warnings
 from pathlib import Path
 
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 SOURCE = Path(__file__).with_name("cpu.cpp")
 TILE = 32  # output columns per tile: the kernels' layout wants out_features % TILE == 0
 _state: dict = {}
+_building = threading.Lock()
 
 
 def why_unavailable() -> str | None:
@@ -45,18 +50,20 @@ def why_unavailable() -> str | None:
 def load():
     """The built extension (built on the first call), or None where it cannot be built (a warning says
     why, once)."""
-    if "ext" not in _state:
-        _state["ext"], reason = None, why_unavailable()
-        if reason is None:
-            try:
-                from torch.utils.cpp_extension import load as build
-                _state["ext"] = build("minillm_cpu_kernels", [str(SOURCE)],
-                                      extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
-            except Exception as e:  # a failed build leaves torch's kernels in charge
-                reason = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
-        if reason is not None and reason != "MINILLM_KERNELS=0":
-            warnings.warn(f"minillm's AVX2 int4/int8 kernels are off: {reason}; quantized layers use torch's "
-                          "kernels instead (slower on CPUs without AVX-512)", stacklevel=2)
+    with _building:  # another thread's first call waits for the build rather than reading "off"
+        if "ext" not in _state:
+            ext, reason = None, why_unavailable()
+            if reason is None:
+                try:
+                    from torch.utils.cpp_extension import load as build
+                    ext = build("minillm_cpu_kernels", [str(SOURCE)],
+                                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                except Exception as e:  # a failed build leaves torch's kernels in charge
+                    reason = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
+            if reason is not None and reason != "MINILLM_KERNELS=0":
+                warnings.warn(f"minillm's AVX2 int4/int8 kernels are off: {reason}; quantized layers use torch's "
+                              "kernels instead (slower on CPUs without AVX-512)", stacklevel=2)
+            _state["ext"] = ext
     return _state["ext"]
 
 

@@ -185,6 +185,14 @@ class QuantLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self._kernel if isinstance(t, torch.Tensor)) + (
             0 if self.bias is None else self.bias.numel() * 4)
 
+    def __getstate__(self):  # pickle / deepcopy: the kernel's tensors are rebuilt where the layer lands,
+        return {**self.__dict__, "_kernel": None}  # whose machine may lack minillm's kernels
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        if self.want_fast:
+            self.prepare_fast()
+
     def _apply(self, fn, recurse=True):  # .to(device): rebuild the kernel's tensors where the buffers went
         out = super()._apply(fn, recurse)
         if self.want_fast:
@@ -192,7 +200,7 @@ class QuantLinear(nn.Module):
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., I) -> (..., O)
-        if not self.fast:
+        if not self.fast or (torch.is_grad_enabled() and x.requires_grad):  # the kernels have no backward
             return self.forward_reference(x)
         kind, *tensors = self._kernel
         x2 = x.reshape(-1, self.in_features)
