@@ -50,6 +50,8 @@ def why_unavailable() -> str | None:
 def load():
     """The built extension (built on the first call), or None where it cannot be built (a warning says
     why, once)."""
+    if "ext" in _state:  # every product asks: no lock once decided
+        return _state["ext"]
     with _building:  # another thread's first call waits for the build rather than reading "off"
         if "ext" not in _state:
             ext, reason = None, why_unavailable()

@@ -223,6 +223,14 @@ static void rows_tile8(const float* x, int64_t M, int64_t K, const int8_t* w, fl
   }
 }
 
+// Tile t's int8 codes as float32 rows of 32 at stride ld (the scale and offset are applied to the product).
+static void decode_tile8(const int8_t* wp, int64_t K, int64_t t, float* out, int64_t ld) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int j = 0; j < 32; j += 8)
+      _mm256_storeu_ps(out + k * ld + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + (t * K + k) * 32 + j)))));
+}
+
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s, c10::optional<torch::Tensor> off) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 32, "x (M, K), panels (N/32, K, 32)");
   const int64_t M = x.size(0), K = x.size(1), T = panels.size(0), N = T * 32;
@@ -234,35 +242,27 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
   TORCH_CHECK(!off.has_value() || (off->dim() == 1 && off->size(0) == N && off->scalar_type() == torch::kFloat),
               "int8_linear: offset (N,) float32, N = ", N);
   x = x.contiguous();
-  if (M >= GEMM_ROWS) {  // codes as float32 through the GEMM; the scale and offset follow as below
-    const int8_t* wp = panels.data_ptr<int8_t>();
-    auto y = chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) {
-      for (int64_t k = 0; k < K; ++k)
-        for (int j = 0; j < 32; j += 8)
-          _mm256_storeu_ps(out + k * ld + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + (t * K + k) * 32 + j)))));
-    });
-    y.mul_(s);
-    return off.has_value() ? y.add_(x.sum(-1, true) * *off) : y;
-  }
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>(); const int8_t* wp = panels.data_ptr<int8_t>(); float* yp = y.data_ptr<float>();
-  at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> wf(M >= DECODE_ONCE_ROWS ? K * 32 : 0);
-    for (int64_t t = begin; t < end; ++t) {
-      if (M < DECODE_ONCE_ROWS) {
-        rows_tile8(xp, M, K, wp + t * K * 32, yp, N, t * 32);
-        continue;
+  const int8_t* wp = panels.data_ptr<int8_t>();
+  torch::Tensor y;
+  if (M >= GEMM_ROWS) {
+    y = chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) { decode_tile8(wp, K, t, out, ld); });
+  } else {
+    y = torch::empty({M, N}, x.options());
+    const float* xp = x.data_ptr<float>(); float* yp = y.data_ptr<float>();
+    at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> wf(M >= DECODE_ONCE_ROWS ? K * 32 : 0);
+      for (int64_t t = begin; t < end; ++t) {
+        if (M < DECODE_ONCE_ROWS) {
+          rows_tile8(xp, M, K, wp + t * K * 32, yp, N, t * 32);
+          continue;
+        }
+        decode_tile8(wp, K, t, wf.data(), 32);
+        panel_all_rows(xp, M, K, wf.data(), yp + t * 32, N);
       }
-      for (int64_t i = 0; i < K * 32; i += 8)  // codes as float32; the scale and offset follow below
-        _mm256_storeu_ps(wf.data() + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(wp + t * K * 32 + i)))));
-      panel_all_rows(xp, M, K, wf.data(), yp + t * 32, N);
-    }
-  });
-  y.mul_(s);
-  if (off.has_value()) y.add_(x.sum(-1, true) * *off);
-  return y;
+    });
+  }
+  y.mul_(s);  // W_hat = s q + off: the codes' products, scaled, plus off * sum(x)
+  return off.has_value() ? y.add_(x.sum(-1, true) * *off) : y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_linear", &int4_linear); m.def("int8_linear", &int8_linear); }

@@ -137,10 +137,8 @@ class QuantLinear(nn.Module):
         group_of_kernel_group = g_sorted.reshape(-1, kg)[:, 0]  # (I / kg,)
         s = qw.scales[:, group_of_kernel_group]  # (O, I / kg)
         z = qw.zeros[:, group_of_kernel_group].float()
-        order = None if (perm == torch.arange(I, device=perm.device)).all() else perm.to(self.qweight.device)
-        # ours: s (q - z) = s (q - 8) + s (8 - z): the kernel's (scale, zero) pair is (s, s (8 - z))
-        scales_and_zeros = torch.stack([s.t(), (s * (8 - z)).t()], dim=-1).to(torch.bfloat16).contiguous()
         dev = self.qweight.device
+        order = None if (perm == torch.arange(I, device=perm.device)).all() else perm.to(dev)
         if dev.type == "cuda":
             # the CUDA kernel tiles K by 16 x inner_k_tiles (2, 4 or 8) and N by 8 (by 16 in ROCm builds:
             # asked here of every build); kernel groups make I a multiple of 32, so 2 always tiles K
@@ -159,6 +157,8 @@ class QuantLinear(nn.Module):
             if self.out_features % 16:  # the CPU kernel packs rows in blocks of 16
                 return False
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+        # torch's: s (q - z) = s (q - 8) + s (8 - z): its (scale, zero) pair is (s, s (8 - z)), in bfloat16
+        scales_and_zeros = torch.stack([s.t(), (s * (8 - z)).t()], dim=-1).to(torch.bfloat16).contiguous()
         self._kernel = ("torch-int4", packed, kg, scales_and_zeros.to(dev), order)
         return True
 
