@@ -140,7 +140,7 @@ def inject(engine, point, at, monkeypatch, exc=None):
     elif point == "append":
         engine._append = once(engine._append, at)
     elif point == "hash":  # naming a block, inside a reservation (after its copy-on-write)
-        engine.manager.hash_fn = once(engine.manager.hash_fn, at)
+        engine.manager.prefix_cache.hash_fn = once(engine.manager.prefix_cache.hash_fn, at)
     elif point == "record":
         engine.stats.record_step = once(engine.stats.record_step, at)
     elif point == "commit":

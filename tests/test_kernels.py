@@ -172,3 +172,21 @@ def test_a_second_thread_waits_for_the_first_build(monkeypatch):
     for t in threads:
         t.join()
     assert got == [real, real]
+
+
+def test_load_state_dict_rebuilds_the_kernels_copy():
+    layer = QuantLinear(rtn_quantize(torch.randn(64, 128) * 0.05, QuantConfig(4, 64)))
+    other = QuantLinear(rtn_quantize(torch.randn(64, 128) * 0.05, QuantConfig(4, 64)))
+    layer.load_state_dict(other.state_dict())  # buffers written in place: the packed copy was left stale
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(layer(x), quant_linear_naive(x, other), rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_moved_to_meta_has_no_kernel_and_comes_back():
+    layer = QuantLinear(rtn_quantize(torch.randn(64, 128) * 0.05, QuantConfig(4, 64)))
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert layer.to("meta").kernel == "reference"  # was: bincount has no meta kernel
+    layer.load_state_dict(state, assign=True)  # materialized from a checkpoint, as a model built on meta is
+    assert layer.kernel in ("minillm-int4", "torch-int4")
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(layer(x), quant_linear_naive(x, layer), rtol=2e-2, atol=2e-2)

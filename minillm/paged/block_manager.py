@@ -75,15 +75,6 @@ class BlockManager:
         self._freed: set[int] = set()
         self.step_copies: list[tuple[int, int]] = []  # copy-on-write made since begin (a rollback makes them again)
 
-    @property
-    def hash_fn(self) -> Callable[[int | None, tuple[int, ...]], int]:
-        """The prefix cache's key of a full block (``PrefixCache.hash_fn``)."""
-        return self.prefix_cache.hash_fn
-
-    @hash_fn.setter
-    def hash_fn(self, fn: Callable[[int | None, tuple[int, ...]], int]) -> None:
-        self.prefix_cache.hash_fn = fn
-
     # ---- queries -------------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:

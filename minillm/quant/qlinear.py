@@ -118,6 +118,8 @@ class QuantLinear(nn.Module):
     def prepare_fast(self) -> bool:
         """Build the int4 kernel's tensors if the layout allows it; returns whether the fast path is on."""
         self._kernel = None
+        if self.qweight.device.type == "meta":  # no values to pack (a model being built before loading)
+            return False
         qw = self.quantized_weight()
         I = self.in_features
         if self.config.bits == 8:
@@ -190,6 +192,11 @@ class QuantLinear(nn.Module):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        if self.want_fast:
+            self.prepare_fast()
+
+    def _load_from_state_dict(self, *args, **kwargs):  # load_state_dict writes the buffers in place:
+        super()._load_from_state_dict(*args, **kwargs)  # the kernel's packed copies are rebuilt from them
         if self.want_fast:
             self.prepare_fast()
 
