@@ -71,6 +71,9 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     if other:
         raise ValueError(f"model: compile_decode supports minillm Linear layers and layers that declare "
                          f"`compilable` (minillm.quant.QuantLinear); found {other}. Run this model without compiling")
+    for m in model.modules():  # a layer may pick the kernel that inductor compiles best on this CPU
+        if hasattr(m, "prepare_compile"):
+            m.prepare_compile()
     # dynamo keeps compiled versions per code object, and its "automatic dynamic" sizes per code name:
     # a renamed copy of the function for each model keeps another model's sizes (heads, widths) from
     # turning this one's into symbolic sizes; only the cached length becomes symbolic

@@ -144,3 +144,12 @@ def test_compiled_4bit_decode_matches_eager(tiny_int4):
     assert rel_err(logits, eager_logits) < 2e-2
     params = SamplingParams(max_new_tokens=12)
     assert generate_cached(compiled, [17, 4], params).tokens == generate_cached(tiny_int4, [17, 4], params).tokens
+
+
+@pytest.mark.skipif(not __import__("minillm.kernels").kernels.available(), reason="minillm's kernels are not built here")
+def test_compile_decode_takes_torchs_kernels_where_inductor_has_a_template(tiny_int4, monkeypatch):
+    for capability, expected in (("AVX512", "torch-int4"), ("AVX2", "minillm-int4")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+        model = compile_decode(copy.deepcopy(tiny_int4))  # compiles at the first step: only the choice is made here
+        assert {m.kernel for m in model.modules() if isinstance(m, QuantLinear)} == {expected}
+    assert {m.kernel for m in tiny_int4.modules() if isinstance(m, QuantLinear)} == {"minillm-int4"}  # not the original

@@ -15,7 +15,8 @@ output columns after another, each tile's codes for all K inputs contiguous (``i
 The C++ builds once, on first use, with torch's extension builder (a C++ compiler and ninja; about a
 minute; cached under ``TORCH_EXTENSIONS_DIR``). Where it cannot build (no compiler, no AVX2, or
 ``MINILLM_KERNELS=0``), ``available()`` is False and ``minillm.quant`` keeps torch's kernels. The
-products go through ``torch.library`` custom ops, so ``torch.compile`` calls them as they are.
+products go through ``torch.library`` custom ops, so ``torch.compile`` calls them as they are (on a CPU
+with AVX-512, ``compile_decode`` switches quantized layers to torch's kernels, which inductor lowers itself).
 ``int4_linear_naive`` and ``int8_linear_naive`` are the baselines (dequantize, then ``F.linear``).
 """
 

@@ -20,7 +20,7 @@ from ..data import BENCH_PROMPT
 from ..formats.gguf import read_gguf
 from ..generation import generate_cached
 from ..loading import default_model_path
-from ..quant import QuantConfig, quantize_model
+from ..quant import QuantConfig, QuantLinear, quantize_model
 from ..quant.head import quantize_output
 from ..roofline.ceilings import measure
 from ..sampling import SamplingParams
@@ -124,7 +124,9 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
         results[name] = {"decode_tokens_per_s": tps, "runs": [r["decode_tokens_per_s"] for r in rs],
                          "prefill_s": statistics.median(r["prefill_s"] for r in rs), "bytes_per_token": nbytes[name],
                          "achieved_GB_per_s": nbytes[name] * tps / 1e9, "share_of_bound": nbytes[name] * tps / ceiling,
-                         "tokens_equal_to_float": same}
+                         "tokens_equal_to_float": same,
+                         "kernels": sorted({m.kernel for m in ours[name].modules() if isinstance(m, QuantLinear)})
+                         if name in ours else None}
         eager = name.removesuffix(", compiled")
         if eager != name:  # the compiled path beside its eager baseline: greedy tokens in common
             ref = runs[eager][-1]["tokens"]

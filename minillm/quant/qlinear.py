@@ -62,6 +62,7 @@ class QuantLinear(nn.Module):
         self.register_buffer("g_idx", qw.g_idx.to(device=qw.codes.device, dtype=torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone().float())
         self.want_fast = fast  # use the kernel wherever the layout and device allow (kept across .to())
+        self.torch_kernels = False  # True: torch's kernels even where minillm's are built (``prepare_compile``)
         self._kernel = None  # (kind, the tensors its product reads ...): see prepare_fast
         if fast:
             self.prepare_fast()
@@ -150,7 +151,7 @@ class QuantLinear(nn.Module):
             # (O, I / 2) uint8, two codes per byte, the even column in the high nibble (torch >= 2.5)
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), inner_k_tiles)  # pragma: no cover
-        elif self.out_features % kernels.TILE == 0 and kernels.available():
+        elif self.out_features % kernels.TILE == 0 and self._ours():
             # ours: W_hat = s q + zs per kernel group, in float32 (zs = -s z)
             self._kernel = ("minillm-int4", kernels.int4_panels(codes), s.t().contiguous().float(),
                             (-s * z).t().contiguous().float(), kg, order)
@@ -164,6 +165,18 @@ class QuantLinear(nn.Module):
         self._kernel = ("torch-int4", packed, kg, scales_and_zeros.to(dev), order)
         return True
 
+    def _ours(self) -> bool:
+        return not getattr(self, "torch_kernels", False) and kernels.available()  # (pickles from before the flag)
+
+    def prepare_compile(self) -> None:
+        """``compile_decode`` is about to trace this layer. On a CPU with AVX-512, inductor lowers torch's int4
+        and int8 products to GEMM templates of its own and fuses them with the step (batch-1 compiled decode
+        about 1.3x minillm's kernels there, which it can only call; docs/decode.md): take torch's. Elsewhere
+        (AVX2 only: no template) minillm's stay."""
+        if self.kernel.startswith("minillm") and torch.backends.cpu.get_cpu_capability() == "AVX512":
+            self.torch_kernels = True
+            self.prepare_fast()
+
     def _prepare_int8(self, qw: QuantizedWeight) -> bool:
         """The int8 kernel's tensors: one group per row (per channel) on the CPU only."""
         if qw.scales.shape[1] != 1 or self.qweight.device.type != "cpu":
@@ -173,7 +186,7 @@ class QuantLinear(nn.Module):
         s = qw.scales[:, 0].float()
         offset = s * (128 - qw.zeros[:, 0].float())  # (O,), zero for symmetric codes
         offset = None if bool((offset == 0).all()) else offset
-        if self.out_features % kernels.TILE == 0 and kernels.available():
+        if self.out_features % kernels.TILE == 0 and self._ours():
             self._kernel = ("minillm-int8", kernels.int8_panels(w8), s, offset)
         else:
             self._kernel = ("torch-int8", w8, s.to(torch.bfloat16), offset)

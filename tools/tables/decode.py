@@ -128,9 +128,10 @@ def decode_llamacpp(folder: Path = FIGURES) -> str:
     res, n = p["results"], p["new_tokens"]
     rows = [[name, f"{r['decode_tokens_per_s']:.1f}", ", ".join(f"{x:.1f}" for x in r["runs"]),
              f"{r['bytes_per_token'] / 1e6:.1f}", f"{r['achieved_GB_per_s']:.1f}", f"{r['share_of_bound']:.0%}",
-             f"{r['tokens_equal_to_float']}/{n}"] for name, r in res.items()]
+             f"{r['tokens_equal_to_float']}/{n}", ", ".join(r.get("kernels") or []) or "-"] for name, r in res.items()]
     lines = _table(["path", "tokens/s (median)", "each repeat", "MB read per token", "GB/s", "of the bound",
-                    "first greedy tokens = float32's"], ["l", "r", "l", "r", "r", "r", "r"], rows)
+                    "first greedy tokens = float32's", "quantized layers' kernels"], ["l", "r", "l", "r", "r", "r", "r", "l"],
+                   rows)
     bw = p["bandwidth"]
     per = ", ".join(f"{x:.2f}" for x in p["best_over_llamacpp_per_repeat"])
     ahead = sum(x >= 1 for x in p["best_over_llamacpp_per_repeat"])
