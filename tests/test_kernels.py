@@ -17,7 +17,7 @@ def bound(x, w):
     return 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 130, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 15, 19, 22, 100, 130, 200])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(32, 64, 32), (96, 256, 64), (64, 384, 128)])
 @pytest.mark.parametrize("zero_points", [True, False])
 def test_int4_linear_equals_dequantize_then_matmul(rows, out_features, in_features, group_size, zero_points):
@@ -33,7 +33,7 @@ def test_int4_linear_equals_dequantize_then_matmul(rows, out_features, in_featur
     assert ((y.double() - ref).abs() <= bound(x, w).double()).all()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 6, 9, 12, 14, 130, 200])
+@pytest.mark.parametrize("rows", [1, 3, 6, 9, 12, 14, 15, 100, 130, 200])
 @pytest.mark.parametrize("with_offset", [True, False])
 def test_int8_linear_equals_dequantize_then_matmul(rows, with_offset):
     g = torch.Generator().manual_seed(rows)

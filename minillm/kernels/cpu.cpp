@@ -78,7 +78,45 @@ static void panel_rows(const float* x, int64_t K, const float* wf, float* y, int
   }
 }
 
+// The same micro-kernel 16 columns wide, for CPUs with AVX-512 (compiled for it by the target attribute, chosen
+// at run time): there oneDNN's float32 GEMM runs 16-wide, and the 8-wide panel fell to 0.6-0.8x of it from 64
+// rows on (docs/decode.md). Each column sums over k in the same order, so both give the same floats.
+template <int MR>
+__attribute__((target("avx512f"))) static void panel_rows16(const float* x, int64_t K, const float* wf, float* y,
+                                                            int64_t ldy) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 w0 = _mm512_loadu_ps(wf + k * 32), w1 = _mm512_loadu_ps(wf + k * 32 + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 b = _mm512_set1_ps(x[m * K + k]);
+      acc[m][0] = _mm512_fmadd_ps(b, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(b, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) { _mm512_storeu_ps(y + m * ldy, acc[m][0]); _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]); }
+}
+
+__attribute__((target("avx512f"))) static void panel_all_rows16(const float* x, int64_t M, int64_t K, const float* wf,
+                                                                float* y, int64_t ldy) {
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) panel_rows16<8>(x + m * K, K, wf, y + m * ldy, ldy);
+  const float* xm = x + m * K; float* ym = y + m * ldy;
+  switch (M - m) {
+    case 1: panel_rows16<1>(xm, K, wf, ym, ldy); break;
+    case 2: panel_rows16<2>(xm, K, wf, ym, ldy); break;
+    case 3: panel_rows16<3>(xm, K, wf, ym, ldy); break;
+    case 4: panel_rows16<4>(xm, K, wf, ym, ldy); break;
+    case 5: panel_rows16<5>(xm, K, wf, ym, ldy); break;
+    case 6: panel_rows16<6>(xm, K, wf, ym, ldy); break;
+    case 7: panel_rows16<7>(xm, K, wf, ym, ldy); break;
+  }
+}
+
+static const bool HAS_AVX512 = __builtin_cpu_supports("avx512f");
+
 static void panel_all_rows(const float* x, int64_t M, int64_t K, const float* wf, float* y, int64_t ldy) {
+  if (HAS_AVX512) return panel_all_rows16(x, M, K, wf, y, ldy);
   int64_t m = 0;
   for (; m + 6 <= M; m += 6) panel_rows<6>(x + m * K, K, wf, y + m * ldy, ldy);
   const float* xm = x + m * K; float* ym = y + m * ldy;
@@ -91,7 +129,9 @@ static void panel_all_rows(const float* x, int64_t M, int64_t K, const float* wf
   }
 }
 
-constexpr int64_t GEMM_ROWS = 192;  // from this many rows on: dequantize chunks of the layer for a float32 GEMM
+// from this many rows on: dequantize chunks of the layer for torch's float32 GEMM (where the 16-wide panel runs,
+// the crossover sits lower: measured in docs/decode.md)
+static const int64_t GEMM_ROWS = HAS_AVX512 ? 128 : 192;
 constexpr int64_t DECODE_ONCE_ROWS = 12;  // from this many rows on a tile is dequantized once (measured: docs/decode.md)
 
 template <int MR, int NT>
