@@ -24,13 +24,29 @@ def test_int4_linear_equals_dequantize_then_matmul(rows, out_features, in_featur
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     codes = torch.randint(0, 16, (out_features, in_features), generator=g)
     scales = torch.rand(in_features // group_size, out_features, generator=g) * 0.1
-    zs = torch.randn(scales.shape, generator=g) if zero_points else None
+    zeros = torch.randint(0, 16, scales.shape, generator=g).float() if zero_points else None
     x = torch.randn(rows, in_features, generator=g)
-    y = kernels.int4_linear(x, kernels.int4_panels(codes), scales, zs, group_size)
-    ref = kernels.int4_linear_naive(x.double(), codes, scales.double(), None if zs is None else zs.double(), group_size)
-    w = kernels.int4_linear_naive(torch.eye(in_features), codes, scales, zs, group_size).t()  # (N, K) dequantized
+    y = kernels.int4_linear(x, kernels.int4_panels(codes), scales, zeros, group_size)
+    ref = kernels.int4_linear_naive(x.double(), codes, scales.double(), None if zeros is None else zeros.double(),
+                                    group_size)
+    w = kernels.int4_linear_naive(torch.eye(in_features), codes, scales, zeros, group_size).t()  # (N, K) dequantized
     assert y.shape == (rows, out_features)
     assert ((y.double() - ref).abs() <= bound(x, w).double()).all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 11, 12, 100, 200])
+def test_codes_at_their_zero_point_do_not_cancel(rows):
+    """Codes within one of the zero point and activations with a large mean: the product is small beside the
+    terms a kernel could sum separately (s x.q and s z sum(x), which cancelled to ~1e-3 before z left the codes)."""
+    g = torch.Generator().manual_seed(rows)
+    zeros = torch.full((4, 96), 8.0)
+    codes = 8 + torch.randint(-1, 2, (96, 256), generator=g)
+    scales = torch.rand(4, 96, generator=g) * 0.1 + 0.01
+    x = 100 + torch.randn(rows, 256, generator=g)
+    y = kernels.int4_linear(x, kernels.int4_panels(codes), scales, zeros, 64)
+    ref = kernels.int4_linear_naive(x.double(), codes, scales.double(), zeros.double(), 64)
+    # float32 rounding of the products themselves: about 3e-7 here (the separate sums gave 1.3e-5 to 2.1e-5)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-6
 
 
 @pytest.mark.parametrize("rows", [1, 3, 6, 9, 12, 14, 15, 100, 130, 200])

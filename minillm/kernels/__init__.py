@@ -6,9 +6,8 @@ without AVX-512, decode the codes slower than memory delivers them (docs/decode.
 kernels read each code once per call, turn it into float32 in registers, and keep the sums of up to six
 rows in registers, so one row (a decode step) and a few rows (a speculative verification) cost about
 one pass over the codes; every sum is float32, so the result is the dequantized weight's product
-within float32 rounding (up to 11 rows the zero points enter once per group as ``zs * sum(x)``, which
-can cancel against the codes' sum where codes sit at the zero point and x has a large mean: then the
-error grows to about 1e-3 of the output, still a tenth of bfloat16's). The layout is one tile of 32
+within float32 rounding (the zero point leaves each code in registers, ``s (q - z)`` as the reference
+dequantizes, so no term cancels against another). The layout is one tile of 32
 output columns after another, each tile's codes for all K inputs contiguous (``int4_panels``,
 ``int8_panels``).
 
@@ -85,13 +84,13 @@ def available() -> bool:
 
 # ---- the products, as custom ops so that torch.compile calls them as they are ----------------------------
 @torch.library.custom_op("minillm::int4_linear", mutates_args=())
-def _int4_op(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor | None,
+def _int4_op(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
              group_size: int) -> torch.Tensor:
-    return _loaded().int4_linear(x, panels, scales, zs, group_size)
+    return _loaded().int4_linear(x, panels, scales, zeros, group_size)
 
 
 @_int4_op.register_fake
-def _(x, panels, scales, zs, group_size):
+def _(x, panels, scales, zeros, group_size):
     return x.new_empty(x.shape[0], panels.shape[0] * TILE)
 
 
@@ -105,15 +104,15 @@ def _(x, panels, scales, offset):
     return x.new_empty(x.shape[0], panels.shape[0] * TILE)
 
 
-def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zs: torch.Tensor | None,
+def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                 group_size: int) -> torch.Tensor:
-    """``x W_hat^T`` with ``W_hat[n, k] = scales[g, n] * q[n, k] + zs[g, n]``, ``g = k // group_size``.
+    """``x W_hat^T`` with ``W_hat[n, k] = scales[g, n] * (q[n, k] - zeros[g, n])``, ``g = k // group_size``.
 
-    x: (M, K) float32; panels: ``int4_panels(q)``; scales, zs: (K / group_size, N) float32 (zs None: 0).
+    x: (M, K) float32; panels: ``int4_panels(q)``; scales, zeros: (K / group_size, N) float32 (zeros None: 0).
     """
     if torch.compiler.is_compiling():
-        return _int4_op(x.contiguous(), panels, scales, zs, group_size)
-    return _loaded().int4_linear(x, panels, scales, zs, group_size)  # eager: without the custom op's dispatch
+        return _int4_op(x.contiguous(), panels, scales, zeros, group_size)
+    return _loaded().int4_linear(x, panels, scales, zeros, group_size)  # eager: without the custom op's dispatch
 
 
 def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -141,12 +140,12 @@ def int8_panels(codes: torch.Tensor) -> torch.Tensor:
     return codes.reshape(n // TILE, TILE, k).permute(0, 2, 1).contiguous()
 
 
-def int4_linear_naive(x, codes, scales, zs, group_size) -> torch.Tensor:
+def int4_linear_naive(x, codes, scales, zeros, group_size) -> torch.Tensor:
     """The baseline of ``int4_linear`` (codes (N, K) as they are, not panels): dequantize, then ``F.linear``."""
-    w = scales.t().repeat_interleave(group_size, 1) * codes.float()
-    if zs is not None:
-        w = w + zs.t().repeat_interleave(group_size, 1)
-    return F.linear(x, w)
+    q = codes.to(scales.dtype)
+    if zeros is not None:
+        q = q - zeros.t().repeat_interleave(group_size, 1)
+    return F.linear(x, scales.t().repeat_interleave(group_size, 1) * q)
 
 
 def int8_linear_naive(x, codes, scales, offset) -> torch.Tensor:

@@ -19,26 +19,29 @@ static inline void prefetch_ahead(const void* p) {
   _mm_prefetch(static_cast<const char*>(p) + PREFETCH_BYTES, _MM_HINT_T0);
 }
 
-// y = x W_hat^T for 4-bit codes: W_hat[n, k] = s[g, n] * q[n, k] + zs[g, n], g = k / group_size.
+// y = x W_hat^T for 4-bit codes: W_hat[n, k] = s[g, n] * (q[n, k] - z[g, n]), g = k / group_size.
 // panels: (N / 32, K, 4) int32; word j of (t, k) holds the codes of columns t*32 + j*8 + i at bits 4i.
-// Sum_k x q is taken per group in registers, then scaled: y += s * (x . q)_g + zs * sum(x)_g.
+// Sum_k x (q - z) is taken per group in registers, then scaled once: y += s * (x . (q - z))_g. The zero point
+// leaves each code exactly (small integers), so no term of the sum cancels against another.
 template <int MR, int NT>
 static void tile(const float* x, int64_t M_ld, int64_t K, const int32_t* w, int j0, const float* s,
-                 const float* zs, const float* xsum, int64_t G, int64_t gs, int64_t N, int64_t n0,
+                 const float* zp, int64_t G, int64_t gs, int64_t N, int64_t n0,
                  float* y, int64_t ldy) {
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
   const __m256i mask = _mm256_set1_epi32(0xF);
   __m256 out[MR][NT];
   for (int m = 0; m < MR; ++m) for (int j = 0; j < NT; ++j) out[m][j] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256 acc[MR][NT];
+    __m256 acc[MR][NT], zj[NT];
     for (int m = 0; m < MR; ++m) for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int j = 0; j < NT; ++j) zj[j] = zp ? _mm256_loadu_ps(zp + g * N + n0 + (j0 + j) * 8) : _mm256_setzero_ps();
     for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
       const int32_t* wk = w + k * 4 + j0;
       if (j0 == 0) prefetch_ahead(wk);
       __m256 q[NT];
       for (int j = 0; j < NT; ++j)
-        q[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wk[j]), shifts), mask));
+        q[j] = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wk[j]), shifts),
+                                                                 mask)), zj[j]);
       for (int m = 0; m < MR; ++m) {
         __m256 b = _mm256_broadcast_ss(x + m * M_ld + k);
         for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_fmadd_ps(b, q[j], acc[m][j]);
@@ -47,11 +50,7 @@ static void tile(const float* x, int64_t M_ld, int64_t K, const int32_t* w, int 
     for (int j = 0; j < NT; ++j) {
       const int64_t n = n0 + (j0 + j) * 8;
       __m256 sj = _mm256_loadu_ps(s + g * N + n);
-      __m256 zj = zs ? _mm256_loadu_ps(zs + g * N + n) : _mm256_setzero_ps();
-      for (int m = 0; m < MR; ++m) {
-        out[m][j] = _mm256_fmadd_ps(acc[m][j], sj, out[m][j]);
-        if (zs) out[m][j] = _mm256_fmadd_ps(_mm256_broadcast_ss(xsum + m * G + g), zj, out[m][j]);
-      }
+      for (int m = 0; m < MR; ++m) out[m][j] = _mm256_fmadd_ps(acc[m][j], sj, out[m][j]);
     }
   }
   for (int m = 0; m < MR; ++m) for (int j = 0; j < NT; ++j)
@@ -135,31 +134,31 @@ static const int64_t GEMM_ROWS = HAS_AVX512 ? 128 : 192;
 constexpr int64_t DECODE_ONCE_ROWS = 12;  // from this many rows on a tile is dequantized once (measured: docs/decode.md)
 
 template <int MR, int NT>
-static void run_rows(const float* x, int64_t K, const int32_t* w, const float* s, const float* zs, const float* xsum,
+static void run_rows(const float* x, int64_t K, const int32_t* w, const float* s, const float* zp,
                      int64_t G, int64_t gs, int64_t N, int64_t n0, float* y) {
-  for (int j0 = 0; j0 < 4; j0 += NT) tile<MR, NT>(x, K, K, w, j0, s, zs, xsum, G, gs, N, n0, y, N);
+  for (int j0 = 0; j0 < 4; j0 += NT) tile<MR, NT>(x, K, K, w, j0, s, zp, G, gs, N, n0, y, N);
 }
 
-static void rows_tile(const float* x, int64_t M, int64_t K, const int32_t* w, const float* s, const float* zs,
-                      const float* xsum, int64_t G, int64_t gs, int64_t N, int64_t n0, float* y) {
-  if (M == 1) return run_rows<1, 4>(x, K, w, s, zs, xsum, G, gs, N, n0, y);
-  if (M == 2) return run_rows<2, 4>(x, K, w, s, zs, xsum, G, gs, N, n0, y);
-  if (M == 3) return run_rows<3, 4>(x, K, w, s, zs, xsum, G, gs, N, n0, y);
+static void rows_tile(const float* x, int64_t M, int64_t K, const int32_t* w, const float* s, const float* zp,
+                      int64_t G, int64_t gs, int64_t N, int64_t n0, float* y) {
+  if (M == 1) return run_rows<1, 4>(x, K, w, s, zp, G, gs, N, n0, y);
+  if (M == 2) return run_rows<2, 4>(x, K, w, s, zp, G, gs, N, n0, y);
+  if (M == 3) return run_rows<3, 4>(x, K, w, s, zp, G, gs, N, n0, y);
   int64_t m = 0;
-  for (; m + 6 <= M; m += 6) run_rows<6, 2>(x + m * K, K, w, s, zs, xsum + m * G, G, gs, N, n0, y + m * N);
-  const float* xm = x + m * K; const float* xs = xsum + m * G; float* ym = y + m * N;
+  for (; m + 6 <= M; m += 6) run_rows<6, 2>(x + m * K, K, w, s, zp, G, gs, N, n0, y + m * N);
+  const float* xm = x + m * K; float* ym = y + m * N;
   switch (M - m) {
-    case 1: run_rows<1, 4>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
-    case 2: run_rows<2, 4>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
-    case 3: run_rows<3, 4>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
-    case 4: run_rows<4, 2>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
-    case 5: run_rows<5, 2>(xm, K, w, s, zs, xs, G, gs, N, n0, ym); break;
+    case 1: run_rows<1, 4>(xm, K, w, s, zp, G, gs, N, n0, ym); break;
+    case 2: run_rows<2, 4>(xm, K, w, s, zp, G, gs, N, n0, ym); break;
+    case 3: run_rows<3, 4>(xm, K, w, s, zp, G, gs, N, n0, ym); break;
+    case 4: run_rows<4, 2>(xm, K, w, s, zp, G, gs, N, n0, ym); break;
+    case 5: run_rows<5, 2>(xm, K, w, s, zp, G, gs, N, n0, ym); break;
   }
 }
 
 
 // Tile t's dequantized weights W_hat^T[k, 32 t .. 32 t + 31] for every k, as float32 rows of 32 at stride
-// ld: W_hat = s q + zs, the same float32 values as s (q - z).
+// ld: W_hat = s (q - z), the reference's float32 values (q - z is exact).
 static void decode_tile(const int32_t* wp, const float* sp, const float* zp, int64_t K, int64_t N, int64_t group_size,
                         int64_t t, float* out, int64_t ld) {
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0xF);
@@ -170,7 +169,7 @@ static void decode_tile(const int32_t* wp, const float* sp, const float* zp, int
       const int64_t n = t * 32 + j * 8;
       __m256 q = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(wp[(t * K + k) * 4 + j]), shifts), mask));
       __m256 z = zp ? _mm256_loadu_ps(zp + g * N + n) : _mm256_setzero_ps();
-      _mm256_storeu_ps(out + k * ld + j * 8, _mm256_fmadd_ps(q, _mm256_loadu_ps(sp + g * N + n), z));
+      _mm256_storeu_ps(out + k * ld + j * 8, _mm256_mul_ps(_mm256_loadu_ps(sp + g * N + n), _mm256_sub_ps(q, z)));
     }
   }
 }
@@ -196,35 +195,33 @@ static torch::Tensor chunked_gemm(const torch::Tensor& x, int64_t T, Decode deco
   return y;
 }
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s, c10::optional<torch::Tensor> zs_opt,
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s, c10::optional<torch::Tensor> z_opt,
                           int64_t group_size) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 4, "x (M, K), panels (N/32, K, 4)");
   // checked before K / group_size: a zero group size would stop the process (integer division by zero)
   TORCH_CHECK(group_size > 0, "int4_linear: group_size must be positive, got ", group_size);
   // the loops read the tensors' memory directly: a tensor on another device would be read as host memory
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && s.device().is_cpu()
-              && (!zs_opt.has_value() || zs_opt->device().is_cpu()), "int4_linear: tensors on the CPU");
+              && (!z_opt.has_value() || z_opt->device().is_cpu()), "int4_linear: tensors on the CPU");
   const int64_t M = x.size(0), K = x.size(1), T = panels.size(0), N = T * 32, G = K / group_size;
   TORCH_CHECK(panels.size(1) == K && K % group_size == 0 && s.size(0) == G && s.size(1) == N, "int4_linear: shapes");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kInt && s.scalar_type() == torch::kFloat
               && panels.is_contiguous() && s.is_contiguous(), "int4_linear: float32 x, int32 panels, contiguous float32 scales");
-  TORCH_CHECK(!zs_opt.has_value() || (zs_opt->scalar_type() == torch::kFloat && zs_opt->is_contiguous()
-              && zs_opt->sizes() == s.sizes()), "int4_linear: zs like scales");
+  TORCH_CHECK(!z_opt.has_value() || (z_opt->scalar_type() == torch::kFloat && z_opt->is_contiguous()
+              && z_opt->sizes() == s.sizes()), "int4_linear: zero points like scales");
   x = x.contiguous();
   const int32_t* wp = panels.data_ptr<int32_t>();
-  const float* sp = s.data_ptr<float>(); const float* zp = zs_opt.has_value() ? zs_opt->data_ptr<float>() : nullptr;
+  const float* sp = s.data_ptr<float>(); const float* zp = z_opt.has_value() ? z_opt->data_ptr<float>() : nullptr;
   if (M >= GEMM_ROWS)
     return chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) { decode_tile(wp, sp, zp, K, N, group_size, t, out, ld); });
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
-  std::vector<float> xsum(M * G, 0.f);  // sum of x over each group, for the zero points' term
-  if (zp) for (int64_t m = 0; m < M; ++m) for (int64_t k = 0; k < K; ++k) xsum[m * G + k / group_size] += xp[m * K + k];
-  const float* xsp = xsum.data(); float* yp = y.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wf(M >= DECODE_ONCE_ROWS ? K * 32 : 0);
     for (int64_t t = begin; t < end; ++t) {
       if (M < DECODE_ONCE_ROWS) {
-        rows_tile(xp, M, K, wp + t * K * 4, sp, zp, xsp, G, group_size, N, t * 32, yp);
+        rows_tile(xp, M, K, wp + t * K * 4, sp, zp, G, group_size, N, t * 32, yp);
         continue;
       }
       decode_tile(wp, sp, zp, K, N, group_size, t, wf.data(), 32);

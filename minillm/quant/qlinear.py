@@ -152,9 +152,9 @@ class QuantLinear(nn.Module):
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), inner_k_tiles)  # pragma: no cover
         elif self.out_features % kernels.TILE == 0 and self._ours():
-            # ours: W_hat = s q + zs per kernel group, in float32 (zs = -s z)
+            # ours: W_hat = s (q - z) per kernel group, in float32, as the reference dequantizes
             self._kernel = ("minillm-int4", kernels.int4_panels(codes), s.t().contiguous().float(),
-                            (-s * z).t().contiguous().float(), kg, order)
+                            z.t().contiguous(), kg, order)
             return True
         else:
             if self.out_features % 16:  # the CPU kernel packs rows in blocks of 16
@@ -225,8 +225,8 @@ class QuantLinear(nn.Module):
         kind, *tensors = self._kernel
         x2 = x.reshape(-1, self.in_features)
         if kind == "minillm-int4":
-            panels, s, zs, kg, perm = tensors
-            y = kernels.int4_linear((x2 if perm is None else x2[:, perm]).float(), panels, s, zs, kg)
+            panels, s, z, kg, perm = tensors
+            y = kernels.int4_linear((x2 if perm is None else x2[:, perm]).float(), panels, s, z, kg)
         elif kind == "minillm-int8":
             y = kernels.int8_linear(x2.float(), *tensors)
         elif kind == "torch-int8":
