@@ -368,6 +368,24 @@ def test_auto_stops_a_request_whose_drafts_fail(tiny):
     assert seq_alpha(0) < 0.04 and seq_alpha(1) == 0.5
 
 
+def test_auto_tries_again_once_old_failures_fade(tiny):
+    """A copy begins after a preamble whose drafts fail: the rate forgets, so drafting resumes."""
+    from minillm.paged.sequence import Sequence
+
+    engine = LLMEngine(tiny, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": "auto",
+                                                               "step_cost": lambda n: 1.0 + 0.1 * n})
+    seq = Sequence.__new__(Sequence)
+    seq.seq_id, seq.spec_token_ids = 0, [1, 2, 3, 4]
+    engine.spec._alpha[0] = (0.0, 12.0)  # the preamble: 12 drafts rejected
+    drafted = []
+    for _ in range(12):
+        seq.spec_token_ids = [1, 2, 3, 4]
+        kept = engine.spec._auto([(seq, None, 4)], [], [4])
+        drafted.append(len(seq.spec_token_ids) if kept else 0)
+    assert drafted[0] == 0 and drafted[-1] > 0 and drafted == sorted(drafted)  # held back, then drafting again
+    assert engine.spec.alpha(0) > 0.3  # from 1/14 (the 12 rejections counted in full)
+
+
 def test_a_quantized_copy_of_the_target_is_a_draft(tiny):
     """An int4 (RTN, groups of 32) copy of the target drafts: same vocabulary, greedy output unchanged,
     many drafts accepted; its blocks are freed with the target's."""

@@ -10,7 +10,7 @@ per depth, each over the sequences that draft that far. Gains fall along a
 sequence, so the best m drafts are the m largest gains over all sequences; ``choose_draft_lengths`` takes the m that maximises the
 step's expected tokens per second. At batch 1 on a CPU, c(N) is flat (memory-bound) and drafts are
 nearly free; at 64 sequences c(N) grows with N and only well-accepted drafts pay. A sequence whose
-drafts keep failing (alpha small) gets none.
+drafts keep failing (alpha small) gets none until its failures fade (``spec_decode.ALPHA_DECAY``).
 """
 
 from __future__ import annotations

@@ -32,6 +32,10 @@ METHODS = ("ngram", "draft_model")
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
         "max_num_speculative_tokens", "step_cost"}
 AUTO_MAX = 5  # the longest draft "auto" considers, unless max_num_speculative_tokens says otherwise
+# acceptance drifts along a text (a copy begins after a preamble whose drafts fail): each step a sequence's
+# counts of accepted and examined drafts keep this share, so old failures fade and a sequence that stopped
+# drafting tries again once its rate is back near the prior
+ALPHA_DECAY = 0.8
 
 
 @dataclass
@@ -210,6 +214,9 @@ class SpecDecoder:
         """Cut each sequence's draft to the length ``choose_draft_lengths`` picks for this step."""
         own = sum(min(s.num_tokens - s.num_computed_tokens, self.engine.scheduler.max_num_batched_tokens)
                   for s in running if s.num_tokens > s.num_computed_tokens)
+        for seq, _, _ in seqs:
+            accepted, examined = self._alpha.get(seq.seq_id, (0.0, 0.0))
+            self._alpha[seq.seq_id] = (accepted * ALPHA_DECAY, examined * ALPHA_DECAY)
         alphas = [self.alpha(seq.seq_id) for seq, _, _ in seqs]
         ks = choose_draft_lengths(alphas, most, own, self.step_cost,
                                   self.draft.forward_cost if self.draft is not None else None)
@@ -223,7 +230,8 @@ class SpecDecoder:
             self.step_cost.observe(num_tokens, seconds)
 
     def alpha(self, seq_id: int) -> float:
-        """The sequence's running acceptance rate (accepted / examined drafts), from a prior of 1 in 2."""
+        """The sequence's running acceptance rate (accepted / examined drafts, older ones counting less:
+        ``ALPHA_DECAY``), from a prior of 1 in 2."""
         accepted, examined = self._alpha.get(seq_id, (0.0, 0.0))
         return (accepted + 1.0) / (examined + 2.0)
 
