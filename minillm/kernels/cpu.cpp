@@ -112,7 +112,8 @@ __attribute__((target("avx512f"))) static void panel_all_rows16(const float* x, 
   }
 }
 
-static const bool HAS_AVX512 = __builtin_cpu_supports("avx512f");
+// detection runs here, in a static initializer, which may precede libgcc's own: initialize it first
+static const bool HAS_AVX512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
 
 static void panel_all_rows(const float* x, int64_t M, int64_t K, const float* wf, float* y, int64_t ldy) {
   if (HAS_AVX512) return panel_all_rows16(x, M, K, wf, y, ldy);
