@@ -151,5 +151,10 @@ def test_compile_decode_takes_torchs_kernels_where_inductor_has_a_template(tiny_
     for capability, expected in (("AVX512", "torch-int4"), ("AVX2", "minillm-int4")):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
         model = compile_decode(copy.deepcopy(tiny_int4))  # compiles at the first step: only the choice is made here
-        assert {m.kernel for m in model.modules() if isinstance(m, QuantLinear)} == {expected}
-    assert {m.kernel for m in tiny_int4.modules() if isinstance(m, QuantLinear)} == {"minillm-int4"}  # not the original
+        layers = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert {m.compiled_kernel for m in layers} == {expected}
+        assert {m.kernel for m in layers} == {"minillm-int4"}  # eager forwards (prefill) keep minillm's float32 ones
+        tokens, pos = torch.tensor([[5, 9, 200, 31]]), torch.arange(4)
+        assert torch.equal(model(tokens, pos), tiny_int4(tokens, pos))  # a prefill: the eager path, bit for bit
+        assert {m.compiled_kernel for m in copy.deepcopy(model).modules() if isinstance(m, QuantLinear)} == {expected}
+    assert {m.compiled_kernel for m in tiny_int4.modules() if isinstance(m, QuantLinear)} == {"minillm-int4"}

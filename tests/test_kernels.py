@@ -206,3 +206,13 @@ def test_a_layer_moved_to_meta_has_no_kernel_and_comes_back():
     assert layer.kernel in ("minillm-int4", "torch-int4")
     x = torch.randn(3, 128)
     torch.testing.assert_close(layer(x), quant_linear_naive(x, layer), rtol=2e-2, atol=2e-2)
+
+
+def test_to_empty_leaves_the_kernel_for_load_state_dict():
+    layer = QuantLinear(rtn_quantize(torch.randn(64, 128) * 0.05, QuantConfig(4, 64)))
+    state = {k: v.clone() for k, v in layer.state_dict().items()}
+    layer.to("meta").to_empty(device="cpu")  # uninitialised buffers: packing them raised (bincount) at random
+    layer.load_state_dict(state)
+    x = torch.randn(3, 128)
+    assert layer.kernel == "minillm-int4"
+    torch.testing.assert_close(layer(x), quant_linear_naive(x, layer), rtol=1e-5, atol=1e-5)

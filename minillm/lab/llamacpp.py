@@ -125,7 +125,8 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
                          "prefill_s": statistics.median(r["prefill_s"] for r in rs), "bytes_per_token": nbytes[name],
                          "achieved_GB_per_s": nbytes[name] * tps / 1e9, "share_of_bound": nbytes[name] * tps / ceiling,
                          "tokens_equal_to_float": same,
-                         "kernels": sorted({m.kernel for m in ours[name].modules() if isinstance(m, QuantLinear)})
+                         "kernels": sorted({m.compiled_kernel if name.endswith(", compiled") else m.kernel
+                                            for m in ours[name].modules() if isinstance(m, QuantLinear)})
                          if name in ours else None}
         eager = name.removesuffix(", compiled")
         if eager != name:  # the compiled path beside its eager baseline: greedy tokens in common

@@ -62,7 +62,8 @@ class QuantLinear(nn.Module):
         self.register_buffer("g_idx", qw.g_idx.to(device=qw.codes.device, dtype=torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone().float())
         self.want_fast = fast  # use the kernel wherever the layout and device allow (kept across .to())
-        self.torch_kernels = False  # True: torch's kernels even where minillm's are built (``prepare_compile``)
+        self.torch_kernels = False  # True: compiled traces take torch's kernels (``prepare_compile``)
+        self._compile_kernel = None  # what compiled traces run when it is not ``_kernel`` (``prepare_compile``)
         self._kernel = None  # (kind, the tensors its product reads ...): see prepare_fast
         if fast:
             self.prepare_fast()
@@ -117,7 +118,19 @@ class QuantLinear(nn.Module):
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def prepare_fast(self) -> bool:
-        """Build the int4 kernel's tensors if the layout allows it; returns whether the fast path is on."""
+        """Build the kernel's tensors if the layout allows it (after ``prepare_compile``, torch's too, for
+        compiled traces); returns whether the fast path is on."""
+        self._compile_kernel = None
+        if getattr(self, "torch_kernels", False):
+            self._use_torch = True
+            try:
+                self._prepare()
+            finally:
+                self._use_torch = False
+            self._compile_kernel = self._kernel
+        return self._prepare()
+
+    def _prepare(self) -> bool:
         self._kernel = None
         if self.qweight.device.type == "meta":  # no values to pack (a model being built before loading)
             return False
@@ -166,13 +179,20 @@ class QuantLinear(nn.Module):
         return True
 
     def _ours(self) -> bool:
-        return not getattr(self, "torch_kernels", False) and kernels.available()  # (pickles from before the flag)
+        return not getattr(self, "_use_torch", False) and kernels.available()
+
+    @property
+    def compiled_kernel(self) -> str:
+        """Which product a compiled trace (``compile_decode``) runs: ``kernel``, unless ``prepare_compile`` chose."""
+        k = getattr(self, "_compile_kernel", None) or self._kernel
+        return "reference" if k is None else k[0]
 
     def prepare_compile(self) -> None:
         """``compile_decode`` is about to trace this layer. On a CPU with AVX-512, inductor lowers torch's int4
         and int8 products to GEMM templates of its own and fuses them with the step (batch-1 compiled decode
-        about 1.3x minillm's kernels there, which it can only call; docs/decode.md): take torch's. Elsewhere
-        (AVX2 only: no template) minillm's stay."""
+        about 1.3x minillm's kernels there, which it can only call; docs/decode.md): compiled traces take
+        torch's, while eager forwards (prefill, verification) keep minillm's float32 ones. Elsewhere (AVX2
+        only: no template) minillm's serve both."""
         if self.kernel.startswith("minillm") and torch.backends.cpu.get_cpu_capability() == "AVX512":
             self.torch_kernels = True
             self.prepare_fast()
@@ -201,7 +221,7 @@ class QuantLinear(nn.Module):
             0 if self.bias is None else self.bias.numel() * 4)
 
     def __getstate__(self):  # pickle / deepcopy: the kernel's tensors are rebuilt where the layer lands,
-        return {**self.__dict__, "_kernel": None}  # whose machine may lack minillm's kernels
+        return {**self.__dict__, "_kernel": None, "_compile_kernel": None}  # whose machine may lack minillm's
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -216,13 +236,17 @@ class QuantLinear(nn.Module):
     def _apply(self, fn, recurse=True):  # .to(device): rebuild the kernel's tensors where the buffers went
         out = super()._apply(fn, recurse)
         if self.want_fast:
-            self.prepare_fast()
+            try:
+                self.prepare_fast()
+            except RuntimeError:  # to_empty: the buffers hold no values yet; load_state_dict builds the kernel
+                self._kernel = self._compile_kernel = None
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., I) -> (..., O)
         if not self.fast or (torch.is_grad_enabled() and x.requires_grad):  # the kernels have no backward
             return self.forward_reference(x)
-        kind, *tensors = self._kernel
+        kernel = getattr(self, "_compile_kernel", None)
+        kind, *tensors = kernel if kernel is not None and torch.compiler.is_compiling() else self._kernel
         x2 = x.reshape(-1, self.in_features)
         if kind == "minillm-int4":
             panels, s, z, kg, perm = tensors
