@@ -50,6 +50,8 @@ class QuantLinear(nn.Module):
     #: ``minillm.compiled.compile_decode`` may trace it (its kernels have inductor lowerings; the
     #: reference path's dequantization is folded into a float32 constant under freezing)
     compilable = True
+    torch_kernels = False  # True: compiled traces take torch's kernels (``prepare_compile``)
+    _compile_kernel = None  # what compiled traces run when it is not ``_kernel`` (class defaults: older pickles)
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, fast: bool = True):
         super().__init__()
@@ -62,8 +64,6 @@ class QuantLinear(nn.Module):
         self.register_buffer("g_idx", qw.g_idx.to(device=qw.codes.device, dtype=torch.int32))
         self.register_buffer("bias", None if bias is None else bias.detach().clone().float())
         self.want_fast = fast  # use the kernel wherever the layout and device allow (kept across .to())
-        self.torch_kernels = False  # True: compiled traces take torch's kernels (``prepare_compile``)
-        self._compile_kernel = None  # what compiled traces run when it is not ``_kernel`` (``prepare_compile``)
         self._kernel = None  # (kind, the tensors its product reads ...): see prepare_fast
         if fast:
             self.prepare_fast()
@@ -120,26 +120,23 @@ class QuantLinear(nn.Module):
     def prepare_fast(self) -> bool:
         """Build the kernel's tensors if the layout allows it (after ``prepare_compile``, torch's too, for
         compiled traces); returns whether the fast path is on."""
-        self._compile_kernel = None
-        if getattr(self, "torch_kernels", False):
-            self._use_torch = True
-            try:
-                self._prepare()
-            finally:
-                self._use_torch = False
-            self._compile_kernel = self._kernel
-        return self._prepare()
+        self._kernel = self._compile_kernel = None  # nothing stale if a build raises
+        self._kernel = self._build(ours=kernels.available())
+        if self.torch_kernels:
+            self._compile_kernel = self._build(ours=False)
+        return self._kernel is not None
 
-    def _prepare(self) -> bool:
-        self._kernel = None
+    def _build(self, ours: bool) -> tuple | None:
+        """The kernel's (kind, tensors ...): minillm's where ``ours`` and the layout allow, else torch's; None
+        where neither takes the layout (the reference path)."""
         if self.qweight.device.type == "meta":  # no values to pack (a model being built before loading)
-            return False
+            return None
         qw = self.quantized_weight()
         I = self.in_features
         if self.config.bits == 8:
-            return self._prepare_int8(qw)
+            return self._build_int8(qw, ours)
         if self.config.bits > 4:
-            return False
+            return None
         # the kernel wants contiguous groups: sort input columns by group once (identity unless act_order)
         perm = torch.argsort(qw.g_idx.long(), stable=True)
         g_sorted = qw.g_idx.long()[perm]
@@ -148,7 +145,7 @@ class QuantLinear(nn.Module):
         # kernel groups of 64 sharing a scale; per-channel rows repeat their one scale)
         kg = next((k for k in KERNEL_GROUP_SIZES if I % k == 0 and bool((sizes % k == 0).all())), None)
         if kg is None:
-            return False
+            return None
         codes = qw.codes[:, perm]  # (O, I) in kernel order
         group_of_kernel_group = g_sorted.reshape(-1, kg)[:, 0]  # (I / kg,)
         s = qw.scales[:, group_of_kernel_group]  # (O, I / kg)
@@ -159,32 +156,27 @@ class QuantLinear(nn.Module):
             # the CUDA kernel tiles K by 16 x inner_k_tiles (2, 4 or 8) and N by 8 (by 16 in ROCm builds:
             # asked here of every build); kernel groups make I a multiple of 32, so 2 always tiles K
             if self.out_features % 16:
-                return False
+                return None
             inner_k_tiles = next(t for t in (8, 4, 2) if I % (16 * t) == 0)
             # (O, I / 2) uint8, two codes per byte, the even column in the high nibble (torch >= 2.5)
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), inner_k_tiles)  # pragma: no cover
-        elif self.out_features % kernels.TILE == 0 and self._ours():
+        elif self.out_features % kernels.TILE == 0 and ours:
             # ours: W_hat = s (q - z) per kernel group, in float32, as the reference dequantizes
-            self._kernel = ("minillm-int4", kernels.int4_panels(codes), s.t().contiguous().float(),
-                            z.t().contiguous(), kg, order)
-            return True
+            return ("minillm-int4", kernels.int4_panels(codes), s.t().contiguous().float(), z.t().contiguous(), kg,
+                    order)
         else:
             if self.out_features % 16:  # the CPU kernel packs rows in blocks of 16
-                return False
+                return None
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
         # torch's: s (q - z) = s (q - 8) + s (8 - z): its (scale, zero) pair is (s, s (8 - z)), in bfloat16
         scales_and_zeros = torch.stack([s.t(), (s * (8 - z)).t()], dim=-1).to(torch.bfloat16).contiguous()
-        self._kernel = ("torch-int4", packed, kg, scales_and_zeros.to(dev), order)
-        return True
-
-    def _ours(self) -> bool:
-        return not getattr(self, "_use_torch", False) and kernels.available()
+        return ("torch-int4", packed, kg, scales_and_zeros.to(dev), order)
 
     @property
     def compiled_kernel(self) -> str:
         """Which product a compiled trace (``compile_decode``) runs: ``kernel``, unless ``prepare_compile`` chose."""
-        k = getattr(self, "_compile_kernel", None) or self._kernel
+        k = self._compile_kernel or self._kernel
         return "reference" if k is None else k[0]
 
     def prepare_compile(self) -> None:
@@ -194,23 +186,21 @@ class QuantLinear(nn.Module):
         torch's, while eager forwards (prefill, verification) keep minillm's float32 ones. Elsewhere (AVX2
         only: no template) minillm's serve both."""
         if self.kernel.startswith("minillm") and torch.backends.cpu.get_cpu_capability() == "AVX512":
-            self.torch_kernels = True
-            self.prepare_fast()
+            self.torch_kernels = True  # kept across .to(), copies and pickles (prepare_fast builds both)
+            self._compile_kernel = self._build(ours=False)
 
-    def _prepare_int8(self, qw: QuantizedWeight) -> bool:
+    def _build_int8(self, qw: QuantizedWeight, ours: bool) -> tuple | None:
         """The int8 kernel's tensors: one group per row (per channel) on the CPU only."""
         if qw.scales.shape[1] != 1 or self.qweight.device.type != "cpu":
-            return False
+            return None
         # s (q - z) = s (q - 128) + s (128 - z): int8 codes q - 128, and a per-row term times sum(x)
         w8 = (qw.codes - 128).to(torch.int8).contiguous()  # (O, I)
         s = qw.scales[:, 0].float()
         offset = s * (128 - qw.zeros[:, 0].float())  # (O,), zero for symmetric codes
         offset = None if bool((offset == 0).all()) else offset
-        if self.out_features % kernels.TILE == 0 and self._ours():
-            self._kernel = ("minillm-int8", kernels.int8_panels(w8), s, offset)
-        else:
-            self._kernel = ("torch-int8", w8, s.to(torch.bfloat16), offset)
-        return True
+        if self.out_features % kernels.TILE == 0 and ours:
+            return ("minillm-int8", kernels.int8_panels(w8), s, offset)
+        return ("torch-int8", w8, s.to(torch.bfloat16), offset)
 
     def kernel_nbytes(self) -> int:
         """Bytes a forward through the fast path reads: the kernel's packed codes, scales and zeros (the
@@ -245,8 +235,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., I) -> (..., O)
         if not self.fast or (torch.is_grad_enabled() and x.requires_grad):  # the kernels have no backward
             return self.forward_reference(x)
-        kernel = getattr(self, "_compile_kernel", None)
-        kind, *tensors = kernel if kernel is not None and torch.compiler.is_compiling() else self._kernel
+        compiled = self._compile_kernel is not None and torch.compiler.is_compiling()
+        kind, *tensors = self._compile_kernel if compiled else self._kernel
         x2 = x.reshape(-1, self.in_features)
         if kind == "minillm-int4":
             panels, s, z, kg, perm = tensors
