@@ -364,7 +364,7 @@ def test_auto_stops_a_request_whose_drafts_fail(tiny):
     engine = LLMEngine(tiny, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": "auto",
                                                                "step_cost": lambda n: 1.0 + 0.2 * n})
     seq_alpha = engine.spec.alpha
-    engine.spec._alpha[0] = (0.0, 30.0)  # sequence 0 rejected 30 drafts
+    engine.spec._alpha[0] = (0.0, 30.0, engine.stats.steps)  # sequence 0 rejected 30 drafts, just now
     assert seq_alpha(0) < 0.04 and seq_alpha(1) == 0.5
 
 
@@ -376,9 +376,10 @@ def test_auto_tries_again_once_old_failures_fade(tiny):
                                                                "step_cost": lambda n: 1.0 + 0.1 * n})
     seq = Sequence.__new__(Sequence)
     seq.seq_id, seq.spec_token_ids = 0, [1, 2, 3, 4]
-    engine.spec._alpha[0] = (0.0, 12.0)  # the preamble: 12 drafts rejected
+    engine.spec._alpha[0] = (0.0, 12.0, 0)  # the preamble: 12 drafts rejected
     drafted = []
     for _ in range(12):
+        engine.stats.steps += 1  # a committed step
         seq.spec_token_ids = [1, 2, 3, 4]
         kept = engine.spec._auto([(seq, None, 4)], [], [4])
         drafted.append(len(seq.spec_token_ids) if kept else 0)

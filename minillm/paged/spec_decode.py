@@ -32,9 +32,9 @@ METHODS = ("ngram", "draft_model")
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
         "max_num_speculative_tokens", "step_cost"}
 AUTO_MAX = 5  # the longest draft "auto" considers, unless max_num_speculative_tokens says otherwise
-# acceptance drifts along a text (a copy begins after a preamble whose drafts fail): each step a sequence's
-# counts of accepted and examined drafts keep this share, so old failures fade and a sequence that stopped
-# drafting tries again once its rate is back near the prior
+# acceptance drifts along a text (a copy begins after a preamble whose drafts fail): with each committed step
+# a sequence's counts of accepted and examined drafts keep this share, so old failures fade and a sequence
+# that stopped drafting tries again once its rate is back near the prior
 ALPHA_DECAY = 0.8
 
 
@@ -181,7 +181,7 @@ class SpecDecoder:
         self.step_cost = config.step_cost
         if config.auto and self.step_cost is None:
             self.step_cost = measure_step_cost(engine.model, engine.scheduler.max_num_batched_tokens)
-        self._alpha: dict[int, tuple[float, float]] = {}  # seq_id -> (accepted, examined) drafts
+        self._alpha: dict[int, tuple[float, float, int]] = {}  # seq_id -> (accepted, examined) drafts at a step
         self._counts: list[int] = []  # rows of each ready sequence in the last forward
 
     # ---- before the scheduler --------------------------------------------------------------------
@@ -214,9 +214,6 @@ class SpecDecoder:
         """Cut each sequence's draft to the length ``choose_draft_lengths`` picks for this step."""
         own = sum(min(s.num_tokens - s.num_computed_tokens, self.engine.scheduler.max_num_batched_tokens)
                   for s in running if s.num_tokens > s.num_computed_tokens)
-        for seq, _, _ in seqs:
-            accepted, examined = self._alpha.get(seq.seq_id, (0.0, 0.0))
-            self._alpha[seq.seq_id] = (accepted * ALPHA_DECAY, examined * ALPHA_DECAY)
         alphas = [self.alpha(seq.seq_id) for seq, _, _ in seqs]
         ks = choose_draft_lengths(alphas, most, own, self.step_cost,
                                   self.draft.forward_cost if self.draft is not None else None)
@@ -232,8 +229,15 @@ class SpecDecoder:
     def alpha(self, seq_id: int) -> float:
         """The sequence's running acceptance rate (accepted / examined drafts, older ones counting less:
         ``ALPHA_DECAY``), from a prior of 1 in 2."""
-        accepted, examined = self._alpha.get(seq_id, (0.0, 0.0))
+        accepted, examined = self._faded(seq_id)
         return (accepted + 1.0) / (examined + 2.0)
+
+    def _faded(self, seq_id: int) -> tuple[float, float]:
+        """(accepted, examined) as of now: what was recorded, faded by the steps committed since (read, not
+        written, while a step is planned: a failed step leaves them as they were)."""
+        accepted, examined, at = self._alpha.get(seq_id, (0.0, 0.0, 0))
+        keep = ALPHA_DECAY ** (self.engine.stats.steps - at)
+        return accepted * keep, examined * keep
 
     def discard(self, running) -> None:
         """A failed step: its drafts are dropped (the next step proposes again)."""
@@ -340,8 +344,9 @@ class SpecDecoder:
         if req.metrics.spec_decoding is None:
             req.metrics.spec_decoding = SpecDecodingStats()
         req.metrics.spec_decoding.observe(run.drafted, run.accepted)
-        accepted, examined = self._alpha.get(seq.seq_id, (0.0, 0.0))
-        self._alpha[seq.seq_id] = (accepted + run.accepted, examined + min(run.accepted + 1, run.drafted))
+        accepted, examined = self._faded(seq.seq_id)
+        self._alpha[seq.seq_id] = (accepted + run.accepted, examined + min(run.accepted + 1, run.drafted),
+                                   self.engine.stats.steps)
         for token, logprob in run:
             append(req, seq, token, logprob)
             if seq.is_finished:
