@@ -1,20 +1,12 @@
-"""PagedAttention's memory side (Kwon et al. 2023, arXiv 2309.06180, Sec. 4): KV blocks in one pool,
-a block table per sequence, copy-on-write after a fork, prefix caching, attention over blocks, and
-what paging saves (Sec. 3, Fig. 2).
+"""PagedAttention's memory side (Kwon et al. 2023, arXiv 2309.06180, Sec. 4) and the engine on top of it.
 
-* ``BlockManager`` (block_manager.py): block tables, slot_mapping, fork / copy-on-write, over a
-  ``BlockPool`` (block_pool.py: free queue, reference counts; ``NoFreeBlocksError`` when it runs out).
-  ``PrefixCache`` (prefix_cache.py): full blocks found again by their tokens.
-* ``PagedKVCache`` (cache.py): the pool of (num_blocks, block_size, Hkv, D) tensors per layer behind
-  the cache interface, so ``minillm.model.Decoder.forward`` runs on it, for ragged batches too.
-* ``paged_attention`` (attention.py): block-wise attention with an online softmax (the kernel's algorithm).
-* ``generate_paged`` (generate.py): ``generate_cached`` on a paged cache.
-* The engine: ``LLM`` / ``LLMEngine`` (llm.py, engine.py: continuous batching in vLLM's API; its
-  settings: config.py), ``Scheduler`` (scheduler.py), ``pack_flat`` / ``pack_rows`` (batching.py), what
-  each request draws, forks and keeps (requests.py), ``Sequence`` / ``RequestOutput`` (sequence.py),
-  beam search (beam.py).
-* ``kv_utilization`` and the request traces (fragmentation.py): the share of reserved KV memory holding
-  tokens under reservation and paging. What measures all this lives in ``minillm.lab``.
+* ``BlockManager`` over a ``BlockPool`` and a ``PrefixCache``: block tables, slot_mapping, copy-on-write,
+  prefix caching. ``PagedKVCache``: the pool behind the cache interface, so ``Decoder.forward`` runs on it.
+* ``paged_attention``: block-wise attention with an online softmax; ``generate_paged``: ``generate_cached``
+  on a paged cache.
+* ``LLM`` / ``LLMEngine``: continuous batching in vLLM's API (``Scheduler``, ``pack_flat`` / ``pack_rows``,
+  ``Sequence`` / ``RequestOutput``, beam search, speculative decoding in the batch).
+* ``kv_utilization`` and the request traces: what paging saves (Sec. 3, Fig. 2).
 """
 
 from .attention import paged_attention

@@ -1,18 +1,14 @@
 """Every way the engine reads keys and values from the pool of blocks, from the reference to the paper's kernel.
 
 Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1: a sequence's keys and values sit in blocks anywhere in
-the pool; its block table says where. ``PagedKVCache`` (cache.py) holds the pool and writes new tokens
-into their slots; reading for attention is one of these, chosen by ``LLMEngine(attention=...)``:
+the pool; its block table says where. ``LLMEngine(attention=...)`` picks the read:
 
 * ``gather_padded`` ("gather", the reference): each row's blocks concatenated, cut to its length, padded.
-* ``padded_slots`` ("indexed"): the pool slot of every key position of every row, so one ``index_select``
-  per layer reads them all, then SDPA.
-* ``buckets`` + ``attend_groups`` ("bucketed", the default): rows grouped by the keys they attend over,
-  each group read into a rectangle of its own length, each KV head's query heads as rows of one SDPA.
-* ``paged_attention`` ("blockwise", the paper's algorithm): block by block with an online softmax
-  (Milakov & Gimelshein 2018), nothing gathered; ``attend_blockwise`` runs it on the engine's rows.
-On a CPU, torch's per-call cost makes the block loop the slowest (docs/paged.md gives the numbers); a fused
-kernel (vLLM's CUDA kernel) is what makes the block-wise form pay.
+* ``padded_slots`` ("indexed"): every row's key slots, read with one ``index_select`` per layer, then SDPA.
+* ``buckets`` + ``attend_groups`` ("bucketed", the default): rows grouped by the keys they attend over, one
+  rectangle and one SDPA per group.
+* ``paged_attention`` ("blockwise"): block by block with an online softmax (Milakov & Gimelshein 2018),
+  nothing gathered. On a CPU torch's per-call cost makes it the slowest; a fused kernel is what makes it pay.
 """
 
 from __future__ import annotations
@@ -68,9 +64,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
 
 def buckets(key_lens: list[int], bucket_cost: float) -> list[list[int]]:
     """Rows grouped so that each group's rows attend over about as many keys: the partition of the rows,
-    sorted by key length, minimizing sum over groups of (bucket_cost + rows * longest row's keys)
-    (dynamic programming over the sorted lengths). Returns the groups as lists of row indices, each
-    group in increasing key length, groups in increasing length."""
+    sorted by key length, minimizing sum over groups of (bucket_cost + rows * longest row's keys) (dynamic
+    programming). Returns lists of row indices, each in increasing key length, groups in increasing length."""
     order = sorted(range(len(key_lens)), key=key_lens.__getitem__)
     L = [key_lens[i] for i in order]
     best, cut = [0.0], [0]  # best[j]: cost of the first j sorted rows; cut[j]: where its last group starts
@@ -132,13 +127,13 @@ def attend_groups(qt: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, 
 
 def attend_blockwise(qt: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, query_pos: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``paged_attention`` on the forward's rows (or a flat row's segments): each row's queries padded to
-    the longest, attended block by block, put back in token order.
+    """``paged_attention`` on the forward's rows (or a flat row's segments): each row's queries padded to the
+    longest, attended block by block, put back in token order.
 
     Args:
         qt: (N, H, D) the forward's queries, token-major; k_pool, v_pool: (num_blocks, block_size, Hkv, D).
-        tables: (R, W) block tables; lens: (R,) tokens held; query_pos: (R, Tmax), -1 for padding.
-        index: (R, Tmax) the token of qt each query is (N for padding).
+        tables: (R, W) block tables; lens: (R,) tokens held; query_pos: (R, Tmax), -1 for padding;
+            index: (R, Tmax) the token of qt each query is (N for padding).
     Returns: (N, H, D); a query never attends outside its own row's sequence.
     """
     N, H, D = qt.shape

@@ -1,16 +1,10 @@
-"""How one step's tokens become the input of one ``Decoder.forward`` on the paged cache: one flat row
-(``pack_flat``, the engine's default) or (B, T) rows (``pack_rows``).
+"""How one step's tokens become the input of one ``Decoder.forward`` on the paged cache.
 
-The flat row is vLLM V1's layout: every scheduled token side by side, (1, N), one segment per sequence,
-so the linear layers compute the N real tokens and nothing else; the "bucketed" cache attends each
-segment over its own sequence (``PagedKVCache.set_rows(seq_ids, widths)``). The rows are what the
-"indexed" and "gather" paths need, and the baseline the flat row is tested against: B rows of T tokens,
--1 positions marking padding, each row consecutive tokens of one sequence (a long span is cut into
-several rows; the cache writes every row before any row attends). ``choose_row_width`` picks T by the
-cost model ``B * T * c_token + B * S * c_key`` (tokens through the linear layers, padding included, and
-keys gathered per row), with ``KEY_COST`` = c_key / c_token; docs/paged.md gives the measured constants.
-``pack_rows_naive`` (one row per sequence, padded to the longest span) is ``pack_rows``'s baseline
-(tests/test_engine.py checks that their logits agree).
+``pack_flat`` (the default, vLLM V1's layout): every scheduled token side by side, (1, N), one segment per
+sequence, so the linear layers compute no padding. ``pack_rows`` (for "indexed" and "gather", and the
+flat row's baseline): B rows of T tokens, -1 positions marking padding; ``choose_row_width`` picks T by
+the cost ``B * T * c_token + B * S * c_key``, ``KEY_COST`` = c_key / c_token (docs/paged.md). ``pack_rows_naive``
+(one row per sequence, padded to the longest span) is ``pack_rows``'s baseline.
 """
 
 from __future__ import annotations
@@ -25,11 +19,10 @@ KEY_COST = 0.05  # c_key / c_token in token-rows per key position of a row (docs
 
 @dataclass
 class Rows:
-    """One forward's inputs: ``seq_ids`` (B,) the sequence of each row, ``tokens`` and ``input_pos``
-    (B, T) int64 (padding: token 0, position -1), and ``last`` {seq_id: (row, column)} of each
-    sequence's last token in this forward (where its next-token logits are). ``widths``: None for
-    rectangular rows; for one flat row (``pack_flat``: B = 1), the tokens of each sequence in turn,
-    and ``seq_ids`` then names the sequence of each segment (``PagedKVCache.set_rows(seq_ids, widths)``)."""
+    """One forward's inputs: ``seq_ids`` (B,) the sequence of each row, ``tokens`` and ``input_pos`` (B, T)
+    int64 (padding: token 0, position -1), ``last`` {seq_id: (row, column)} of each sequence's last token.
+    ``widths``: None for rectangular rows; for one flat row (B = 1) the tokens of each segment, and
+    ``seq_ids`` then names each segment's sequence."""
 
     seq_ids: list[int]
     tokens: torch.Tensor
@@ -42,8 +35,7 @@ class Rows:
         return tuple(self.tokens.shape)
 
     def logits_indices(self, seq_ids) -> torch.Tensor:
-        """(N,) int64 flat indices (row * T + column) of the last tokens of ``seq_ids``, for
-        ``Decoder.forward(..., logits_indices=)``."""
+        """(N,) int64 flat indices (row * T + column) of the last tokens of ``seq_ids`` (``logits_indices=``)."""
         T = self.tokens.shape[1]
         return torch.tensor([self.last[s][0] * T + self.last[s][1] for s in seq_ids], dtype=torch.long,
                             device=self.tokens.device)
@@ -58,8 +50,7 @@ def _cut(spans, width: int):
 
 def choose_row_width(span_lengths: list[int], max_seq_len: int, key_cost: float = KEY_COST) -> int:
     """The row width T minimizing ``rows(T) * (T + key_cost * max_seq_len)`` over powers of two up to the
-    longest span (and the longest span itself). span_lengths: new tokens per sequence; max_seq_len: the
-    longest sequence after the step (S)."""
+    longest span (and the longest span itself); max_seq_len: the longest sequence after the step (S)."""
     longest = max(span_lengths)
     widths = sorted({1 << k for k in range(longest.bit_length()) if 1 << k <= longest} | {longest})
     def cost(T):
@@ -82,10 +73,9 @@ def _to_rows(cut, width: int, device) -> Rows:
 
 def pack_rows(spans: list[tuple[int, int, list[int]]], max_seq_len: int, device="cpu",
               width: int | None = None) -> Rows:
-    """Pack spans (seq_id, first position, new token ids) into rows of width ``width`` (default:
-    ``choose_row_width``), ordered by where each row ends (the keys it attends over), so that the
-    "bucketed" cache's groups of rows are consecutive rows (a sequence's rows stay in position order).
-    Raises ValueError for no spans or an empty span."""
+    """Pack spans (seq_id, first position, new token ids) into rows of ``width`` tokens (default:
+    ``choose_row_width``), ordered by where each row ends so that the "bucketed" groups are consecutive rows
+    (a sequence's rows stay in position order). Raises ValueError for no spans or an empty span."""
     if not spans or any(not ids for _, _, ids in spans):
         raise ValueError("spans: give at least one span, each with at least one token")
     width = width or choose_row_width([len(ids) for _, _, ids in spans], max_seq_len)
@@ -93,10 +83,8 @@ def pack_rows(spans: list[tuple[int, int, list[int]]], max_seq_len: int, device=
 
 
 def pack_flat(spans: list[tuple[int, int, list[int]]], device="cpu") -> Rows:
-    """Every span's tokens in one flat row (1, N) (vLLM V1's flat batch), one segment per sequence:
-    the linear layers run on the N real tokens and no padding, and the "bucketed" cache attends each
-    segment over its own sequence (rows of one width grouped by the keys they read). Segments are
-    ordered by width, then by where they end, so that the cache's groups are consecutive tokens.
+    """Every span's tokens in one flat row (1, N), one segment per sequence, ordered by width, then by where
+    it ends, so that the cache's groups are consecutive tokens.
     Raises ValueError for no spans, an empty span, or two spans of one sequence."""
     if not spans or any(not ids for _, _, ids in spans):
         raise ValueError("spans: give at least one span, each with at least one token")

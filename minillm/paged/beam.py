@@ -1,18 +1,15 @@
 """Beam search: the selection rule shared by the engine and by a naive baseline that recomputes every beam.
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.4 ("Beam search"): the beams of a request share
-blocks; a beam kept by several candidates is forked (its blocks shared, the first write into a shared
-partly filled block copied), and a beam that no candidate keeps is freed. The engine
-(``minillm.paged.engine``) does that; ``beam_search_naive`` recomputes every beam's whole sequence
-each step, shares nothing, and must give the same beams.
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.4: a request's beams share blocks; a beam kept by several
+candidates is forked, one that no candidate keeps is freed. ``beam_search_naive`` shares nothing and must
+give the same beams.
 
-The rule (``select_beams``), as transformers' beam search (``generate(num_beams=k)``) applies it:
-candidates are every live beam's 2k most likely next tokens, scored by the beam's cumulative
-log-probability plus the token's; walking them from the best, an end-of-sequence candidate ranked
-among the first k closes a hypothesis, any other candidate becomes a live beam until there are k.
-The search ends at ``max_tokens``, when no beam is live, or (transformers' early_stopping=False rule)
-when k hypotheses are closed and the best live beam cannot beat the worst of them. Hypotheses are
-ranked by ``cumulative_logprob / len(output tokens) ** length_penalty`` (EOS counted).
+The rule (``select_beams``, as transformers' ``generate(num_beams=k)``): candidates are every live beam's
+2k most likely next tokens, scored by the beam's cumulative log-probability plus the token's; walking them
+from the best, an EOS ranked among the first k closes a hypothesis, any other becomes a live beam until
+there are k. The search ends at ``max_tokens``, with no live beam, or (early_stopping=False) when k
+hypotheses are closed and the best live beam cannot beat the worst. Hypotheses are ranked by
+``cumulative_logprob / len(output tokens) ** length_penalty`` (EOS counted).
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ from ..generation import check_prompt
 
 @dataclass(frozen=True)
 class BeamSearchParams:
-    """vLLM's ``BeamSearchParams``: ``beam_width`` beams (>= 1), ``max_tokens`` new tokens at most
-    (>= 1), ``ignore_eos`` (an EOS token then closes nothing), ``length_penalty`` (the exponent of
-    the length in the ranking; 0 ranks by log-probability alone).
+    """vLLM's ``BeamSearchParams``: ``beam_width`` beams (>= 1), ``max_tokens`` new tokens at most (>= 1),
+    ``ignore_eos`` (EOS then closes nothing), ``length_penalty`` (0 ranks by log-probability alone).
 
     Raises:
         ValueError: naming the field.
@@ -138,13 +134,11 @@ def finalize(prompt: list[int], closed: list[tuple[list[int], float]], params: B
 
 
 def beam_step(req, beams: list, logprobs: torch.Tensor, eos_ids, max_seq_len: int, tokenizer=None):
-    """One step of a request's beam search once every live beam has its logits, as bookkeeping the
-    engine applies: returns None when the search ends (``req.beam_output`` is then set), else the live
-    candidates [(beam index, token, cumulative logprob)], best first.
+    """One step of a request's beam search once every live beam has its logits: None when the search ends
+    (``req.beam_output`` is then set), else the live [(beam index, token, cumulative logprob)], best first.
 
     Args:
-        req: the engine's ``Request`` (its ``params``, ``completed`` hypotheses, ``prompt_token_ids``).
-        beams: its live sequences; logprobs: (K, V) their next-token log-softmax.
+        req: the engine's ``Request``; beams: its live sequences; logprobs: (K, V) their next-token log-softmax.
     """
     p = req.params
     live, closed = select_beams([s.cumulative_logprob for s in beams], logprobs, p.beam_width, eos_ids, p.ignore_eos)
@@ -160,12 +154,8 @@ def beam_step(req, beams: list, logprobs: torch.Tensor, eos_ids, max_seq_len: in
 
 
 class EngineBeams:
-    """The engine's beam bookkeeping (Sec. 4.4): each live beam's next-token log-softmax waits here
-    until every live beam of its request has one; then ``step`` applies one ``beam_step``.
-
-    Args:
-        eos_ids, max_seq_len, tokenizer: the engine's.
-    """
+    """The engine's beam bookkeeping (Sec. 4.4): each live beam's next-token log-softmax waits here until
+    every live beam of its request has one; then ``step`` applies one ``beam_step``."""
 
     def __init__(self, eos_ids, max_seq_len: int, tokenizer=None):
         self.eos_ids, self.max_seq_len, self.tokenizer = eos_ids, max_seq_len, tokenizer
@@ -179,10 +169,9 @@ class EngineBeams:
         self.logprobs.pop(seq_id, None)
 
     def step(self, req, fork, finish) -> None:
-        """Once every live beam of ``req`` has its logits: fork beams kept more than once (before any
-        token is appended, so a fork copies its parent's state), finish dropped beams; the live beams
-        hold the request's beam_width seats. ``fork(req, parent, index)`` and ``finish(seq, reason)``
-        are the ``RequestTracker``'s."""
+        """Once every live beam of ``req`` has its logits: fork beams kept more than once (before any token is
+        appended, so a fork copies its parent's state), finish dropped ones; the live beams hold the request's
+        beam_width seats. ``fork`` and ``finish`` are the ``RequestTracker``'s."""
         beams = [s for s in req.seqs if not s.is_finished]
         if not all(s.seq_id in self.logprobs for s in beams):
             return
@@ -210,7 +199,7 @@ class EngineBeams:
 def beam_search_naive(model, prompt_token_ids: list[int], params: BeamSearchParams, *, eos_ids=(),
                       tokenizer=None) -> BeamSearchOutput:
     """Beam search that recomputes every beam's whole sequence every step (no cache, no sharing): the
-    baseline of the engine's beam search (``LLM.beam_search``), same rule, same result.
+    baseline of ``LLM.beam_search``, same rule, same result.
 
     Raises:
         ValueError: as ``minillm.generation.check_prompt``.

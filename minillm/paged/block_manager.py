@@ -1,15 +1,12 @@
 """The block manager of PagedAttention: one block table per sequence, copy-on-write after a fork.
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180): Sec. 4.1-4.2 (a sequence's logical blocks map to physical
-blocks through its block table) and Sec. 4.4 (samples and beams share blocks, counted by reference; the
-first write into a shared block copies it). It holds a ``BlockPool`` (``block_pool.py``: the free queue,
-the reference counts) and a ``PrefixCache`` (``prefix_cache.py``), which it tells when a block is taken or freed.
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1-4.2 (logical blocks map to physical ones through
+the block table) and Sec. 4.4 (samples and beams share blocks by reference; the first write into a shared
+block copies it). Over a ``BlockPool`` (free queue, reference counts) and a ``PrefixCache``.
 
-One rule: ``blocks_for(n) = ceil(n / block_size)``, so a new block is taken exactly when a token lands at
-a multiple of block_size. ``grow(n)`` takes blocks until the sequence holds ``blocks_for(n)``;
-``truncate(n)`` and ``free`` give back the rest. The manager holds no tensors: it returns the
-copy-on-write copies for the KV pool (``cache.py``) to make, and reads each sequence's known tokens
-from the sequence's own list (one ledger).
+One rule: ``blocks_for(n) = ceil(n / block_size)``. ``grow(n)`` takes blocks until the sequence holds
+``blocks_for(n)``; ``truncate(n)`` and ``free`` give back the rest. No tensors: it returns the copy-on-write
+copies for the KV pool to make, and reads each sequence's known tokens from its own list (one ledger).
 """
 
 from __future__ import annotations
@@ -53,9 +50,8 @@ class BlockManager:
 
     Args:
         num_blocks: physical blocks in the pool (at least 1). block_size: tokens per block (at least 1).
-        enable_prefix_caching: keep full blocks findable by their tokens (``prefix_cache``), also after
-            their sequence ends.
-        hash_fn: the prefix cache's key of a full block (``hash_block_tokens``; tests pass a colliding one).
+        enable_prefix_caching: keep full blocks findable by their tokens, also after their sequence ends.
+        hash_fn: the prefix cache's key of a full block (``hash_block_tokens``).
 
     Raises:
         ValueError: num_blocks or block_size below 1.
@@ -128,8 +124,8 @@ class BlockManager:
         return slots
 
     def blocks_needed(self, seq_id: int, start: int, end: int) -> int:
-        """Free blocks that writing positions ``start..end-1`` takes, after truncating to ``start``:
-        new blocks, plus one when the first write lands in a shared, partly filled block (copy-on-write)."""
+        """Free blocks that writing positions ``start..end-1`` takes after truncating to ``start`` (one more
+        when the first write lands in a shared, partly filled block: copy-on-write)."""
         seq, bs = self._seq(seq_id), self.block_size
         n = min(start, seq.num_tokens)
         needed = max(0, blocks_for(end, bs) - blocks_for(n, bs))
@@ -139,10 +135,9 @@ class BlockManager:
 
     # ---- sequence lifecycle --------------------------------------------------------------------
     def allocate(self, seq_id: int, token_ids: Iterable[int] = ()) -> int:
-        """Start a sequence whose known tokens are ``token_ids``, reusing the longest cached prefix of
-        full blocks (the last token is always left to compute, for logits to sample from); returns
-        num_computed_tokens. Blocks for the rest come with ``grow``. A list is read in place, as the
-        sequence's one ledger of known tokens (the engine appends to it); anything else is copied.
+        """Start a sequence whose known tokens are ``token_ids``, reusing the longest cached prefix of full
+        blocks (the last token is left to compute, for logits); returns num_computed_tokens. A list is read
+        in place, as the sequence's one ledger (the engine appends to it); anything else is copied.
 
         Raises:
             ValueError: the id is in use, or the prompt needs more blocks than the whole pool has.
@@ -200,12 +195,8 @@ class BlockManager:
         return copies
 
     def truncate(self, seq_id: int, n: int, keep_token_ids: bool = False) -> None:
-        """Keep positions ``0..n-1`` (and the known tokens before n, unless ``keep_token_ids``: a
-        reservation undone); the blocks past ``blocks_for(n)`` go back to the free queue.
-
-        Raises:
-            ValueError: n negative or above the sequence's ``num_tokens``.
-        """
+        """Keep positions ``0..n-1`` (and only the known tokens before n, unless ``keep_token_ids``); the blocks
+        past ``blocks_for(n)`` go back to the free queue. Raises ValueError for n outside 0..num_tokens."""
         seq = self._seq(seq_id)
         if not 0 <= n <= seq.num_tokens:
             raise ValueError(f"n: cannot truncate sequence {seq_id} of {seq.num_tokens} tokens to {n}")
@@ -229,8 +220,7 @@ class BlockManager:
         self.step_copies = []
 
     def rollback(self) -> None:
-        """The step's forward failed: the blocks it named are no longer findable (``PrefixCache.rollback``;
-        the scheduler rolls back the sequences)."""
+        """The step's forward failed: the blocks it named are no longer findable (``PrefixCache.rollback``)."""
         self.prefix_cache.rollback()
         self.step_copies = []
 
@@ -251,8 +241,7 @@ class BlockManager:
         self._seqs[child_id] = _SeqBlocks(list(parent.table), parent.num_tokens, ledger, list(parent.block_hashes))
 
     def free(self, seq_id: int) -> None:
-        """End a sequence: each of its blocks loses a reference; those left with none return to the
-        free queue (last block first).
+        """End a sequence: each block loses a reference; those left with none return to the free queue.
 
         Raises:
             DoubleFreeError: the sequence was already freed. UnknownSequenceError: never allocated.

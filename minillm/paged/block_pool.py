@@ -1,10 +1,8 @@
 """The pool of physical KV blocks: a free queue in eviction order and a reference count per block.
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.2 and 4.4: a block is held by as many block tables as
-share it, and goes back to the free queue when the last one lets go. vLLM's ``BlockPool`` has this shape.
-The queue's order serves the prefix cache (``prefix_cache.py``): a freed block that a prompt can still
-find goes to the back (evicted last), one that holds nothing reusable to the front (taken first). The pool
-knows no sequences and no tokens: the ``BlockManager`` (``block_manager.py``) says which blocks are reusable.
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.2 and 4.4; vLLM's ``BlockPool`` has this shape. A freed
+block that a prompt can still find goes to the back of the queue (evicted last), one that holds nothing
+reusable to the front. The pool knows no sequences or tokens: the ``BlockManager`` says what is reusable.
 """
 
 from __future__ import annotations
@@ -64,8 +62,8 @@ class BlockPool:
         self.ref_counts[block] += 1
 
     def release(self, block: int, reusable: bool = False) -> None:
-        """One table lets go of the block. At no reference left it joins the queue: at the back when
-        ``reusable`` (a prompt can still find it), at the front when it holds nothing worth keeping."""
+        """One table lets go of the block. With no reference left it joins the queue: at the back when
+        ``reusable`` (a prompt can still find it), else at the front."""
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self._free[block] = None

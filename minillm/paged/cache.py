@@ -1,17 +1,12 @@
-"""PagedKVCache: keys and values in a pool of fixed-size blocks, served to the one ``Decoder.forward``
-through the cache interface of ``minillm.kv_cache`` (``prepare`` / ``update`` or ``attend``, ``truncate``).
+"""PagedKVCache: keys and values in a pool of fixed-size blocks, behind the cache interface of
+``minillm.kv_cache`` (``prepare`` / ``update`` or ``attend``, ``truncate``), so ``Decoder.forward`` runs on it.
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1 (a sequence's keys and values in non-contiguous
-blocks) and Sec. 4.3 (the block table maps logical to physical blocks; the slot_mapping says where each
-new token's keys and values go). Per layer one key and one value tensor (num_blocks, block_size, Hkv, D),
-token-major within a block, so slot = block * block_size + offset indexes the flat view: writing the new
-tokens is one ``index_copy_`` with the slot_mapping. How the attention reads them is ``attention.py``.
-
-Rows. Row b of a forward belongs to sequence ``rows[b]`` (``set_rows``); ``input_pos`` (B, T) holds its
-positions, -1 for padding. Or the forward is one flat row (1, N) cut into segments (``set_rows(seq_ids,
-widths)``, vLLM V1's layout: the linear layers compute no padding). Every row's keys and values are
-written before any row attends, so several rows may belong to one sequence (a prefill in chunks, a
-verified draft) and a later row sees what an earlier one wrote in the same forward.
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1 and 4.3. Per layer one key and one value tensor
+(num_blocks, block_size, Hkv, D), token-major within a block, so slot = block * block_size + offset and
+writing the new tokens is one ``index_copy_`` with the slot_mapping; ``attention.py`` reads them. Row b of a
+forward belongs to sequence ``rows[b]`` (``set_rows``), or the forward is one flat row cut into segments
+(``set_rows(seq_ids, widths)``). Every row is written before any row attends, so several rows may belong
+to one sequence (a prefill in chunks, a verified draft) and see what an earlier one wrote.
 """
 
 from __future__ import annotations
@@ -37,15 +32,11 @@ class PagedKVCache:
 
     Args:
         config: the model's config (layers, Hkv, D).
-        num_blocks: physical blocks, or None to size the pool by ``kv_bytes``.
-        block_size: tokens per block.
-        kv_bytes: bytes of keys and values for the whole pool (``kv_cache_bytes`` per block), rounded
-            down to whole blocks.
-        dtype, device: of the pool (normally the model's).
-        enable_prefix_caching: passed to the ``BlockManager``.
-        attention: how the forward reads the pool (``attention.py``): "indexed" (default here),
-            "gather" (the reference), "bucketed" or "blockwise" (the cache attends itself, ``attend``;
-            these two also take a flat row of segments).
+        num_blocks: physical blocks, or None to size the pool by ``kv_bytes`` (bytes of keys and values for
+            the whole pool, rounded down to whole blocks). block_size: tokens per block.
+        dtype, device: of the pool (normally the model's). enable_prefix_caching: the ``BlockManager``'s.
+        attention: how the forward reads the pool (``attention.py``): "indexed" (default here), "gather"
+            (the reference), "bucketed" or "blockwise" (these two attend themselves and take a flat row).
 
     Raises:
         ValueError: neither or both of num_blocks / kv_bytes, a pool smaller than one block, an
@@ -88,8 +79,8 @@ class PagedKVCache:
 
     @property
     def attends(self) -> bool:
-        """Whether ``Attention.forward`` hands this cache its queries (``attend``) instead of asking for
-        keys and values (``update``) and attending itself."""
+        """Whether ``Attention.forward`` hands this cache its queries (``attend``) rather than asking for keys
+        and values (``update``)."""
         return self.attention in FLAT_PATHS
 
     @property
@@ -104,9 +95,8 @@ class PagedKVCache:
 
     # ---- sequences (the block manager, with copy-on-write performed on the pool) -------------------
     def add_sequence(self, seq_id: int, token_ids=()) -> int:
-        """``BlockManager.allocate``: returns num_computed_tokens (served from the prefix cache). The
-        forwards must then write these tokens at these positions: full blocks are named in the prefix
-        cache by them (``BlockManager.add_token_ids`` records later ones)."""
+        """``BlockManager.allocate``: returns num_computed_tokens (served from the prefix cache). The forwards must
+        then write these tokens at these positions: full blocks are named in the prefix cache by them."""
         return self.manager.allocate(seq_id, token_ids)
 
     def fork(self, parent_id: int, child_id: int) -> None:
@@ -123,17 +113,15 @@ class PagedKVCache:
 
         Args:
             seq_ids: the sequence of each row (or of each segment of a flat row).
-            widths: None for rectangular (B, T) forwards; else the forwards are one flat row of
-                sum(widths) tokens (vLLM V1's flat batch, (1, N)), its first widths[0] tokens "row" 0, the
-                next widths[1] row 1, and so on. Only the paths that attend themselves ("bucketed",
-                "blockwise") take segments.
-            reserved: the rows' positions already have slots (the scheduler reserved them with
-                ``BlockManager.grow``), so ``prepare`` takes no block and truncates nothing.
+            widths: None for rectangular (B, T) forwards; else the forwards are one flat row (1, N) of sum(widths)
+                tokens, its first widths[0] tokens "row" 0, and so on ("bucketed" and "blockwise" only).
+            reserved: the rows' positions already have slots (``BlockManager.grow``), so ``prepare`` takes
+                no block and truncates nothing.
 
         Raises:
             UnknownSequenceError: an id the manager does not hold.
-            ValueError: widths of another length than seq_ids, a width below 1, or widths on a path
-                that does not attend itself.
+            ValueError: widths of another length than seq_ids, a width below 1, or widths on a path that does
+                not attend itself.
         """
         seq_ids = list(seq_ids)
         for s in seq_ids:
@@ -155,15 +143,13 @@ class PagedKVCache:
 
     # ---- the cache interface -------------------------------------------------------------------
     def prepare(self, input_pos: torch.Tensor) -> int:
-        """Take slots for the positions about to be written and plan this forward's reads.
-
-        input_pos: (T,) positions shared by every row, or (B, T) per row, -1 for padding. Writing at a
-        position below a sequence's length first truncates it there (as ``KVCache.prepare``).
-        Returns S, the key positions the forward attends over (the longest row's sequence).
+        """Take slots for the positions about to be written and plan this forward's reads; returns S, the key
+        positions the forward attends over. input_pos: (T,) shared by every row, or (B, T), -1 for padding.
+        Writing below a sequence's length first truncates it there (as ``KVCache.prepare``).
 
         Raises:
-            ValueError: no rows set, a row count different from B, positions that are not
-                consecutive, leave a gap, or overlap an earlier row of the same sequence.
+            ValueError: no rows set, a row count different from B, positions that are not consecutive, leave a
+                gap, or overlap an earlier row of the same sequence.
             NoFreeBlocksError: too few free blocks for all rows; nothing is changed.
         """
         if not self.rows:
@@ -243,8 +229,8 @@ class PagedKVCache:
             self._plan_groups(pos)
 
     def _plan_blockwise(self, pos: list[list[int]]) -> None:
-        """The "blockwise" path's inputs: per row its block table (padded with its own first block), its
-        length, its queries' positions padded to the longest row (-1) and their tokens in the forward."""
+        """The "blockwise" inputs: per row its block table (padded with its first block), its length, its
+        queries' positions padded to the longest row (-1) and their tokens in the forward."""
         device = self.k[0].device
         T, N = max(len(row) for row in pos), sum(len(row) for row in pos)
         width = max(len(t) for t in self._tables)
@@ -255,8 +241,8 @@ class PagedKVCache:
                                        for row, o in zip(pos, self._offsets)], device=device)
 
     def _plan_groups(self, pos: list[list[int]]) -> None:
-        """The "bucketed" path's groups, rows of one width together: (the rows' tokens among the forward's
-        B * T, as a slice or an index tensor; rows Bg; width T_g; read slots; S_g; mask)."""
+        """The "bucketed" groups, rows of one width together: (the rows' tokens, as a slice or an index tensor;
+        rows Bg; width T_g; read slots; S_g; mask)."""
         device, G = self.k[0].device, self.group
         key_lens = [max(max(row) + 1, 1) for row in pos]  # causal: a row attends up to its last position
         by_width: dict[int, list[int]] = {}
@@ -266,9 +252,10 @@ class PagedKVCache:
         for T, members in sorted(by_width.items()):
             for part in buckets([key_lens[b] for b in members], self.bucket_cost):
                 rows = [members[i] for i in part]
-                Sg = key_lens[rows[-1]]
+                tables, lens = [self._tables[b] for b in rows], [key_lens[b] for b in rows]
+                Sg = lens[-1]
                 mask = None  # every row one query at the position of its last key: nothing to mask
-                if T > 1 or any(key_lens[b] != Sg for b in rows):
+                if T > 1 or any(n != Sg for n in lens):
                     qpos = torch.tensor([pos[b] for b in rows], dtype=torch.long, device=device)  # (Bg, T)
                     mask = attention_mask(qpos, torch.arange(Sg, device=device))  # (Bg, 1, T, Sg)
                     if T > 1:
@@ -276,8 +263,8 @@ class PagedKVCache:
                 tokens = [self._offsets[b] + t for b in rows for t in range(T)]
                 contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
                 index = slice(tokens[0], tokens[-1] + 1) if contiguous else torch.tensor(tokens, device=device)
-                self._groups.append((index, len(rows), T, padded_slots([self._tables[b] for b in rows], [key_lens[b] for b in rows], Sg, self.block_size, device), Sg,
-                                     mask))
+                slots = padded_slots(tables, lens, Sg, self.block_size, device)
+                self._groups.append((index, len(rows), T, slots, Sg, mask))
         stops = [0] + [g[0].stop for g in self._groups if isinstance(g[0], slice)]
         # groups that are slices, each starting where the previous one stops, tile the tokens in order
         self._groups_in_order = (len(stops) == len(self._groups) + 1
@@ -300,12 +287,12 @@ class PagedKVCache:
         return self._buf_k[:n], self._buf_v[:n]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this layer's new k, v (B, Hkv, T, D) at the prepared slots; return every row's keys and
-        values at positions 0..S-1, (B, Hkv, S, D) (positions past a row's length repeat its last). On the
-        "indexed" path these are views of a buffer that the next layer's ``update`` overwrites.
+        """Write this layer's new k, v (B, Hkv, T, D) at the prepared slots; return every row's keys and values
+        at positions 0..S-1, (B, Hkv, S, D) (past a row's length, its last repeated). On "indexed" these are
+        views of a buffer that the next layer's ``update`` overwrites.
 
         Raises:
-            ValueError: on the "bucketed" path, which attends itself (``attend``).
+            ValueError: on a path that attends itself (``attend``).
         """
         if self.attends:
             raise ValueError(f"attention: the {self.attention!r} cache attends itself; call attend(layer, q, k, v)")
@@ -324,13 +311,12 @@ class PagedKVCache:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Write this layer's new k, v (B, Hkv, T, D), then attend: q (B, H, T, D) -> (B, H, T, D), what
-        ``minillm.model.attention(q, *update(layer, k, v), mask)`` gives ("bucketed" path; the module
-        docstring says how). For a flat row of segments (``set_rows(..., widths)``) B is 1 and each
-        segment attends over its own sequence's keys."""
+        ``minillm.model.attention(q, *update(layer, k, v), mask)`` gives. For a flat row (B = 1) each segment
+        attends over its own sequence's keys."""
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         self._write(layer, k, v)
-        qt = q.transpose(1, 2).reshape(B * T, H, D).contiguous()  # (B*T, H, D) token-major: each group's queries in one piece
+        qt = q.transpose(1, 2).reshape(B * T, H, D).contiguous()  # (B*T, H, D): a group's queries in one piece
         if self.attention == "blockwise":
             y = attend_blockwise(qt, self.k[layer], self.v[layer], self._bw_tables, self._bw_lens, self._bw_pos,
                                  self._bw_index)

@@ -1,6 +1,5 @@
-"""The engine's settings, refused before any memory is taken or any model loaded (as nano-vllm's
-``Config`` and vLLM's ``EngineArgs``): each error names the setting and what it takes. ``LLM`` checks
-the sizes before it loads a model; ``LLMEngine`` checks them all before it allocates the KV pool."""
+"""The engine's settings, refused before any memory is taken or model loaded (as vLLM's ``EngineArgs``),
+each error naming the setting and what it takes."""
 
 from __future__ import annotations
 

@@ -2,15 +2,10 @@
 
 Yu et al. 2022 (Orca, Sec. 4: iteration-level scheduling) and Kwon et al. 2023 (vLLM, arXiv 2309.06180,
 Sec. 4.3-4.5: sequences decode together over one block pool; preemption by recompute). ``step()`` is the
-paper's loop: schedule (``Scheduler``, blocks reserved), pack every scheduled token into one forward
-(``batching``), run ``Decoder.forward`` on the ``PagedKVCache``, sample each sequence that caught up with
-its known tokens, append, stop. What each request draws, forks and keeps: ``requests.py``; settings:
-``config.py``; statistics: ``stats.py``; beams: ``beam.py``; drafts: ``spec_decode.py``.
-
-A step is all or nothing until its tokens are drawn: a failure undoes it (blocks named for it leave the
-prefix cache, admitted sequences wait again, generators are restored), so a retry computes the same
-tokens. A request whose append fails is aborted and says so ("abort", returned by the next ``step``).
-One thread drives an engine at a time (``driving``).
+paper's loop: schedule (blocks reserved), pack every scheduled token into one forward, run
+``Decoder.forward`` on the ``PagedKVCache``, sample each sequence that caught up with its known tokens,
+append, stop. A step is all or nothing until its tokens are drawn: a failure undoes it, so a retry computes
+the same tokens. One thread drives an engine at a time (``driving``).
 """
 
 from __future__ import annotations
@@ -48,14 +43,14 @@ class LLMEngine:
             ``DEFAULT_KV_BYTES`` or what max_num_seqs full-context sequences take, whichever is less.
         enable_prefix_caching: reuse full blocks across requests (``num_cached_tokens``).
         max_num_seqs, max_num_batched_tokens: the scheduler's limits (forks and beams take seats too).
-        eos_ids: ids that end a sequence (default: the tokenizer's EOS).
-        max_seq_len: context to use (default and at most: the model's).
+        eos_ids: ids that end a sequence (default: the tokenizer's EOS); max_seq_len: the context (default and
+            at most: the model's).
         attention: how the forward reads the pool (``attention.py``): "bucketed" (default) and "blockwise"
-            (the paper's online softmax) pack one flat (1, N) row (``pack_flat``); "indexed" and "gather"
-            (the references) pack (B, T) rows padded to the longest (``pack_rows``, ``row_width`` forces T).
+            take one flat (1, N) row; "indexed" and "gather" (the references) take (B, T) rows padded to the
+            longest (``row_width`` forces T).
         record_logits: keep each sequence's next-token logits (tests compare them with a recompute).
         speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4} or
-            {"method": "draft_model", "model": PATH_OR_DECODER, "num_speculative_tokens": "auto"} (``spec_decode``).
+            {"method": "draft_model", "model": PATH_OR_DECODER, "num_speculative_tokens": "auto"}.
 
     Raises:
         ValueError: a setting (``check_engine_args``) or a speculative_config field (``check_speculative_config``).
@@ -97,8 +92,7 @@ class LLMEngine:
 
     @contextmanager
     def driving(self):
-        """Hold the engine for the calling thread (re-entrant); every public call and ``LLM.generate``'s
-        whole loop hold it.
+        """Hold the engine for the calling thread (re-entrant), as every public call and ``LLM.generate`` do.
 
         Raises:
             RuntimeError: another thread holds it (a server funnels its requests through one thread).
@@ -115,13 +109,11 @@ class LLMEngine:
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None = None,
                     arrival_time: float | None = None) -> None:
-        """Queue a request. ``prompt``: a string (needs the tokenizer), ``{"prompt_token_ids": [...]}``
-        (optionally with "prompt"), or a list of token ids. ``params``: ``SamplingParams`` (default:
-        greedy, 64 tokens) or ``BeamSearchParams``.
+        """Queue a request. ``prompt``: a string (needs the tokenizer), ``{"prompt_token_ids": [...]}`` or a
+        list of token ids; ``params``: ``SamplingParams`` (default: greedy, 64 tokens) or ``BeamSearchParams``.
 
         Raises:
-            ValueError: a request_id in use, or what ``RequestTracker.add`` refuses (the params' type, the
-                prompt, stop strings without a tokenizer, beams with speculation, ``Scheduler.check_fits``).
+            ValueError: a request_id in use, or what ``RequestTracker.add`` refuses.
             RuntimeError: another thread is driving the engine (``driving``).
         """
         with self.driving():
@@ -132,10 +124,7 @@ class LLMEngine:
 
     def abort_request(self, request_id) -> None:
         """Stop a request (or an iterable of them) now and return its blocks; unknown ids are ignored (as vLLM).
-
-        Raises:
-            RuntimeError: another thread is driving the engine (``driving``).
-        """
+        Raises RuntimeError when another thread is driving the engine."""
         with self.driving(), interrupts_deferred():
             gone = self.tracker.abort_ids(request_id)
             self._pending = [out for out in self._pending if out.request_id not in gone]  # the caller let them go
@@ -159,8 +148,8 @@ class LLMEngine:
         default) for every request that got a token or finished (or that a failed step aborted).
 
         Raises:
-            whatever the forward or sampling raised, after undoing the step; RuntimeError: another
-                thread is driving the engine, or nothing could be scheduled although requests wait (a bug).
+            whatever the forward or sampling raised, after undoing the step; RuntimeError: another thread
+                drives the engine, or nothing could be scheduled although requests wait (a bug).
         """
         with self.driving():
             outputs, self._pending = self._pending, []
@@ -202,9 +191,8 @@ class LLMEngine:
         return plan
 
     def _pack(self, plan):
-        """Every scheduled token in one flat row or (B, T) rows (``batching``), the cache told which
-        sequence each row is; returns the rows and the sequences that catch up with their known tokens
-        (they sample)."""
+        """Every scheduled token in one flat row or (B, T) rows, the cache told whose each row is; returns the
+        rows and the sequences that catch up with their known tokens (they sample)."""
         spans = [(s.seq_id, s.num_computed_tokens, (s.token_ids[s.num_computed_tokens:] + s.spec_token_ids)[:n])
                  for s, n in plan.scheduled]  # drafts ride after the sequence's own tokens
         if self.layout == "flat":
@@ -215,8 +203,7 @@ class LLMEngine:
         return rows, [s for s, n in plan.scheduled if s.num_computed_tokens + n >= s.num_tokens]
 
     def _forward(self, rows, ready: list[Sequence]) -> torch.Tensor:
-        """One forward over the packed rows; returns the ready sequences' next-token logits (R, V) (the
-        output layer runs at those rows only)."""
+        """One forward over the packed rows; the ready sequences' next-token logits (R, V), computed there only."""
         at = (self.spec.logits_indices(rows, ready) if self.spec is not None  # the pending token and each draft
               else rows.logits_indices([s.seq_id for s in ready]))
         begun = time.perf_counter()
@@ -226,9 +213,8 @@ class LLMEngine:
         return logits
 
     def _commit(self, plan, start: float, record, outputs: list[RequestOutput]) -> None:
-        """The forward wrote every scheduled token: they count as computed, the blocks named for them stay
-        in the prefix cache, the record is kept. If that fails halfway, the step's requests end ("abort")
-        and their outputs join ``outputs``."""
+        """The forward wrote every scheduled token: they count as computed, their blocks' names hold, the
+        record is kept. If that fails halfway, the step's requests end ("abort") and join ``outputs``."""
         try:
             self.manager.commit()
             self.scheduler.plan = SchedulerOutput()
@@ -249,8 +235,7 @@ class LLMEngine:
             raise
 
     def _rollback(self) -> None:
-        """Undo the step that just failed: copy-on-write made again (a reservation that stays keeps its
-        copy), drafts discarded, the scheduler's plan undone."""
+        """Undo a failed step: copy-on-write redone (a kept reservation keeps its copy), drafts and plan dropped."""
         held = {b for s in self.scheduler.running if self.manager.holds(s.seq_id)
                 for b in self.manager.block_table(s.seq_id)}
         self.cache.copy_blocks([(src, dst) for src, dst in self.manager.step_copies if dst in held])

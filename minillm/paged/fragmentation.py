@@ -1,17 +1,13 @@
 """Fragmentation: how much of the reserved KV memory holds tokens, under reservation and paging
-(Kwon et al. 2023, vLLM, Sec. 3 and Fig. 2). The schemes, for a prompt of P tokens and O output tokens:
+(Kwon et al. 2023, vLLM, Sec. 3 and Fig. 2). For a prompt of P tokens and O output tokens:
 
-* "max" (Orca (Max)): ``max_seq_len`` slots reserved from the start;
-* "pow2" (Orca (Pow2)): the next power of two at or above P + O, reserved from the start;
-* "oracle" (Orca (Oracle)): exactly P + O, reserved from the start (so still the future output);
+* "max" (Orca (Max)): ``max_seq_len`` slots; "pow2" (Orca (Pow2)): the next power of two at or above
+  P + O; "oracle" (Orca (Oracle)): exactly P + O; all reserved from the start.
 * "paged_<bs>": ``blocks_for(tokens held, bs) * bs`` slots, growing with the sequence (waste < bs slots).
 
-The measure: a request lives O iterations (one token each, the first being the prefill) and holds
-P + t - 1 written positions by the end of iteration t. The share of reserved memory holding tokens,
-averaged over time, is sum_r sum_t held_r(t) / sum_r sum_t reserved_r(t): each request contributes each
-of its iterations once, so the ratio needs only the lengths, not the schedule. The traces
-(``make_trace``) follow the paper's Sec. 6.1 means; the lab that runs them (``python -m minillm
-fragmentation``) is ``minillm.lab.fragmentation``, and docs/paged.md shows its results.
+A request lives O iterations and holds P + t - 1 positions at the end of iteration t; the time-averaged
+share is sum_r sum_t held_r(t) / sum_r sum_t reserved_r(t), which needs only the lengths, not the schedule.
+The traces (``make_trace``) follow the paper's Sec. 6.1 means; ``minillm.lab.fragmentation`` runs them.
 """
 
 from __future__ import annotations
@@ -40,9 +36,8 @@ TRACES = {"sharegpt": TraceSpec(161, 338), "alpaca": TraceSpec(19, 58)}
 
 
 def make_trace(spec: TraceSpec, max_seq_len: int = MAX_SEQ_LEN) -> tuple[np.ndarray, np.ndarray]:
-    """(prompt_lens, output_lens), each (num_requests,) int64: log-normal lengths (``spec.sigma`` in log
-    space, mu set so that the untruncated mean is the spec's), seeded, rounded to whole tokens, at least
-    one token, each request cut to ``max_seq_len`` (its output shortened)."""
+    """(prompt_lens, output_lens), each (num_requests,) int64: log-normal lengths (mu set so that the
+    untruncated mean is the spec's), seeded, at least one token, each request cut to ``max_seq_len``."""
     rng = np.random.default_rng(spec.seed)
 
     def lognormal(mean: float) -> np.ndarray:

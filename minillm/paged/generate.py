@@ -1,8 +1,6 @@
-"""``generate_paged``: ``generate_cached`` with its contiguous cache replaced by a ``PagedKVCache``.
-
-The same prefill and decode loop (``minillm.generation``), the same result; only the cache differs,
-so the two can be timed against each other (Kwon et al. 2023, Sec. 4: the block-table indirection
-should cost little against reading the weights, which dominates a batch-1 decode step).
+"""``generate_paged``: ``generate_cached`` with its contiguous cache replaced by a ``PagedKVCache``: the same
+loop and result, so the two can be timed against each other (Kwon et al. 2023, Sec. 4: the block-table
+indirection should cost little against reading the weights).
 """
 
 from __future__ import annotations
@@ -20,17 +18,12 @@ def generate_paged(model, prompt_tokens: list[int], params: SamplingParams = Sam
                    max_seq_len: int | None = None, tokenizer=None,
                    on_token: Callable[[int], None] | None = None,
                    eos_ids: set[int] | None = None) -> GenerationResult:
-    """Generate with a paged KV cache: prefill once, then one token per decode step.
+    """Generate with a paged KV cache: prefill once, then one token per decode step; at temperature 0 the
+    same ``GenerationResult`` as ``generate_cached``, whose other arguments it takes.
 
     Args:
-        block_size: tokens per KV block.
-        num_blocks: blocks in the pool (default: enough for the prompt and ``max_new_tokens``,
-            within the context; paging reserves no more).
-        attention: the cache's read path, "indexed" or "gather" (``PagedKVCache``).
-        Others as ``minillm.generation.generate_cached``.
-
-    Returns:
-        ``GenerationResult``, as ``generate_cached`` (at temperature 0, the same tokens).
+        block_size: tokens per KV block; attention: the cache's read path, "indexed" or "gather".
+        num_blocks: blocks in the pool (default: enough for the prompt and ``max_new_tokens``, within the context).
 
     Raises:
         ValueError: as ``generate_cached``, and a pool too small for the prompt.

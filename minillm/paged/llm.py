@@ -1,7 +1,5 @@
-"""``LLM``: vLLM's offline API over ``LLMEngine`` (``generate``, ``chat``, ``beam_search``).
-
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 5 (the frontend: an ``LLM`` class whose ``generate`` is
-a loop over the engine's steps). A notebook cell written for vLLM runs here by changing the import:
+"""``LLM``: vLLM's offline API over ``LLMEngine`` (Kwon et al. 2023, Sec. 5): ``generate`` is a loop over the
+engine's steps. A notebook cell written for vLLM runs here by changing the import:
 
     from minillm import LLM, SamplingParams
     llm = LLM()  # the embedded SmolLM2-135M-Instruct
@@ -31,16 +29,12 @@ class LLM:
     Args:
         model: None (the embedded SmolLM2-135M-Instruct), a path ``load_model`` takes, or a loaded
             ``minillm.model.Decoder`` (then pass its ``tokenizer``, or None for token-id prompts).
-        block_size, num_blocks, kv_cache_bytes, enable_prefix_caching, max_num_seqs,
-        max_num_batched_tokens: as ``LLMEngine``.
+        block_size ... max_num_batched_tokens, **engine_kwargs: as ``LLMEngine``.
         dtype, device, n_shards: how ``load_model`` loads a path (ignored for a loaded model).
-        **engine_kwargs: more ``LLMEngine`` arguments (eos_ids, max_seq_len, attention, row_width, record_logits,
-            speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4}).
 
-    ``generate``, ``chat`` and ``beam_search`` own the requests they add: an interrupt or error aborts
-    them (the next call starts clean and gives correct text), and they refuse to run while the engine
-    holds requests someone added through ``llm_engine.add_request``. One thread at a time: a call
-    from another thread while one runs raises ``RuntimeError`` (``LLMEngine.driving``).
+    ``generate``, ``chat`` and ``beam_search`` own the requests they add: an interrupt or error aborts them,
+    and they refuse to run while the engine holds requests added through ``llm_engine.add_request``. One
+    thread at a time: a call from another thread while one runs raises ``RuntimeError``.
 
     Raises:
         ValueError / ModelFileError: from ``check_engine_args`` (before loading), ``load_model`` and ``LLMEngine``.
@@ -68,19 +62,18 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Complete every prompt (a string, ``{"prompt_token_ids": [...]}``, or a list of them) with one
-        ``SamplingParams`` for all or a list, one per prompt. Returns the finished ``RequestOutput``s in
-        the order of the prompts.
+        ``SamplingParams`` or one per prompt; returns the finished ``RequestOutput``s in the prompts' order.
 
         Raises:
-            ValueError: a params list of another length than the prompts, or (from ``add_request``) an
-                invalid request; no request of the call then runs.
+            ValueError: a params list of another length than the prompts, or an invalid request (``add_request``);
+                no request of the call then runs.
         """
         return self._run(self._as_list(prompts), sampling_params or SamplingParams(), use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """``generate`` on conversations through the model's chat template: ``messages`` is one
-        conversation ([{"role", "content"}, ...]) or a list of them.
+        """``generate`` on conversations through the model's chat template: one conversation
+        ([{"role", "content"}, ...]) or a list of them.
 
         Raises:
             ValueError: no tokenizer or chat template, a malformed message (``Tokenizer.apply_chat_template``).
@@ -95,8 +88,8 @@ class LLM:
         return self._run(prompts, sampling_params or SamplingParams(), use_tqdm)
 
     def beam_search(self, prompts, params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        """Beam search for every prompt (as ``generate`` takes them); the beams of a prompt share blocks
-        in the engine (``beam.py``). Returns one ``BeamSearchOutput`` per prompt (best first)."""
+        """Beam search for every prompt; a prompt's beams share blocks in the engine. Returns one
+        ``BeamSearchOutput`` per prompt (best first)."""
         prompts = self._as_list(prompts)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: beam_search takes BeamSearchParams, got {type(params).__name__}")

@@ -1,13 +1,10 @@
-"""Prefix caching: a full block of keys and values is found again by the tokens it holds, so a request
-whose prompt starts like an earlier one reuses its blocks instead of computing them.
+"""Prefix caching: a full block of keys and values is found again by the tokens it holds, so a prompt that
+starts like an earlier one reuses its blocks.
 
-vLLM's automatic prefix caching (docs/design/prefix_caching.md): a full block's key is a hash chained
-over its parent block's key and its own token ids, so the same tokens after a different prefix get a
-different key. Our choices (docs/paged.md): a hit is verified (its token ids and its parent block, by id
-and allocation count), so a hash collision costs a miss, never wrong keys and values; a block is named
-when its slots are reserved for a forward, but the name holds only once that forward has written it
-(``begin`` / ``commit`` / ``rollback``). The ``BlockManager`` holds one ``PrefixCache`` and decides
-when blocks are taken and freed; this class only says which blocks are findable.
+vLLM's automatic prefix caching: a full block's key is a hash chained over its parent's key and its own
+token ids. Our choices (docs/paged.md): a hit is verified (its token ids and its parent block, by id and
+allocation count), so a hash collision costs a miss, never wrong keys and values; a block's name holds only
+once the forward that writes it has run (``begin`` / ``commit`` / ``rollback``).
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ __all__ = ["PrefixCache", "hash_block_tokens"]
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    """The prefix-cache key of a full block: a hash of its parent block's hash and its own token ids,
-    so the same tokens after a different prefix get a different key."""
+    """A full block's prefix-cache key: a hash of its parent block's key and its own token ids."""
     return hash((parent_hash, token_ids))
 
 
@@ -34,12 +30,8 @@ class _CachedBlock:
 
 
 class PrefixCache:
-    """Which physical blocks a prompt can find by its tokens, and under which key.
-
-    Args:
-        num_blocks: blocks in the pool; block_size: tokens per block.
-        hash_fn: ``(parent_hash, token_ids) -> int`` (``hash_block_tokens``; tests pass a colliding one).
-    """
+    """Which physical blocks a prompt can find by its tokens, and under which key (held by the ``BlockManager``,
+    which decides when blocks are taken and freed). hash_fn: ``(parent_hash, token_ids) -> int``."""
 
     def __init__(self, num_blocks: int, block_size: int,
                  hash_fn: Callable[[int | None, tuple[int, ...]], int] = hash_block_tokens):
@@ -55,8 +47,8 @@ class PrefixCache:
         return block in self._cached
 
     def lookup(self, token_ids: list[int]) -> list[tuple[int, int]]:
-        """(block, hash) of the longest verified cached prefix of full blocks, leaving the last token
-        uncached (it is computed again, for logits to sample from)."""
+        """(block, hash) of the longest verified cached prefix of full blocks, the last token left uncached (it is
+        computed again, for logits)."""
         bs, hits = self.block_size, []
         n_full = (len(token_ids) - 1) // bs if token_ids else 0
         self.stats.queries += n_full
@@ -74,12 +66,8 @@ class PrefixCache:
         return hits
 
     def name_full_blocks(self, table: list[int], hashes: list[int], token_ids: list[int], num_tokens: int) -> None:
-        """Name each newly full block of a sequence whose tokens are known by its chained hash.
-
-        Args:
-            table: the sequence's block table; hashes: the keys of its leading full blocks (extended here);
-            token_ids: its known tokens; num_tokens: its positions that have slots.
-        """
+        """Name each newly full block whose tokens are known by its chained hash. table: the sequence's block
+        table; hashes: the keys of its leading full blocks (extended here); num_tokens: its positions with slots."""
         bs = self.block_size
         for i in range(len(hashes), min(num_tokens, len(token_ids)) // bs):
             block_tokens = tuple(token_ids[i * bs:(i + 1) * bs])
@@ -123,8 +111,7 @@ class PrefixCache:
         self.in_step = False
 
     def rollback(self) -> None:
-        """The forward failed: the blocks named since ``begin`` hold no keys and values, so they are no
-        longer findable."""
+        """The forward failed: the blocks named since ``begin`` hold no keys and values, so they are forgotten."""
         for block in self._uncommitted:
             self.forget(block)
         self._uncommitted.clear()

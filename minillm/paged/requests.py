@@ -1,13 +1,9 @@
-"""A request's life in the engine, from ``add_request`` to its last ``RequestOutput``: checked and queued
-as one sequence; at each step it draws (its sampling parameters, a seeded generator per sample; a beam
-waits for its siblings), its first sample forks into n, beams fork and finish, drawn tokens are appended,
-and it finishes (blocks returned) or is aborted.
+"""A request's life in the engine, from ``add_request`` to its last ``RequestOutput``: checked and queued as
+one sequence; each step it draws (a seeded generator per sample; a beam waits for its siblings), its first
+sample forks into n, beams fork and finish, drawn tokens are appended, and it finishes or is aborted.
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.4-4.5: a request is a group of sequences that share
-blocks (parallel samples fork after the prompt; beams fork and are dropped every step), as vLLM's
-``SequenceGroup`` and its output processor. ``LLMEngine.step`` asks ``draw`` after its forward and
-``append`` once the forward's tokens count as computed; each token goes through the engine's ``_append``,
-then ``check_stop``. Everything here is bookkeeping on the ``Scheduler`` and plain data (``sequence.py``).
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.4-4.5: a request is a group of sequences sharing blocks,
+as vLLM's ``SequenceGroup`` and its output processor. Bookkeeping on the ``Scheduler`` and plain data only.
 """
 
 from __future__ import annotations
@@ -31,10 +27,8 @@ class RequestTracker:
     """The engine's requests (``requests``: request_id -> ``Request``) and what happens to their sequences.
 
     Args:
-        model: the engine's ``Decoder`` (its context and device); tokenizer: for text prompts, stop
-            strings and ``text`` (or None).
-        scheduler: the engine's ``Scheduler`` (its ``manager`` holds the blocks).
-        eos_ids, max_seq_len: the engine's; spec: its ``SpecDecoder``, or None.
+        model: the engine's ``Decoder``; tokenizer: for text prompts, stop strings and ``text`` (or None).
+        scheduler: the engine's ``Scheduler``; eos_ids, max_seq_len: the engine's; spec: its ``SpecDecoder``.
         record_logits: keep each sequence's next-token logits in ``logits``: (request_id, index) -> [(V,)].
     """
 
@@ -49,11 +43,11 @@ class RequestTracker:
 
     def add(self, request_id: str, prompt, params: SamplingParams | BeamSearchParams | None,
             arrival_time: float | None) -> None:
-        """Check a request and queue its first sequence (``LLMEngine.add_request``, which checks its id).
+        """Check a request and queue its first sequence (``LLMEngine.add_request`` checks its id).
 
         Raises:
-            ValueError: params of another type, a prompt that is empty or past the context, stop strings
-                without a tokenizer, beams with speculation, a request that could never run (``check_fits``).
+            ValueError: params of another type, a prompt that is empty or past the context, stop strings without a
+                tokenizer, beams with speculation, a request that could never run (``Scheduler.check_fits``).
         """
         params = GREEDY if params is None else params
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
@@ -153,8 +147,7 @@ class RequestTracker:
         return seq
 
     def fork(self, req: Request, parent: Sequence, index: int) -> Sequence:
-        """A child sharing every block of ``parent`` (Kwon et al., Sec. 4.4), running from its state; it
-        takes one of the parent's seats."""
+        """A child sharing every block of ``parent`` (Sec. 4.4), running from its state, in one of its seats."""
         child = self._new_sequence(req, index, list(parent.token_ids))
         child.num_computed_tokens, child.cumulative_logprob = parent.num_computed_tokens, parent.cumulative_logprob
         req.seqs.append(child)  # first: an abort from here on finds it (and frees what it holds)
@@ -186,8 +179,7 @@ class RequestTracker:
         self.requests.pop(req.request_id, None)  # its stopper and generators leave with it
 
     def abort_ids(self, request_id) -> set:
-        """Abort a request id, or each id of an iterable (unknown ones are ignored, as vLLM's); returns
-        the ids given (the hashable ones)."""
+        """Abort a request id, or each id of an iterable (unknown ones ignored, as vLLM); returns the ids given."""
         ids = list(request_id) if isinstance(request_id, Iterable) and not isinstance(request_id, str) else [request_id]
         ids = [rid for rid in ids if _hashable(rid)]
         for rid in ids:

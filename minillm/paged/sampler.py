@@ -1,10 +1,8 @@
 """The engine's sample step: every ready sequence's next tokens from one forward's logits, in one pass.
 
-Greedy rows take one batched argmax; a sampled row draws from its own generator (so a seeded request
-draws the same tokens alone as in any batch, ``sample_generator``); every chosen token's logprob comes
-from one logsumexp and one gather, and everything reaches the host in one copy (one device sync per
-step, not one per sequence). A draw that raises restores the generators it advanced: the step that
-called it can be undone and retried with the same tokens.
+Greedy rows take one batched argmax; a sampled row draws from its own generator (a seeded request draws
+the same tokens alone as in any batch); logprobs come from one logsumexp and one gather, and everything
+reaches the host in one copy (one device sync per step). A draw that raises restores its generators.
 """
 
 from __future__ import annotations

@@ -1,18 +1,16 @@
 """The scheduler of continuous batching: which sequences run in the next step, and how many tokens each.
 
 Orca (Yu et al. 2022, Sec. 4: the batch is re-formed every step), vLLM (Kwon et al. 2023, Sec. 4.5:
-preempt the latest sequences when the pool runs out, recompute them later) and vLLM V1's scheduler: no
-prefill or decode phases; each sequence catches up with its known tokens within the step's
-``max_num_batched_tokens``, so a long prompt runs in chunks beside other sequences' decodes.
-
-One step (``schedule``):
+preempt the latest sequences when the pool runs out, recompute them later) and vLLM V1: no prefill or
+decode phases; each sequence catches up with its known tokens within ``max_num_batched_tokens``, so a long
+prompt runs in chunks beside other sequences' decodes. One step (``schedule``):
 1. Running sequences, oldest first, each min(tokens to catch up, budget left); when the pool cannot hold
-   them, preempt the newest running sequence (blocks freed) until they fit or it was itself the newest.
+   them, preempt the newest running sequence until they fit or it was itself the newest.
 2. Unless something was preempted: waiting sequences in priority order while the budget, the seats
-   (``max_num_seqs``; n samples or beam_width beams take n) and the pool allow; the first that does not
-   fit stops admission (no overtaking, so no starvation). Prefix-cache hits count as computed.
-Blocks are reserved as each sequence is planned, so the forward only writes to slots it was given;
-``rollback`` undoes a failed step's plan. Drafts (``spec_decode``) take only what own tokens leave.
+   (``max_num_seqs``) and the pool allow; the first that does not fit stops admission (no overtaking, so
+   no starvation). Prefix-cache hits count as computed; drafts take only what own tokens leave.
+Blocks are reserved as each sequence is planned, so the forward writes only where it was told; ``rollback``
+undoes a failed plan.
 """
 
 from __future__ import annotations
@@ -42,12 +40,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting and running sequences over one ``BlockManager``.
-
-    Args:
-        manager: the pool's block manager.
-        max_num_seqs: seats for running sequences (the batch's rows of decode tokens; ``Sequence.seats``).
-        max_num_batched_tokens: tokens per step at most (the budget shared by prefill chunks and decodes).
+    """Waiting and running sequences over one ``BlockManager``; ``max_num_seqs``: seats for running sequences
+    (``Sequence.seats``), ``max_num_batched_tokens``: tokens per step (prefill chunks and decodes together).
 
     Raises:
         ValueError: a limit below 1.
@@ -96,9 +90,9 @@ class Scheduler:
             self.add(seq)
 
     def check_fits(self, request_id: str, num_prompt_tokens: int, params, context: int) -> None:
-        """Refuse a request that could never run: more samples or beams than run together, or more
-        blocks than the pool holds (prompt + max_tokens, for each beam), so the oldest request always
-        fits alone. ``context``: the tokens it may reach (``generation.check_prompt``).
+        """Refuse a request that could never run: more samples or beams than run together, or more blocks than
+        the pool holds (prompt + max_tokens, for each beam), so the oldest request always fits alone.
+        ``context``: the tokens it may reach (``generation.check_prompt``).
 
         Raises:
             ValueError: naming n or beam_width, or the blocks needed and the pool's.
@@ -120,8 +114,8 @@ class Scheduler:
                              f"but the pool has {num_blocks} blocks; lower max_tokens or give more blocks")
 
     def schedule_or_preempt_idle(self) -> SchedulerOutput:
-        """``schedule``; when nothing fits although requests wait, preempt idle sequences (beams waiting
-        for their siblings, ``preempt_idle``) and plan again. ``preempted`` lists every one preempted.
+        """``schedule``; when nothing fits although requests wait, preempt idle sequences (``preempt_idle``) and
+        plan again. ``preempted`` lists every one preempted.
 
         Raises:
             RuntimeError: nothing can run (a bug: ``check_fits`` lets the oldest request fit alone).
@@ -141,8 +135,8 @@ class Scheduler:
         return out
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step (the module docstring's two phases) and reserve its blocks. Sequences with
-        nothing to compute (a beam waiting for its siblings) hold their blocks and get no tokens."""
+        """Plan the next step (the module docstring's two phases) and reserve its blocks. A sequence with
+        nothing to compute (a beam waiting for its siblings) holds its blocks and gets no tokens."""
         out = self.plan = SchedulerOutput()  # kept while the step runs: ``rollback`` undoes it
         self.manager.begin()
         budget = self.max_num_batched_tokens
@@ -201,8 +195,8 @@ class Scheduler:
         return out
 
     def _own_needs(self) -> tuple[dict[int, tuple[int, int]], tuple[int, int]]:
-        """When a running sequence carries drafts: (tokens, blocks) each running sequence's own tokens
-        take this step, and their sum, so that drafts only use what is left (else ({}, (0, 0)))."""
+        """(tokens, blocks) each running sequence's own tokens take this step, and their sum, so that drafts only
+        use what is left; ({}, (0, 0)) when no running sequence carries drafts."""
         if not any(s.spec_token_ids for s in self.running):
             return {}, (0, 0)
         own = {}
@@ -212,9 +206,8 @@ class Scheduler:
         return own, (sum(t for t, _ in own.values()), sum(b for _, b in own.values()))
 
     def _with_drafts(self, seq: Sequence, n: int, budget: int, blocks: int) -> int:
-        """The sequence's n own tokens plus the drafts that fit in ``budget`` tokens and ``blocks`` free
-        blocks (what the other running sequences' own tokens leave): it speculates less, or not at all,
-        before anyone is preempted. Drops the drafts that do not fit."""
+        """The sequence's n own tokens plus the drafts that fit in ``budget`` tokens and ``blocks`` free blocks
+        (what the others' own tokens leave), so it speculates less before anyone is preempted; drops the rest."""
         c, base = seq.num_computed_tokens, seq.num_tokens - seq.num_computed_tokens
         d = min(len(seq.spec_token_ids), max(0, budget - base)) if n == base else 0
         while d and self.manager.blocks_needed(seq.seq_id, c, c + base + d) > blocks:
@@ -223,8 +216,7 @@ class Scheduler:
         return n + d
 
     def _reserve(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
-        """Slots for the sequence's next n tokens (and its copy-on-write); False, changing nothing, when
-        the pool cannot give them."""
+        """Slots for the sequence's next n tokens (and its copy-on-write); False, changing nothing, if none."""
         try:
             self.manager.grow(seq.seq_id, seq.num_computed_tokens + n)  # its copies: manager.step_copies
         except NoFreeBlocksError:
@@ -233,9 +225,9 @@ class Scheduler:
         return True
 
     def rollback(self) -> None:
-        """Undo the last plan, whose forward did not complete: the blocks named for it are forgotten
-        (``BlockManager.rollback``), the sequences it admitted wait again (they may have found those
-        blocks), and every running sequence gives back the slots past its computed tokens."""
+        """Undo the last plan, whose forward did not complete: its block names are forgotten, the sequences it
+        admitted wait again (they may have found those blocks), and every running sequence gives back the slots
+        past its computed tokens."""
         self.manager.rollback()
         for seq in self.plan.admitted:
             if seq in self.running:
@@ -250,9 +242,8 @@ class Scheduler:
                 self.manager.truncate(seq.seq_id, seq.num_computed_tokens, keep_token_ids=True)
 
     def preempt_idle(self) -> Sequence | None:
-        """When nothing could be scheduled: preempt the newest running sequence that is newer than the
-        first waiting one (beams waiting for a sibling hold blocks the sibling needs). Returns it, or
-        None when there is none."""
+        """When nothing could be scheduled: preempt (and return) the newest running sequence newer than the first
+        waiting one (beams waiting for a sibling hold blocks the sibling needs), or None."""
         if not self.waiting or not self.running or self.running[-1].priority <= self.waiting[0].priority:
             return None
         victim = self.running[-1]

@@ -1,15 +1,11 @@
 """What the engine knows about each request, as plain data: ``Sequence``, ``Request``, and the outputs
 in vLLM's names (``RequestOutput``, ``CompletionOutput``, ``RequestMetrics``).
 
-Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.5 (a request is a group of sequences: n parallel
-samples or the beams of a beam search, sharing the prompt's blocks) and vLLM V1's ``Request``
-(``num_computed_tokens`` catches up with the known tokens, prompt and output alike; there is no
-separate prefill or decode state).
-
-A ``Sequence`` holds no tensors and no block size: its token ids, how many are prompt, how many have
-their keys and values computed, and its status. Its ``block_table`` lives in the ``BlockManager`` (one
-owner of that state; ``LLMEngine.block_table(seq)`` reads it), so that a fork, a copy-on-write or a
-preemption can never leave two copies disagreeing.
+Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.5 (a request is a group of sequences sharing the prompt's
+blocks: n samples or a search's beams) and vLLM V1's ``Request`` (``num_computed_tokens`` catches up with
+the known tokens, prompt and output alike: no separate prefill or decode state). A ``Sequence`` holds no
+tensors and no block size; its ``block_table`` lives in the ``BlockManager`` alone, so that a fork, a
+copy-on-write or a preemption can never leave two copies disagreeing.
 """
 
 from __future__ import annotations
@@ -26,41 +22,24 @@ class SequenceStatus(enum.Enum):
 
 @dataclass(eq=False)  # compared by identity: the scheduler's lists find a sequence without comparing its tokens
 class Sequence:
-    """One sequence of a request (a sample or a beam).
+    """One sequence of a request (a sample or a beam)."""
 
-    Fields:
-        seq_id: the block manager's id (unique in the engine).
-        request_id: the request it belongs to; index: its sample (or beam) number in the request.
-        priority: (arrival order of the request, index): lower runs first, the highest is preempted first.
-        token_ids: every known token: prompt, then outputs (a sampled token is known before its
-            keys and values are computed).
-        num_prompt_tokens: how many of token_ids are the prompt.
-        num_computed_tokens: leading tokens whose keys and values are in the cache (0 after a
-            preemption: the sequence is recomputed, prefix-cache hits aside).
-        cumulative_logprob: sum of the log-probabilities of its output tokens (raw model
-            distribution, as vLLM reports it).
-        finish_reason: None while running; "stop" (EOS or a stop string), "length" or "abort".
-        stop_reason: the stop string that ended it (None for EOS, as vLLM).
-        text: the decoded output, cut before a stop string (filled when it finishes).
-        seats: places among the scheduler's ``max_num_seqs`` it holds: what it may fork into (n for
-            a request's first sample before it forks, the beam width shared by a search's beams), else 1.
-        spec_token_ids: draft tokens proposed for the next step (speculative decoding): not yet known
-            tokens, scheduled after its pending token and verified by that step (``spec_decode``).
-    """
-
-    seq_id: int
+    seq_id: int  # the block manager's id (unique in the engine)
     request_id: str
-    index: int
-    priority: tuple[int, int]
-    token_ids: list[int]
+    index: int  # its sample (or beam) number in the request
+    priority: tuple[int, int]  # (request's arrival order, index): lower runs first, the highest is preempted first
+    token_ids: list[int]  # every known token, prompt then outputs (a sampled token is known before its K/V)
     num_prompt_tokens: int
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # leading tokens whose K/V is in the cache (0 after a preemption: recomputed)
     status: SequenceStatus = SequenceStatus.WAITING
-    cumulative_logprob: float = 0.0
-    finish_reason: str | None = None
-    stop_reason: str | None = None
-    text: str = ""
+    cumulative_logprob: float = 0.0  # of its output tokens, under the raw model distribution (as vLLM)
+    finish_reason: str | None = None  # None while running; "stop" (EOS or a stop string), "length" or "abort"
+    stop_reason: str | None = None  # the stop string or stop token id that ended it (None for EOS, as vLLM)
+    text: str = ""  # the decoded output, cut before a stop string (filled when it finishes)
+    # places among the scheduler's max_num_seqs: what it may fork into (n for a request's first sample
+    # before it forks, the beam width shared by a search's beams), else 1
     seats: int = 1
+    # drafts for the next step: not yet known tokens, scheduled after its pending token and verified then
     spec_token_ids: list[int] = field(default_factory=list)
 
     @property
@@ -87,10 +66,8 @@ class Sequence:
 
 @dataclass
 class RequestMetrics:
-    """Times of a request, in seconds of ``time.perf_counter`` (vLLM's ``RequestMetrics``):
-    arrival, first token, last token and finish (None until they happen); with speculative decoding,
-    its counters in vLLM's names (``spec_decode.SpecDecodingStats``: drafts, draft tokens, accepted
-    tokens, accepted per position, mean acceptance length), or None."""
+    """Times of a request in seconds of ``time.perf_counter`` (vLLM's ``RequestMetrics``), None until they
+    happen; ``spec_decoding``: its ``spec_decode.SpecDecodingStats`` when the engine speculates, else None."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
@@ -107,13 +84,7 @@ class RequestMetrics:
 
 @dataclass(eq=False)  # by identity, as Sequence
 class Request:
-    """A request: its prompt, its parameters (``SamplingParams`` or ``BeamSearchParams``), its sequences.
-
-    ``num_cached_tokens``: prompt tokens served from the prefix cache at its first admission.
-    ``completed``: finished beams (beam search only), as (token_ids, cumulative_logprob) pairs.
-    ``stopper``: its ``generation.Stopper`` (None for beam search); ``generators``: sample index ->
-    ``torch.Generator``, made at the sample's first draw. Both leave with the request.
-    """
+    """A request: its prompt, its parameters (``SamplingParams`` or ``BeamSearchParams``), its sequences."""
 
     request_id: str
     prompt: str | None
@@ -122,13 +93,13 @@ class Request:
     arrival_order: int
     metrics: RequestMetrics
     seqs: list[Sequence] = field(default_factory=list)
-    num_cached_tokens: int | None = None
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served at its first admission
     forked: bool = False
     aborted: bool = False
-    completed: list[tuple[list[int], float]] = field(default_factory=list)
+    completed: list[tuple[list[int], float]] = field(default_factory=list)  # closed beams: (token_ids, logprob)
     beam_output: object = None  # the BeamSearchOutput, once a beam search ends
-    stopper: object = None
-    generators: dict = field(default_factory=dict)
+    stopper: object = None  # its generation.Stopper (None for beam search)
+    generators: dict = field(default_factory=dict)  # sample index -> torch.Generator, made at its first draw
 
     @property
     def is_beam_search(self) -> bool:
@@ -141,19 +112,14 @@ class Request:
 
 @dataclass
 class CompletionOutput:
-    """One completion of a request (vLLM's ``CompletionOutput``).
+    """One completion of a request (vLLM's ``CompletionOutput``)."""
 
-    Fields: index (sample number), text (cut before a stop string), token_ids (the output ids, the stop
-    token included), cumulative_logprob (sum of the tokens' log-probabilities), finish_reason (None while
-    running, "stop", "length" or "abort"), stop_reason (the stop string, or None).
-    """
-
-    index: int
-    text: str
-    token_ids: list[int]
+    index: int  # sample number
+    text: str  # cut before a stop string
+    token_ids: list[int]  # the output ids, the stop token included
     cumulative_logprob: float | None
-    finish_reason: str | None = None
-    stop_reason: str | None = None
+    finish_reason: str | None = None  # None while running, "stop", "length" or "abort"
+    stop_reason: str | None = None  # the stop string, or None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -161,19 +127,14 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What a request produced so far (vLLM's ``RequestOutput``).
-
-    Fields: request_id, prompt (None when given as token ids), prompt_token_ids, outputs (one
-    ``CompletionOutput`` per sample, by index), finished, num_cached_tokens (prompt tokens served from
-    the prefix cache), metrics (``RequestMetrics``).
-    """
+    """What a request produced so far (vLLM's ``RequestOutput``)."""
 
     request_id: str
-    prompt: str | None
+    prompt: str | None  # None when given as token ids
     prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
+    outputs: list[CompletionOutput]  # one per sample, by index
     finished: bool
-    num_cached_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
     beam_search_output: object = None  # a finished beam search's ``BeamSearchOutput`` (best first)
 

@@ -1,9 +1,8 @@
-"""Ctrl-C (a Jupyter kernel interrupt too) waits while the engine does its bookkeeping.
+"""Ctrl-C (a Jupyter interrupt too) waits while the engine does its bookkeeping.
 
-The engine's step can undo itself exactly when an interrupt lands in the forward or the draw, where the
-time goes; in the bookkeeping around them (scheduling, committing, appending: a few milliseconds) an
-interrupt halfway through a list update would leave a sequence in neither list. So there SIGINT is held
-and raised at the end of the block, as soon as the state is whole again.
+A step undoes itself exactly when an interrupt lands in the forward or the draw, where the time goes; in
+the bookkeeping around them (a few milliseconds) an interrupt halfway through a list update would leave a
+sequence in neither list. So there SIGINT is held and raised as soon as the state is whole again.
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ from contextlib import contextmanager
 
 @contextmanager
 def interrupts_deferred():
-    """Hold SIGINT until the block ends, then raise it through the handler that was installed (which
-    raises KeyboardInterrupt by default). Outside the main thread, where Python delivers no SIGINT, it
-    does nothing."""
+    """Hold SIGINT until the block ends, then raise it through the installed handler; outside the main
+    thread, where Python delivers no SIGINT, do nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -1,16 +1,12 @@
 """``num_speculative_tokens="auto"``: each step's draft lengths from the step's cost and each sequence's
 acceptance rate.
 
-A draft token at position j of a sequence whose drafts are accepted with probability alpha adds
-alpha^j expected tokens (Leviathan et al. 2023, Sec. 3: a pass with k drafts emits (1 - alpha^(k+1)) /
-(1 - alpha) tokens on average, the sum of alpha^0 .. alpha^k). A step of N tokens costs c(N) seconds
-(measured at engine start, ``measure_step_cost``, then moved by each forward as run; or given); with m
-draft tokens it emits E0 + the sum of their gains and costs c(N + m) plus the draft model's forwards, one
-per depth, each over the sequences that draft that far. Gains fall along a
-sequence, so the best m drafts are the m largest gains over all sequences; ``choose_draft_lengths`` takes the m that maximises the
-step's expected tokens per second. At batch 1 on a CPU, c(N) is flat (memory-bound) and drafts are
-nearly free; at 64 sequences c(N) grows with N and only well-accepted drafts pay. A sequence whose
-drafts keep failing (alpha small) gets none until its failures fade (``spec_decode.ALPHA_DECAY``).
+A draft at position j of a sequence whose drafts are accepted with probability alpha adds alpha^j expected
+tokens (Leviathan et al. 2023, Sec. 3). A step of N tokens costs c(N) seconds (``measure_step_cost``, then
+moved by each forward as run); with m drafts it emits E0 plus their gains and costs c(N + m) plus the draft
+model's forwards, one per depth. Gains fall along a sequence, so the best m drafts are the m largest gains
+over all sequences; ``choose_draft_lengths`` takes the m that maximises expected tokens per second. At
+batch 1 on a CPU c(N) is flat and drafts are nearly free; at 64 sequences only well-accepted drafts pay.
 """
 
 from __future__ import annotations
@@ -66,8 +62,8 @@ class PiecewiseCost:
         self.points = sorted(points)
 
     def observe(self, n: int, seconds: float, weight: float = 0.2) -> None:
-        """A forward of n tokens took ``seconds``: the nearest measured point (in log n) moves towards
-        it by ``weight``, scaled from n to that point along the measured curve."""
+        """A forward of n tokens took ``seconds``: the nearest measured point (in log n) moves towards it by
+        ``weight``, scaled from n to that point along the measured curve."""
         base = sorted(self.measured.items())
         near = min(self.measured, key=lambda m: abs(math.log(m / n)))
         points = dict(self.points)

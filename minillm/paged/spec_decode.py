@@ -1,16 +1,12 @@
 """Speculative decoding inside the engine's step (Leviathan et al. 2023, Algorithm 1, batched as vLLM V1).
 
-Before the scheduler plans a step, every running sequence in decode gets up to k draft tokens
-(``Sequence.spec_token_ids``): prompt lookup (``NgramProposer``) or a draft model (``spec_draft``).
-The scheduler places them after the sequence's pending token, in the same flat row as every other
-sequence's decode token and prefill chunk, when the budget and the pool hold them. The output layer runs
-at the pending token and at each draft (``logits_indices``); ``draw`` verifies: greedy requests keep
-the longest prefix equal to the target's argmax, sampled ones are rejection-sampled (``rejection_sample``
-against a draft model's q; ``keyed_run`` for prompt lookup's one-hot q), then one more token (the
-replacement or the bonus). ``append`` then rolls the
-rejected drafts back: the computed count steps back to the accepted length and the block manager
-truncates the slots past it, so the sequence is exactly one that never speculated (docs/speculative.md).
-The block manager names only blocks whose tokens are known, so the prefix cache holds verified tokens only.
+Before the scheduler plans a step, every running sequence in decode gets up to k drafts
+(``Sequence.spec_token_ids``): prompt lookup (``NgramProposer``) or a draft model (``spec_draft``). They ride
+after the sequence's pending token in the step's flat row, when the budget and the pool hold them; the
+output layer runs at the pending token and each draft. ``draw`` verifies: greedy keeps the longest prefix
+equal to the target's argmax, sampled requests are rejection-sampled, then one more token. ``append`` rolls
+the rejected drafts back (computed count and slots), so the sequence is exactly one that never speculated;
+only verified tokens name blocks in the prefix cache (docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -67,8 +63,8 @@ def _positive(name, value) -> int:
 
 
 def check_speculative_config(config, target, load=None) -> SpeculativeConfig | None:
-    """Refuse a ``speculative_config`` naming the field, before any memory is taken; load a draft given
-    as a path with ``load`` (path -> Decoder). None stays None (no speculation).
+    """Refuse a ``speculative_config`` naming the field, before any memory is taken; load a draft given as
+    a path with ``load`` (path -> Decoder). None stays None (no speculation).
 
     Raises:
         ValueError: not a dict, an unknown key or method, a non-positive length, prompt_lookup_min above
@@ -150,11 +146,10 @@ class Run(list):
 
 def keyed_run(drafts: list[int], target_probs: torch.Tensor, seed: int, position: int) -> tuple[list[int], int]:
     """Rejection sampling with a one-hot q (prompt lookup), one uniform per position: the token at
-    ``position + j`` is ``draw(target_probs[j])`` with a generator seeded by (seed, position + j), and the
-    draft there is accepted when it equals that token: with probability p(x) = min(1, p(x) / q(x)), and on
-    a rejection the token follows p without x, the normalised residual. The same law as
-    ``rejection_sample``; and a seeded request's tokens depend on its seed and logits alone, not on how
-    many drafts the batch left it. Returns (emitted tokens, drafts accepted)."""
+    ``position + j`` is ``draw(target_probs[j])`` with a generator seeded by (seed, position + j), and the draft
+    there is accepted when it equals that token. The same law as ``rejection_sample``, and a seeded request's
+    tokens depend on its seed and logits alone, not on how many drafts the batch left it.
+    Returns (emitted tokens, drafts accepted)."""
     for j in range(len(drafts) + 1):
         token = draw(target_probs[j], torch.Generator().manual_seed(hash((seed, position + j)) % 2 ** 63))
         if j == len(drafts) or token != drafts[j]:
@@ -164,11 +159,7 @@ def keyed_run(drafts: list[int], target_probs: torch.Tensor, seed: int, position
 
 class SpecDecoder:
     """The engine's speculation: ``propose`` before the scheduler, ``logits_indices`` for the forward,
-    ``draw`` (verification) after it, ``append`` (rollback and tokens) when the step commits.
-
-    Args:
-        config: a ``SpeculativeConfig``; engine: the ``LLMEngine`` (its model, manager, requests).
-    """
+    ``draw`` (verification) after it, ``append`` (rollback and tokens) when the step commits."""
 
     def __init__(self, config: SpeculativeConfig, engine):
         self.config, self.engine = config, engine
@@ -198,16 +189,12 @@ class SpecDecoder:
                 seqs.append((seq, req, min(self.config.k, room - 1)))
         if self.draft is not None:
             self.draft.release(running)
-        if not seqs:
+            if seqs:  # "auto" cuts a draft model's lengths before it drafts, prompt lookup's after
+                self.draft.propose(self._auto(seqs, running, [k for _, _, k in seqs]) if self.config.auto else seqs)
             return
-        if self.config.auto and self.draft is not None:
-            seqs = self._auto(seqs, running, [k for _, _, k in seqs])
-        if self.draft is not None:
-            self.draft.propose(seqs)
-        else:
-            for seq, _, k in seqs:
-                seq.spec_token_ids = self.ngram.lookup(seq.token_ids, k)
-        if self.config.auto and self.draft is None:
+        for seq, _, k in seqs:
+            seq.spec_token_ids = self.ngram.lookup(seq.token_ids, k)
+        if self.config.auto and seqs:
             self._auto(seqs, running, [len(seq.spec_token_ids) for seq, _, _ in seqs])
 
     def _auto(self, seqs, running, most):
@@ -227,14 +214,13 @@ class SpecDecoder:
             self.step_cost.observe(num_tokens, seconds)
 
     def alpha(self, seq_id: int) -> float:
-        """The sequence's running acceptance rate (accepted / examined drafts, older ones counting less:
-        ``ALPHA_DECAY``), from a prior of 1 in 2."""
+        """The sequence's acceptance rate (accepted / examined drafts, faded by ``ALPHA_DECAY``), prior 1 in 2."""
         accepted, examined = self._faded(seq_id)
         return (accepted + 1.0) / (examined + 2.0)
 
     def _faded(self, seq_id: int) -> tuple[float, float]:
-        """(accepted, examined) as of now: what was recorded, faded by the steps committed since (read, not
-        written, while a step is planned: a failed step leaves them as they were)."""
+        """(accepted, examined) as of now, faded by the steps committed since (read, not written, while a step
+        is planned: a failed step leaves them as they were)."""
         accepted, examined, at = self._alpha.get(seq_id, (0.0, 0.0, 0))
         keep = ALPHA_DECAY ** (self.engine.stats.steps - at)
         return accepted * keep, examined * keep
@@ -265,9 +251,8 @@ class SpecDecoder:
         return logits[torch.tensor(list(itertools.accumulate(self._counts)), device=logits.device) - 1]
 
     def draw(self, logits: torch.Tensor, plans: list, ready) -> list:
-        """What each ready sequence draws: a ``Run`` (verification) for a drafted one, else one token per
-        sample (``draw_tokens``; with prompt lookup a sampled row draws by position, ``keyed_run``).
-        Generators are restored if anything raises."""
+        """What each ready sequence draws: a ``Run`` (verification) for a drafted one, else one token per sample
+        (``draw_tokens``; with prompt lookup a sampled row draws by position). Generators are restored on error."""
         mine = [i for i, (s, p) in enumerate(zip(ready, plans))
                 if p is not None and (s.spec_token_ids or (self.draft is None and not p[0].greedy))]
         if not mine:
@@ -286,9 +271,9 @@ class SpecDecoder:
         return draws
 
     def _verify(self, logits, plans, ready, mine) -> list:
-        """Greedy: the longest prefix of drafts equal to the target's argmax, then the argmax after it.
-        Prompt lookup, sampled: ``keyed_run`` per sample. Draft model, sampled: ``rejection_sample``
-        against the draft's q. Returns a ``Run`` for a drafted sequence, [(token, logprob)] per sample else."""
+        """Greedy: the longest prefix of drafts equal to the target's argmax, then the argmax after it. Sampled:
+        ``keyed_run`` per sample (prompt lookup) or ``rejection_sample`` against the draft's q. Returns a ``Run``
+        for a drafted sequence, else [(token, logprob)] per sample."""
         starts = [e - c for e, c in zip(itertools.accumulate(self._counts), self._counts)]
         lse = torch.logsumexp(logits, dim=-1)
         if not torch.isfinite(lse).all():
@@ -303,12 +288,12 @@ class SpecDecoder:
                 while a < len(drafts) and drafts[a] == top[a0 + a]:
                     a += 1
                 runs = [(drafts[:a] + [top[a0 + a]], a)]
-            elif self.draft is None:
+            elif self.draft is None:  # prompt lookup: q is one-hot, one keyed uniform per position
                 target = logits_to_probs(logits[a0:a0 + len(drafts) + 1], params)
                 runs = [keyed_run(drafts, target, g.initial_seed(), seq.num_tokens) for g in gens]
             else:
                 target = logits_to_probs(logits[a0:a0 + len(drafts) + 1], params)
-                runs = [rejection_sample(drafts, self._q(seq, target.shape[-1]), target, gens[0])]
+                runs = [rejection_sample(drafts, self.draft.probs(seq), target, gens[0])]
             found.append((len(drafts), runs))
             for emitted, _ in runs:
                 rows += range(a0, a0 + len(emitted))
@@ -324,19 +309,10 @@ class SpecDecoder:
             out.append(Run(pairs[0], d, runs[0][1]) if d else [p[0] for p in pairs])
         return out
 
-    def _q(self, seq, vocab: int) -> torch.Tensor:
-        """(d, V) the distributions the drafts were drawn from."""
-        if self.draft is not None:
-            return self.draft.probs(seq)
-        q = torch.zeros(len(seq.spec_token_ids), vocab)
-        q[torch.arange(len(seq.spec_token_ids)), torch.tensor(seq.spec_token_ids)] = 1.0
-        return q
-
     # ---- once the step commits -----------------------------------------------------------------------
     def append(self, req, seq, run: Run, append) -> None:
-        """Roll the rejected drafts back (computed count and slots, as if never drafted), count the
-        step, then append the run's tokens one by one (``append``: the engine's, with its stops) until
-        the sequence finishes."""
+        """Roll the rejected drafts back (computed count and slots, as if never drafted), count the step, then
+        append the run's tokens with ``append`` (the engine's, with its stops) until the sequence finishes."""
         seq.num_computed_tokens -= run.drafted - run.accepted
         self.engine.manager.truncate(seq.seq_id, seq.num_computed_tokens, keep_token_ids=True)
         seq.spec_token_ids = []

@@ -1,13 +1,9 @@
 """A draft model inside the engine: its own paged KV pool, one block table per target sequence.
 
-Each step, the sequences that speculate draft together: the first forward feeds every sequence's tokens
-the draft has not seen (its prompt the first time, then the tokens the last verification accepted:
-the longest prefix the draft's KV shares with the sequence's known tokens stays, and writing below a
-sequence's length truncates it there, ``PagedKVCache.prepare``); each further forward feeds one drafted
-token per sequence, all in one flat row (``pack_flat``), as the target's step does. A sampled request
-drafts from ``logits_to_probs`` with a generator of its own (seeded from the request's seed), and the
-verification uses exactly those probabilities as q. The draft's blocks go back when a sequence
-finishes, is aborted or preempted (``free``, ``release``).
+Each step the speculating sequences draft together: the first forward feeds every sequence's tokens the
+draft has not seen (the longest prefix its KV shares with the known tokens stays), each further one a
+drafted token per sequence, all in one flat row (``pack_flat``). A sampled request drafts from
+``logits_to_probs`` with a generator of its own, and verification uses exactly those probabilities as q.
 """
 
 from __future__ import annotations
@@ -25,12 +21,8 @@ from .spec_auto import measure_step_cost
 
 
 class DraftRunner:
-    """Drafts for a batch of sequences with a draft ``Decoder`` on its own ``PagedKVCache``.
-
-    Args:
-        model: the draft (the target's vocabulary; a quantized copy of the target is one).
-        engine: the ``LLMEngine`` (its block size, pool size, seats and speculative config).
-    """
+    """Drafts for a batch of sequences with a draft ``Decoder`` (the target's vocabulary; a quantized copy of
+    the target is one) on its own ``PagedKVCache``, sized from the ``LLMEngine``'s pool and seats."""
 
     def __init__(self, model, engine, k: int, auto: bool):
         self.model, self.engine = model, engine
@@ -48,9 +40,8 @@ class DraftRunner:
         self.seconds: dict[int, float] = {}  # sequences drafting together -> seconds of one such forward, as run
 
     def forward_cost(self, n: int) -> float:
-        """Seconds of one draft forward over n sequences: the forwards run so far at n (a moving average:
-        the machine's load changes), else the cost measured at start scaled as the nearest count run so far
-        was (the start measures the bare forward, without packing and the paged cache)."""
+        """Seconds of one draft forward over n sequences: a moving average of those run at n, else the start's
+        measure scaled as the nearest count run so far was (the start times the bare forward, without packing)."""
         if not n or self.cost is None:
             return 0.0
         if n in self.seconds or not self.seconds:

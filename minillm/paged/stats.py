@@ -1,7 +1,7 @@
-"""What the engine records about its steps, for the timeline of notebook 03 and serve-bench's memory
-figures: one ``StepRecord`` per step, summed by ``EngineStats.summary``. The engine calls one hook
-(``EngineStats.record_step``) after each forward; nothing here changes what the engine computes. The
-block manager counts its prefix-cache lookups in a ``PrefixCacheStats``."""
+"""What the engine records about its steps, for notebook 03's timeline and serve-bench's memory figures:
+one ``StepRecord`` per step (one hook, ``EngineStats.record_step``), summed by ``EngineStats.summary``.
+Nothing here changes what the engine computes.
+"""
 
 from __future__ import annotations
 
@@ -27,10 +27,9 @@ class PrefixCacheStats:
 
 @dataclass
 class StepRecord:
-    """One step, for the timeline: ``runs`` (request_id, index, tokens, "prefill"/"decode"/"recompute"), ``preempted``
-    (request_id, index), the forward's (B, T), blocks in use and KV slots holding tokens after it,
-    blocks the running sequences would hold without sharing, its start / end (perf_counter s), and
-    ``sampled``: the sequences that sampled (the rows of the output layer)."""
+    """One step: ``runs`` (request_id, index, tokens, "prefill"/"decode"/"recompute"), ``preempted``, the
+    forward's (B, T), blocks in use and KV slots holding tokens after it, the blocks the running sequences
+    would hold unshared, start / end (perf_counter s), and ``sampled`` (rows of the output layer)."""
 
     step: int
     runs: list[tuple[str, int, int, str]]
@@ -57,10 +56,9 @@ class EngineStats:
     records: list[StepRecord] = field(default_factory=list)
 
     def record_step(self, plan, shape, sampled, manager, running, start) -> StepRecord:
-        """The hook, after a step's forward and before its tokens are appended: what ran (``runs_of`` the
-        plan), what was preempted, the blocks in use, the slots of them holding tokens (shared blocks
-        once) and the blocks the running sequences would hold unshared. Returns the record (its ``end``
-        is the start until the engine sets it); ``add`` keeps it once the step commits."""
+        """The hook, after a step's forward and before its tokens are appended: what ran, what was preempted,
+        the blocks in use, their slots holding tokens (shared blocks once), the blocks held unshared. Returns the
+        record (``end`` = start until the engine sets it); ``add`` keeps it once the step commits."""
         filled: dict[int, int] = {}
         unshared = 0
         for seq in running:
@@ -98,9 +96,8 @@ class EngineStats:
 
 
 def runs_of(scheduled) -> list[tuple[str, int, int, str]]:
-    """(request_id, index, tokens, kind) of each scheduled (sequence, tokens), judged before the tokens
-    are computed: "recompute" (tokens computed before a preemption), "prefill" (prompt tokens) or
-    "decode" (its newest token)."""
+    """(request_id, index, tokens, kind) of each scheduled (sequence, tokens), judged before they are computed:
+    "recompute" (computed before a preemption), "prefill" (prompt tokens) or "decode"."""
     def kind(seq):
         if seq.num_output_tokens > 1 and seq.num_computed_tokens < seq.num_tokens - 1:
             return "recompute"
