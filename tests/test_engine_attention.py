@@ -6,6 +6,7 @@ import pytest
 import torch
 from helpers import random_decoder
 
+from minillm import kernels
 from minillm.model import ModelConfig, attention, attention_mask
 from minillm.paged import LLMEngine, PagedKVCache, pack_flat, pack_rows, pack_rows_naive
 from minillm.paged.attention import buckets
@@ -14,11 +15,23 @@ CFG = ModelConfig(n_layers=1, dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_
                   max_seq_len=128)  # G = 3 query heads per KV head
 
 
+#: the paths that attend themselves, with the fused kernel's share varied (where it is not built, every
+#: variant runs without it): "bucketed" with no row and with every row fused, "blockwise" in torch
+FUSED_VARIANTS = {"bucketed/no-fused": ("bucketed", 0, None), "bucketed/all-fused": ("bucketed", 10 ** 6, None),
+                  "blockwise/torch": ("blockwise", None, False)}
+
+
 def cache_holding(held: list[int], path: str):
     """A pool of 40 blocks of 4 with sequence s holding held[s] random keys and values (and 8 more known,
-    for its new tokens); returns (cache, keys, values), keys[s] and values[s] (Hkv, held[s] + 8, D)."""
+    for its new tokens); returns (cache, keys, values), keys[s] and values[s] (Hkv, held[s] + 8, D).
+    ``path``: an attention path or one of ``FUSED_VARIANTS``."""
     Hkv, D = CFG.n_kv_heads, CFG.head_dim
+    path, max_queries, fused_ok = FUSED_VARIANTS.get(path, (path, None, None))
     cache = PagedKVCache(CFG, 40, 4, attention=path)
+    if max_queries is not None:
+        cache.fused_max_queries = max_queries
+    if fused_ok is False:
+        cache._fused_ok = False
     keys = [torch.randn(Hkv, n + 8, D) for n in held]
     values = [torch.randn(Hkv, n + 8, D) for n in held]
     for s, n in enumerate(held):
@@ -49,7 +62,7 @@ def test_buckets_partition_the_rows_and_follow_the_cost():
     assert buckets(lens, bucket_cost=0) == [[1, 3], [5], [6], [0], [2], [4]]  # equal lengths only share
 
 
-@pytest.mark.parametrize("path", ["indexed", "gather", "bucketed", "blockwise"])
+@pytest.mark.parametrize("path", ["indexed", "gather", "bucketed", "blockwise", *FUSED_VARIANTS])
 def test_mixed_prefill_and_decode_rows_with_nan_in_unowned_slots(path):
     """Decode rows of several lengths, a prefill chunk cut into two rows of one sequence (the later row
     sees the earlier one's keys) and a padding position, rows out of length order, GQA with G = 3, and
@@ -122,7 +135,7 @@ def test_packer_orders_rows_by_their_end_and_keeps_the_naive_logits():
     torch.testing.assert_close(outs[0], outs[1], atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("path", ["bucketed", "blockwise"])
+@pytest.mark.parametrize("path", ["bucketed", "blockwise", *FUSED_VARIANTS])
 def test_flat_row_of_segments_attends_each_over_its_own_sequence(path):
     """One flat row (1, N) of segments (set_rows with widths): decode tokens at several lengths, a new
     sequence's 6-token prompt, a 3-token chunk of a sequence holding 9, segments out of order, GQA with
@@ -141,6 +154,9 @@ def test_flat_row_of_segments_attends_each_over_its_own_sequence(path):
     q = torch.randn(1, H, pos.shape[1], D)
     out = cache.attend(0, q, k_new, v_new)  # (1, H, N, D)
     assert out.shape == q.shape and not out.isnan().any()
+    if kernels.available():  # the segments the fused kernel attended (its query counts): all, or the short ones
+        fused = {"bucketed": [1, 1, 1], "blockwise": [1, 6, 1, 3, 1], "bucketed/all-fused": [1, 6, 1, 3, 1]}
+        assert (cache._fused[2].tolist() if cache._fused is not None else []) == fused.get(path, [])
     t = 0
     for s, a, n in segments:
         mask = torch.arange(a + n)[None, :] <= torch.arange(a, a + n)[:, None]  # (n, a + n)

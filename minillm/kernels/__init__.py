@@ -1,22 +1,18 @@
-"""minillm's own CPU kernels: weight-only int4 and int8 linear products for AVX2 (``cpu.cpp``).
+"""minillm's own CPU kernels (C++, AVX2 + FMA): weight-only int4 and int8 linear products (``cpu.cpp``) and
+PagedAttention over the pool of KV blocks (``paged_attention.cpp``).
 
-Why: a 4-bit decode step should cost what its bytes cost. torch's weight-only CPU kernels
-(``_weight_int4pack_mm_for_cpu``, ``_weight_int8pack_mm``) take bfloat16 activations and, on a CPU
-without AVX-512, decode the codes slower than memory delivers them (docs/decode.md measures both). These
-kernels read each code once per call, turn it into float32 in registers, and keep the sums of up to six
-rows in registers, so one row (a decode step) and a few rows (a speculative verification) cost about
-one pass over the codes; every sum is float32, so the result is the dequantized weight's product
-within float32 rounding (the zero point leaves each code in registers, ``s (q - z)`` as the reference
-dequantizes, so no term cancels against another). The layout is one tile of 32
-output columns after another, each tile's codes for all K inputs contiguous (``int4_panels``,
-``int8_panels``).
+Why: a 4-bit decode step should cost what its bytes cost, and a decode row's attention what its keys cost.
+torch's weight-only CPU kernels take bfloat16 activations and, without AVX-512, decode the codes slower than
+memory delivers them (docs/decode.md); these read each code once per call, turn it into float32 in registers
+(``s (q - z)``, as the reference dequantizes) and keep up to six rows' sums there, so a decode step or a
+speculative verification costs about one pass over the codes. The layout: tiles of 32 output columns, each
+tile's codes for all K inputs contiguous (``int4_panels``, ``int8_panels``). ``paged_attention`` reads each
+sequence's keys and values where they lie in the pool (vLLM's kernel, docs/paged.md) instead of gathering them.
 
-The C++ builds once, on first use, with torch's extension builder (a C++ compiler and ninja; about a
-minute; cached under ``TORCH_EXTENSIONS_DIR``). Where it cannot build (no compiler, no AVX2, or
-``MINILLM_KERNELS=0``), ``available()`` is False and ``minillm.quant`` keeps torch's kernels. The
-products go through ``torch.library`` custom ops, so ``torch.compile`` calls them as they are (on a CPU
-with AVX-512, ``compile_decode`` switches quantized layers to torch's kernels, which inductor lowers itself).
-``int4_linear_naive`` and ``int8_linear_naive`` are the baselines (dequantize, then ``F.linear``).
+The C++ builds once, on first use, with torch's extension builder (a compiler and ninja; about a minute). Where
+it cannot (no compiler, no AVX2, or ``MINILLM_KERNELS=0``), ``available()`` is False: ``minillm.quant`` keeps
+torch's kernels and the engine its gather + SDPA. The products are ``torch.library`` custom ops, so
+``torch.compile`` calls them as they are. The ``*_naive`` functions are the baselines.
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCE = Path(__file__).with_name("cpu.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "paged_attention.cpp")]
 TILE = 32  # output columns per tile: the kernels' layout wants out_features % TILE == 0
 _state: dict = {}
 _building = threading.Lock()
@@ -58,13 +54,13 @@ def load():
             if reason is None:
                 try:
                     from torch.utils.cpp_extension import load as build
-                    ext = build("minillm_cpu_kernels", [str(SOURCE)],
+                    ext = build("minillm_cpu_kernels", [str(path) for path in SOURCES],
                                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
                 except Exception as e:  # a failed build leaves torch's kernels in charge
                     reason = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
             if reason is not None and reason != "MINILLM_KERNELS=0":
-                warnings.warn(f"minillm's AVX2 int4/int8 kernels are off: {reason}; quantized layers use torch's "
-                              "kernels instead (slower on CPUs without AVX-512)", stacklevel=2)
+                warnings.warn(f"minillm's AVX2 kernels are off: {reason}; quantized layers use torch's kernels "
+                              "instead (slower on CPUs without AVX-512), the engine gather + SDPA", stacklevel=2)
             _state["ext"] = ext
     return _state["ext"]
 
@@ -123,6 +119,37 @@ def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, off
     if torch.compiler.is_compiling():
         return _int8_op(x.contiguous(), panels, scales, offset)
     return _loaded().int8_linear(x, panels, scales, offset)
+
+
+def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                    query_start: torch.Tensor, query_len: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """Attention over keys and values where they lie in the pool of blocks (PagedAttention), per segment.
+
+    q: (N, H, D) float32; k_pool, v_pool: (num_blocks, block_size, Hkv, D) float32, one layer; block_tables:
+    (R, W) int64. Segment r (each of query_start, query_len, seq_lens is (R,) int64) is queries
+    ``query_start[r]`` onwards, the last ``query_len[r]`` positions of a sequence holding ``seq_lens[r]``
+    tokens (vLLM's attention metadata); each sees its sequence's keys up to its own position. Returns
+    (N, H, D), 0 for queries in no segment.
+    """
+    return _loaded().paged_attention(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens)
+
+
+def paged_attention_naive(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens) -> torch.Tensor:
+    """The baseline of ``paged_attention``: per segment, its keys gathered through the block table, then
+    causal softmax attention."""
+    N, H, D = q.shape
+    block_size, Hkv = k_pool.shape[1], k_pool.shape[2]
+    out = torch.zeros_like(q)
+    for table, start, T, L in zip(block_tables, query_start.tolist(), query_len.tolist(), seq_lens.tolist()):
+        key_pos = torch.arange(L)
+        slots = table[key_pos // block_size] * block_size + key_pos % block_size
+        k = k_pool.reshape(-1, Hkv, D)[slots].repeat_interleave(H // Hkv, dim=1)  # (L, H, D)
+        v = v_pool.reshape(-1, Hkv, D)[slots].repeat_interleave(H // Hkv, dim=1)
+        scores = torch.einsum("thd,shd->hts", q[start:start + T], k) / D ** 0.5  # (H, T, L)
+        visible = key_pos[None, :] <= torch.arange(L - T, L)[:, None]  # (T, L): causal
+        weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[start:start + T] = torch.einsum("hts,shd->thd", weights, v)
+    return out
 
 
 def int4_panels(codes: torch.Tensor) -> torch.Tensor:

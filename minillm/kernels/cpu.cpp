@@ -316,4 +316,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
   return off.has_value() ? y.add_(x.sum(-1, true) * *off) : y;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("int4_linear", &int4_linear); m.def("int8_linear", &int8_linear); }
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
+                              torch::Tensor query_start, torch::Tensor query_len, torch::Tensor seq_lens);  // paged_attention.cpp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear); m.def("int8_linear", &int8_linear); m.def("paged_attention", &paged_attention);
+}

@@ -6,9 +6,10 @@ the pool; its block table says where. ``LLMEngine(attention=...)`` picks the rea
 * ``gather_padded`` ("gather", the reference): each row's blocks concatenated, cut to its length, padded.
 * ``padded_slots`` ("indexed"): every row's key slots, read with one ``index_select`` per layer, then SDPA.
 * ``buckets`` + ``attend_groups`` ("bucketed", the default): rows grouped by the keys they attend over, one
-  rectangle and one SDPA per group.
+  rectangle and one SDPA per group; rows of one or two queries (decode) go to the fused kernel below.
 * ``paged_attention`` ("blockwise"): block by block with an online softmax (Milakov & Gimelshein 2018),
-  nothing gathered. On a CPU torch's per-call cost makes it the slowest; a fused kernel is what makes it pay.
+  nothing gathered. In torch its per-call cost makes it the slowest; ``minillm.kernels.paged_attention`` is
+  the same algorithm fused in C++ (vLLM's kernel, on the CPU), which both paths run where it is built.
 """
 
 from __future__ import annotations

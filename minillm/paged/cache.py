@@ -15,6 +15,7 @@ import itertools
 
 import torch
 
+from .. import kernels
 from ..kv_cache import kv_cache_bytes
 from ..model import ModelConfig, attention_mask
 from .attention import attend_blockwise, attend_groups, buckets, gather_padded, padded_slots
@@ -25,6 +26,10 @@ FLAT_PATHS = ("bucketed", "blockwise")  # the paths that attend themselves, over
 #: what one more group costs the "bucketed" path, in key positions of one row (an index_select and an
 #: SDPA call more per layer against reading and attending over that many more keys)
 BUCKET_COST = 128
+#: segments of at most this many queries go through minillm's fused PagedAttention kernel on the "bucketed"
+#: path (where the kernels are built): a decode row reads its keys where they lie, about 2x the gather + SDPA;
+#: from about 4 queries on, SDPA's matrix products win (docs/paged.md)
+FUSED_MAX_QUERIES = 2
 
 
 class PagedKVCache:
@@ -36,7 +41,8 @@ class PagedKVCache:
             the whole pool, rounded down to whole blocks). block_size: tokens per block.
         dtype, device: of the pool (normally the model's). enable_prefix_caching: the ``BlockManager``'s.
         attention: how the forward reads the pool (``attention.py``): "indexed" (default here), "gather"
-            (the reference), "bucketed" or "blockwise" (these two attend themselves and take a flat row).
+            (the reference), "bucketed" or "blockwise" (these two attend themselves, take a flat row and run
+            minillm's fused kernel where it is built: "blockwise" for every row, "bucketed" for short ones).
 
     Raises:
         ValueError: neither or both of num_blocks / kv_bytes, a pool smaller than one block, an
@@ -62,6 +68,9 @@ class PagedKVCache:
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size, self.attention = block_size, attention
         self.bucket_cost = BUCKET_COST  # the "bucketed" path's price of one more group (``buckets``)
+        self.fused_max_queries = FUSED_MAX_QUERIES  # 0: the "bucketed" path never takes the fused kernel
+        # the fused kernel reads float32 pools in host memory; the build is asked once, at the first plan
+        self._fused_ok = None if dtype == torch.float32 and torch.device(device).type == "cpu" else False
         self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
         self.group = config.n_heads // config.n_kv_heads  # query heads per KV head (GQA)
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
@@ -223,15 +232,30 @@ class PagedKVCache:
         self._lens = lens
         if self.attention == "indexed":
             self._read_slots = padded_slots(self._tables, lens, S, self.block_size, device)
-        elif self.attention == "blockwise":
-            self._plan_blockwise(pos)
-        elif self.attention == "bucketed":
-            self._plan_groups(pos)
+        elif self.attention in FLAT_PATHS:
+            if self._fused_ok is None:
+                self._fused_ok = kernels.available()
+            self._plan_groups(pos) if self.attention == "bucketed" else self._plan_blockwise(pos)
+
+    def _plan_fused(self, rows: list[int], pos: list[list[int]]):
+        """The fused kernel's inputs for these rows (each a segment of consecutive positions without padding):
+        block tables (padded with their first block), where each row's queries start, how many, keys held."""
+        device = self.k[0].device
+        tables = [self._tables[b] for b in rows]
+        width = max(len(t) for t in tables)
+        return (torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], device=device),
+                torch.tensor([self._offsets[b] for b in rows], device=device),
+                torch.tensor([len(pos[b]) for b in rows], device=device),
+                torch.tensor([pos[b][-1] + 1 for b in rows], device=device))
 
     def _plan_blockwise(self, pos: list[list[int]]) -> None:
-        """The "blockwise" inputs: per row its block table (padded with its first block), its length, its
-        queries' positions padded to the longest row (-1) and their tokens in the forward."""
-        device = self.k[0].device
+        """The "blockwise" inputs: every row through the fused kernel where it is built and no row is padded;
+        else, for the online softmax in torch, per row its block table (padded with its first block), its
+        length, its queries' positions padded to the longest row (-1) and their tokens in the forward."""
+        device, self._groups = self.k[0].device, []
+        self._fused = self._plan_fused(range(len(pos)), pos) if self._fused_ok and min(map(min, pos)) >= 0 else None
+        if self._fused is not None:
+            return
         T, N = max(len(row) for row in pos), sum(len(row) for row in pos)
         width = max(len(t) for t in self._tables)
         self._bw_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in self._tables], device=device)
@@ -242,12 +266,17 @@ class PagedKVCache:
 
     def _plan_groups(self, pos: list[list[int]]) -> None:
         """The "bucketed" groups, rows of one width together: (the rows' tokens, as a slice or an index tensor;
-        rows Bg; width T_g; read slots; S_g; mask)."""
+        rows Bg; width T_g; read slots; S_g; mask); rows of at most ``fused_max_queries`` go to the fused kernel."""
         device, G = self.k[0].device, self.group
         key_lens = [max(max(row) + 1, 1) for row in pos]  # causal: a row attends up to its last position
         by_width: dict[int, list[int]] = {}
+        fused = []
         for b, row in enumerate(pos):
-            by_width.setdefault(len(row), []).append(b)
+            if self._fused_ok and len(row) <= self.fused_max_queries and min(row) >= 0:
+                fused.append(b)
+            else:
+                by_width.setdefault(len(row), []).append(b)
+        self._fused = self._plan_fused(fused, pos) if fused else None
         self._groups = []
         for T, members in sorted(by_width.items()):
             for part in buckets([key_lens[b] for b in members], self.bucket_cost):
@@ -267,7 +296,7 @@ class PagedKVCache:
                 self._groups.append((index, len(rows), T, slots, Sg, mask))
         stops = [0] + [g[0].stop for g in self._groups if isinstance(g[0], slice)]
         # groups that are slices, each starting where the previous one stops, tile the tokens in order
-        self._groups_in_order = (len(stops) == len(self._groups) + 1
+        self._groups_in_order = (not fused and len(stops) == len(self._groups) + 1
                                  and all(g[0].start == stops[i] for i, g in enumerate(self._groups)))
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -317,18 +346,20 @@ class PagedKVCache:
         Hkv = k.shape[1]
         self._write(layer, k, v)
         qt = q.transpose(1, 2).reshape(B * T, H, D).contiguous()  # (B*T, H, D): a group's queries in one piece
-        if self.attention == "blockwise":
+        if self.attention == "blockwise" and self._fused is None:
             y = attend_blockwise(qt, self.k[layer], self.v[layer], self._bw_tables, self._bw_lens, self._bw_pos,
                                  self._bw_index)
             return y.view(B, T, H, D).transpose(1, 2)
-        k_pool, v_pool = self.k[layer].view(-1, Hkv, D), self.v[layer].view(-1, Hkv, D)
-        outs = attend_groups(qt, k_pool, v_pool, self._groups, lambda n: self._buffers(n, k))
-        if self._groups_in_order:
-            y = outs[0] if len(outs) == 1 else torch.cat(outs)
-        else:
-            y = q.new_empty((B * T, H, D))
-            for group, out in zip(self._groups, outs):
-                y[group[0]] = out
+        y = None if self._fused is None else kernels.paged_attention(qt, self.k[layer], self.v[layer], *self._fused)
+        if self._groups:
+            k_pool, v_pool = self.k[layer].view(-1, Hkv, D), self.v[layer].view(-1, Hkv, D)
+            outs = attend_groups(qt, k_pool, v_pool, self._groups, lambda n: self._buffers(n, k))
+            if self._groups_in_order:
+                y = outs[0] if len(outs) == 1 else torch.cat(outs)
+            else:
+                y = q.new_empty((B * T, H, D)) if y is None else y  # the fused kernel's rows are already there
+                for group, out in zip(self._groups, outs):
+                    y[group[0]] = out
         return y.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
 
     def truncate(self, n: int) -> None:
