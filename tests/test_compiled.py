@@ -100,6 +100,22 @@ def test_prefill_and_gradients_stay_eager(tiny):
     assert calls == [1]
 
 
+@pytest.mark.slow  # two inductor compiles (the second with the cached length symbolic)
+def test_compiled_decode_in_the_paged_engine_calls_the_fused_attention_op(tiny):
+    """A lone sequence's one-token steps in the engine run the compiled forward, whose attention over the pool is
+    minillm's fused kernel (a torch.library op inside the graph) where it is built; same tokens as eager."""
+    from minillm.paged import LLMEngine
+
+    outs = []
+    for model in (tiny, compile_decode(copy.deepcopy(tiny))):
+        engine = LLMEngine(model, block_size=4, num_blocks=32)
+        engine.add_request("a", {"prompt_token_ids": [3, 1, 4, 1, 5]}, SamplingParams(max_tokens=6, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            done = [o for o in engine.step() if o.finished]
+        outs.append(done[0].outputs[0].token_ids)
+    assert outs[0] == outs[1] and len(outs[0]) == 6
+
+
 def test_copies_are_not_compiled_and_quantizing_drops_it(tiny):
     compiled = compile_decode(copy.deepcopy(tiny))
     twin = copy.deepcopy(compiled)

@@ -83,6 +83,8 @@ def test_slots_a_sequence_does_not_hold_are_never_read():
     (lambda a: a.update(seq_lens=torch.tensor([100, 4])), "at most its table's"),
     (lambda a: a.update(q=a["q"].double()), "float32"),
     (lambda a: a.update(query_len=torch.tensor([2], dtype=torch.long)), "one per row"),
+    (lambda a: a.update(query_start=torch.tensor([2 ** 63 - 1, 2])), "outside the"),  # start + len would overflow
+    (lambda a: a.update(query_start=torch.tensor([0, 1])), "segments overlap at query 1"),
 ])
 def test_kernel_refuses_what_would_read_outside_its_tensors(change, message):
     a = dict(q=torch.randn(4, 2, 8), k_pool=torch.zeros(4, 4, 1, 8), v_pool=torch.zeros(4, 4, 1, 8),
@@ -92,3 +94,20 @@ def test_kernel_refuses_what_would_read_outside_its_tensors(change, message):
     change(a)
     with pytest.raises(RuntimeError, match=message):
         kernels.paged_attention(*a.values())
+    if "overlap" in message:  # the baseline refuses the same
+        with pytest.raises(RuntimeError, match=message):
+            kernels.paged_attention_naive(*a.values())
+
+
+@pytest.mark.parametrize("position", [0, 3, 8, 15])
+def test_a_nan_key_gives_nan_as_the_naive_path_does(position):
+    """A NaN among a sequence's keys makes its queries' output NaN wherever the key sits in its block (a
+    clamp inside the vectorised exp must not turn the NaN into a weight of 0)."""
+    g = torch.Generator().manual_seed(position)
+    k, v = torch.randn(16, 1, 8, generator=g), torch.randn(16, 1, 8, generator=g)
+    k[position] = float("nan")
+    k_pool, v_pool, tables = scattered([(k, v)], 8, 1, 8, num_blocks=4, g=g)
+    args = (tables, torch.tensor([0]), torch.tensor([1]), torch.tensor([16]))
+    q = torch.randn(1, 2, 8, generator=g)
+    assert kernels.paged_attention(q, k_pool, v_pool, *args).isnan().all()
+    assert kernels.paged_attention_naive(q, k_pool, v_pool, *args).isnan().all()

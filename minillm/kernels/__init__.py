@@ -11,8 +11,8 @@ sequence's keys and values where they lie in the pool (vLLM's kernel, docs/paged
 
 The C++ builds once, on first use, with torch's extension builder (a compiler and ninja; about a minute). Where
 it cannot (no compiler, no AVX2, or ``MINILLM_KERNELS=0``), ``available()`` is False: ``minillm.quant`` keeps
-torch's kernels and the engine its gather + SDPA. The products are ``torch.library`` custom ops, so
-``torch.compile`` calls them as they are. The ``*_naive`` functions are the baselines.
+torch's kernels and the engine its gather + SDPA. Under ``torch.compile`` the three are ``torch.library``
+custom ops, which it calls as they are. The ``*_naive`` functions are the baselines.
 """
 
 from __future__ import annotations
@@ -100,6 +100,17 @@ def _(x, panels, scales, offset):
     return x.new_empty(x.shape[0], panels.shape[0] * TILE)
 
 
+@torch.library.custom_op("minillm::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
+                        query_start: torch.Tensor, query_len: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    return _loaded().paged_attention(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
 def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
                 group_size: int) -> torch.Tensor:
     """``x W_hat^T`` with ``W_hat[n, k] = scales[g, n] * (q[n, k] - zeros[g, n])``, ``g = k // group_size``.
@@ -131,6 +142,8 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     tokens (vLLM's attention metadata); each sees its sequence's keys up to its own position. Returns
     (N, H, D), 0 for queries in no segment.
     """
+    if torch.compiler.is_compiling():
+        return _paged_attention_op(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens)
     return _loaded().paged_attention(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens)
 
 
@@ -139,6 +152,10 @@ def paged_attention_naive(q, k_pool, v_pool, block_tables, query_start, query_le
     causal softmax attention."""
     N, H, D = q.shape
     block_size, Hkv = k_pool.shape[1], k_pool.shape[2]
+    spans = sorted(zip(query_start.tolist(), query_len.tolist()))
+    for (a, n), (b, _) in zip(spans, spans[1:]):
+        if b < a + n:
+            raise RuntimeError(f"paged_attention: segments overlap at query {b}; give each query to one segment")
     out = torch.zeros_like(q)
     for table, start, T, L in zip(block_tables, query_start.tolist(), query_len.tolist(), seq_lens.tolist()):
         key_pos = torch.arange(L)

@@ -13,16 +13,19 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 // exp of 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error
 // below 2e-7 there), 2^n written into the exponent bits. Below -87 (e^x under float32's normal range) it
-// gives 0, which is also what a score of -inf (a padding lane) must contribute.
+// gives 0, which is also what a score of -inf (a padding lane) must contribute. A NaN stays NaN: min and max
+// return their second operand when one is NaN, so x goes second.
 static inline __m256 exp8(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.0f), hi = _mm256_set1_ps(88.0f);
   const __m256 zero_out = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+  x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // ln2 in two parts, so that n * ln2 is subtracted without rounding away r's low bits (Cody & Waite)
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
@@ -119,7 +122,8 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   for (const auto& t : {query_start, query_len, seq_lens})
     TORCH_CHECK(t.dim() == 1 && t.size(0) == R && t.scalar_type() == torch::kLong,
                 "paged_attention: query_start, query_len and seq_lens are (R,) int64, one per row of block_tables");
-  TORCH_CHECK(q.device().is_cpu() && k_pool.device().is_cpu() && v_pool.device().is_cpu(), "paged_attention: CPU tensors");
+  for (const auto& t : {q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens})
+    TORCH_CHECK(t.device().is_cpu(), "paged_attention: every tensor on the CPU (the loops read host memory)");
   TORCH_CHECK(q.scalar_type() == torch::kFloat && k_pool.scalar_type() == torch::kFloat && v_pool.scalar_type() == torch::kFloat
               && k_pool.is_contiguous() && v_pool.is_contiguous(), "paged_attention: float32 q and contiguous float32 pools");
   TORCH_CHECK(block_tables.scalar_type() == torch::kLong, "paged_attention: int64 block_tables");
@@ -127,10 +131,12 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
   auto qs_ = query_start.contiguous(), ql_ = query_len.contiguous(), sl_ = seq_lens.contiguous();
   const int64_t *tables = block_tables.data_ptr<int64_t>(), *starts = qs_.data_ptr<int64_t>(),
                 *lens = ql_.data_ptr<int64_t>(), *held = sl_.data_ptr<int64_t>();
-  // every index is checked before any thread reads memory with it
+  // every index is checked before any thread reads memory with it (written so that no sum can overflow)
+  std::vector<std::pair<int64_t, int64_t>> spans;
   for (int64_t r = 0; r < R; ++r) {
-    TORCH_CHECK(lens[r] >= 1 && starts[r] >= 0 && starts[r] + lens[r] <= N, "paged_attention: segment ", r,
-                " (queries ", starts[r], " + ", lens[r], ") outside the ", N, " queries");
+    TORCH_CHECK(lens[r] >= 1 && lens[r] <= N && starts[r] >= 0 && starts[r] <= N - lens[r], "paged_attention: segment ",
+                r, " (queries ", starts[r], " + ", lens[r], ") outside the ", N, " queries");
+    spans.emplace_back(starts[r], lens[r]);
     TORCH_CHECK(held[r] >= lens[r] && held[r] <= W * bs, "paged_attention: segment ", r, " holds ", held[r],
                 " tokens: at least its ", lens[r], " queries and at most its table's ", W * bs, " slots");
     for (int64_t j = 0; j < held[r]; j += bs) {
@@ -138,6 +144,11 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tens
       TORCH_CHECK(b >= 0 && b < NB, "paged_attention: block ", b, " in row ", r, "'s table, of ", NB, " blocks");
     }
   }
+  // two segments writing one query's output from two threads would race: segments must not overlap
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i)
+    TORCH_CHECK(spans[i].first >= spans[i - 1].first + spans[i - 1].second, "paged_attention: segments overlap at query ",
+                spans[i].first, "; give each query to one segment");
   auto out = torch::zeros_like(q);
   const float *qp = q.data_ptr<float>(), *kp = k_pool.data_ptr<float>(), *vp = v_pool.data_ptr<float>();
   float* op = out.data_ptr<float>();

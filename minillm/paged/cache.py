@@ -69,8 +69,10 @@ class PagedKVCache:
         self.block_size, self.attention = block_size, attention
         self.bucket_cost = BUCKET_COST  # the "bucketed" path's price of one more group (``buckets``)
         self.fused_max_queries = FUSED_MAX_QUERIES  # 0: the "bucketed" path never takes the fused kernel
-        # the fused kernel reads float32 pools in host memory; the build is asked once, at the first plan
-        self._fused_ok = None if dtype == torch.float32 and torch.device(device).type == "cpu" else False
+        # the fused kernel reads float32 pools in host memory, 8 floats of a head at a time; the build is asked
+        # once, at the first plan
+        self._fused_ok = (None if dtype == torch.float32 and torch.device(device).type == "cpu"
+                          and config.head_dim % 8 == 0 else False)
         self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
         self.group = config.n_heads // config.n_kv_heads  # query heads per KV head (GQA)
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
