@@ -435,6 +435,16 @@ def test_outputs_of_a_failed_step_survive_another_failure_and_an_abort_lets_them
     assert_empty(engine)
 
 
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler for the test: a suite started in the background by a shell inherits SIGINT
+    ignored, and a real SIGINT would then raise nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.usefixtures("sigint_raises")
 def test_ctrl_c_during_bookkeeping_waits_for_a_whole_state(tiny):
     """A real SIGINT delivered while the scheduler moves a sequence between its lists, or while a step
     appends, is raised once the state is whole: the step is undone (or completed, its outputs returned

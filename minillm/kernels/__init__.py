@@ -17,6 +17,7 @@ custom ops, which it calls as they are. The ``*_naive`` functions are the baseli
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import threading
@@ -43,6 +44,13 @@ def why_unavailable() -> str | None:
     return None
 
 
+def build_name() -> str:
+    """The extension's name, which is also its build folder's: named by its sources, so two checkouts (or
+    versions) on one machine keep a build each instead of rebuilding over each other on first use."""
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:12]
+    return f"minillm_cpu_kernels_{digest}"
+
+
 def load():
     """The built extension (built on the first call), or None where it cannot be built (a warning says
     why, once)."""
@@ -54,7 +62,7 @@ def load():
             if reason is None:
                 try:
                     from torch.utils.cpp_extension import load as build
-                    ext = build("minillm_cpu_kernels", [str(path) for path in SOURCES],
+                    ext = build(build_name(), [str(path) for path in SOURCES],
                                 extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
                 except Exception as e:  # a failed build leaves torch's kernels in charge
                     reason = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"

@@ -69,10 +69,10 @@ class PagedKVCache:
         self.block_size, self.attention = block_size, attention
         self.bucket_cost = BUCKET_COST  # the "bucketed" path's price of one more group (``buckets``)
         self.fused_max_queries = FUSED_MAX_QUERIES  # 0: the "bucketed" path never takes the fused kernel
-        # the fused kernel reads float32 pools in host memory, 8 floats of a head at a time; the build is asked
-        # once, at the first plan
-        self._fused_ok = (None if dtype == torch.float32 and torch.device(device).type == "cpu"
-                          and config.head_dim % 8 == 0 else False)
+        # the fused kernel reads float32 pools in host memory, 8 floats of a head at a time; asked here, so that
+        # a first build (about a minute, once per machine) happens when the engine is made, not in a request
+        self._fused_ok = (attention in FLAT_PATHS and dtype == torch.float32 and torch.device(device).type == "cpu"
+                          and config.head_dim % 8 == 0 and kernels.available())
         self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
         self.group = config.n_heads // config.n_kv_heads  # query heads per KV head (GQA)
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
@@ -235,8 +235,6 @@ class PagedKVCache:
         if self.attention == "indexed":
             self._read_slots = padded_slots(self._tables, lens, S, self.block_size, device)
         elif self.attention in FLAT_PATHS:
-            if self._fused_ok is None:
-                self._fused_ok = kernels.available()
             self._plan_groups(pos) if self.attention == "bucketed" else self._plan_blockwise(pos)
 
     def _plan_fused(self, rows: list[int], pos: list[list[int]]):
