@@ -26,10 +26,10 @@ FLAT_PATHS = ("bucketed", "blockwise")  # the paths that attend themselves, over
 #: what one more group costs the "bucketed" path, in key positions of one row (an index_select and an
 #: SDPA call more per layer against reading and attending over that many more keys)
 BUCKET_COST = 128
-#: segments of at most this many queries go through minillm's fused PagedAttention kernel on the "bucketed"
-#: path (where the kernels are built): a decode row reads its keys where they lie, about 2x the gather + SDPA;
-#: from about 4 queries on, SDPA's matrix products win (docs/paged.md)
-FUSED_MAX_QUERIES = 2
+#: segments of at most this many queries (a decode row, a verification of up to 4 drafts) go through minillm's
+#: fused PagedAttention kernel on the "bucketed" path where the kernels are built: a decode row reads its keys
+#: where they lie, about 2x the gather + SDPA; from about 8 queries on, SDPA's matrix products win (docs/paged.md)
+FUSED_MAX_QUERIES = 5
 
 
 class PagedKVCache:
