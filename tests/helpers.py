@@ -118,19 +118,20 @@ def write_hf_checkpoint(folder, arch="llama", tie=False, seed=0):
     return model
 
 
-def random_decoder(vocab_size: int, scale: float = 1.0, max_seq_len: int = 512):
-    """A 2-layer Llama ``Decoder`` (GQA: 4 heads, 2 KV heads) with seeded random weights."""
+def random_decoder(vocab_size: int, scale: float = 1.0, max_seq_len: int = 512, head_dim: int = 16):
+    """A 2-layer Llama ``Decoder`` (GQA: 4 heads, 2 KV heads, width 4 * head_dim) with seeded random weights."""
     from minillm.model import Decoder, ModelConfig
 
     torch.manual_seed(0)
-    cfg = ModelConfig(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=vocab_size,
-                      max_seq_len=max_seq_len)
-    state = {"tok_embeddings.weight": scale * torch.randn(vocab_size, 64), "norm.weight": torch.ones(64)}
+    C, Ckv = 4 * head_dim, 2 * head_dim
+    cfg = ModelConfig(n_layers=2, dim=C, n_heads=4, n_kv_heads=2, head_dim=head_dim, ffn_dim=128,
+                      vocab_size=vocab_size, max_seq_len=max_seq_len)
+    state = {"tok_embeddings.weight": scale * torch.randn(vocab_size, C), "norm.weight": torch.ones(C)}
     for i in range(2):
         p = f"layers.{i}"
-        state.update({f"{p}.attn_norm.weight": torch.ones(64), f"{p}.ffn_norm.weight": torch.ones(64),
-                      f"{p}.attn.wq.weight": torch.randn(64, 64) / 8, f"{p}.attn.wk.weight": torch.randn(32, 64) / 8,
-                      f"{p}.attn.wv.weight": torch.randn(32, 64) / 8, f"{p}.attn.wo.weight": torch.randn(64, 64) / 8,
-                      f"{p}.mlp.w_gate.weight": torch.randn(128, 64) / 8, f"{p}.mlp.w_up.weight": torch.randn(128, 64) / 8,
-                      f"{p}.mlp.w_down.weight": torch.randn(64, 128) / 8})
+        state.update({f"{p}.attn_norm.weight": torch.ones(C), f"{p}.ffn_norm.weight": torch.ones(C),
+                      f"{p}.attn.wq.weight": torch.randn(C, C) / 8, f"{p}.attn.wk.weight": torch.randn(Ckv, C) / 8,
+                      f"{p}.attn.wv.weight": torch.randn(Ckv, C) / 8, f"{p}.attn.wo.weight": torch.randn(C, C) / 8,
+                      f"{p}.mlp.w_gate.weight": torch.randn(128, C) / 8, f"{p}.mlp.w_up.weight": torch.randn(128, C) / 8,
+                      f"{p}.mlp.w_down.weight": torch.randn(C, 128) / 8})
     return Decoder(cfg, state).eval()

@@ -8,7 +8,7 @@ from helpers import random_decoder
 
 from minillm import kernels
 from minillm import SamplingParams
-from minillm.model import Decoder, ModelConfig, attention, attention_mask
+from minillm.model import ModelConfig, attention, attention_mask
 from minillm.paged import LLMEngine, PagedKVCache, pack_flat, pack_rows, pack_rows_naive
 from minillm.paged.attention import buckets
 
@@ -100,19 +100,10 @@ def test_mixed_prefill_and_decode_rows_with_nan_in_unowned_slots(path):
 def test_a_head_dim_the_fused_kernel_cannot_take_runs_without_it(path):
     """head_dim 12 (not a multiple of 8): both flat paths run on gather + SDPA / torch's online softmax, with the
     tokens of the "indexed" reference."""
-    cfg = ModelConfig(n_layers=1, dim=36, n_heads=3, n_kv_heads=1, head_dim=12, ffn_dim=64, vocab_size=100,
-                      max_seq_len=64)
-    torch.manual_seed(0)
-    state = {"tok_embeddings.weight": torch.randn(100, 36), "norm.weight": torch.ones(36),
-             "layers.0.attn_norm.weight": torch.ones(36), "layers.0.ffn_norm.weight": torch.ones(36),
-             "layers.0.attn.wq.weight": torch.randn(36, 36) / 6, "layers.0.attn.wk.weight": torch.randn(12, 36) / 6,
-             "layers.0.attn.wv.weight": torch.randn(12, 36) / 6, "layers.0.attn.wo.weight": torch.randn(36, 36) / 6,
-             "layers.0.mlp.w_gate.weight": torch.randn(64, 36) / 6, "layers.0.mlp.w_up.weight": torch.randn(64, 36) / 6,
-             "layers.0.mlp.w_down.weight": torch.randn(36, 64) / 6}
-    model = Decoder(cfg, state).eval()
+    model = random_decoder(100, head_dim=12)
     outs = []
-    for attention in ("indexed", path):
-        engine = LLMEngine(model, block_size=4, num_blocks=16, attention=attention)
+    for read in ("indexed", path):
+        engine = LLMEngine(model, block_size=4, num_blocks=16, attention=read)
         engine.add_request("a", {"prompt_token_ids": [1, 2, 3, 4, 5]}, SamplingParams(max_tokens=5, ignore_eos=True))
         while engine.has_unfinished_requests():
             done = [o for o in engine.step() if o.finished]

@@ -81,12 +81,18 @@ def buckets(key_lens: list[int], bucket_cost: float) -> list[list[int]]:
     return groups[::-1]
 
 
+def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
+    """(R, W) int64 block tables, each padded to the widest with its own first block (never read: a row
+    reads only the blocks its length reaches)."""
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long, device=device)
+
+
 def padded_slots(tables: list[list[int]], lens: list[int], S: int, block_size: int, device) -> torch.Tensor:
     """(len(tables) * S,) pool slots of key positions 0..S-1 of each row (slot = block_table[pos //
     block_size] * block_size + pos % block_size); a row of length n reads its position n - 1 from there on
     (masked out), so no slot the sequence does not hold is ever read."""
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], dtype=torch.long)  # (B, nb)
+    table = padded_tables(tables)  # (B, nb)
     key_pos = torch.minimum(torch.arange(S)[None, :], torch.tensor(lens)[:, None] - 1)  # (B, S), within the row
     slots = table.gather(1, key_pos // block_size) * block_size + key_pos % block_size
     return slots.reshape(-1).to(device)

@@ -18,7 +18,7 @@ import torch
 from .. import kernels
 from ..kv_cache import kv_cache_bytes
 from ..model import ModelConfig, attention_mask
-from .attention import attend_blockwise, attend_groups, buckets, gather_padded, padded_slots
+from .attention import attend_blockwise, attend_groups, buckets, gather_padded, padded_slots, padded_tables
 from .block_manager import BlockManager, NoFreeBlocksError
 
 ATTENTION_PATHS = ("bucketed", "blockwise", "indexed", "gather")
@@ -234,16 +234,16 @@ class PagedKVCache:
         self._lens = lens
         if self.attention == "indexed":
             self._read_slots = padded_slots(self._tables, lens, S, self.block_size, device)
-        elif self.attention in FLAT_PATHS:
-            self._plan_groups(pos) if self.attention == "bucketed" else self._plan_blockwise(pos)
+        elif self.attention == "blockwise":
+            self._plan_blockwise(pos)
+        elif self.attention == "bucketed":
+            self._plan_groups(pos)
 
     def _plan_fused(self, rows: list[int], pos: list[list[int]]):
         """The fused kernel's inputs for these rows (each a segment of consecutive positions without padding):
         block tables (padded with their first block), where each row's queries start, how many, keys held."""
         device = self.k[0].device
-        tables = [self._tables[b] for b in rows]
-        width = max(len(t) for t in tables)
-        return (torch.tensor([t + [t[0]] * (width - len(t)) for t in tables], device=device),
+        return (padded_tables([self._tables[b] for b in rows], device),
                 torch.tensor([self._offsets[b] for b in rows], device=device),
                 torch.tensor([len(pos[b]) for b in rows], device=device),
                 torch.tensor([pos[b][-1] + 1 for b in rows], device=device))
@@ -257,8 +257,7 @@ class PagedKVCache:
         if self._fused is not None:
             return
         T, N = max(len(row) for row in pos), sum(len(row) for row in pos)
-        width = max(len(t) for t in self._tables)
-        self._bw_tables = torch.tensor([t + [t[0]] * (width - len(t)) for t in self._tables], device=device)
+        self._bw_tables = padded_tables(self._tables, device)
         self._bw_lens = torch.tensor(self._lens, device=device)
         self._bw_pos = torch.tensor([row + [-1] * (T - len(row)) for row in pos], device=device)
         self._bw_index = torch.tensor([[o + t if t < len(row) and row[t] >= 0 else N for t in range(T)]
