@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .linear import _ONEDNN, Linear, linear_naive  # noqa: F401  (re-exported)
 from .threads import GOVERNOR
 
@@ -119,8 +120,9 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 class RMSNorm(nn.Module):
     """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (Zhang & Sennrich 2019).
 
-    In float32 the weight goes into torch's ``rms_norm`` call: one dispatch where ``forward_naive`` takes
-    four, with the same products bit for bit."""
+    In float32 on a CPU, minillm's kernel does it in one pass per row (``kernels.rms_norm``); elsewhere
+    in float32 the weight goes into torch's ``rms_norm`` call, one dispatch where ``forward_naive`` takes four.
+    ``add_forward`` adds the residual in the same pass."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -128,9 +130,19 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if kernels.fused_ok(x, self.weight):
+            return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return self.forward_naive(x)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, forward(x + delta))``: a sublayer's output added to the residual stream, and the next
+        sublayer's input (vLLM's ``fused_add_rms_norm``)."""
+        if kernels.fused_ok(x, delta, self.weight):
+            return kernels.add_rms_norm(x, delta, self.weight, self.eps)
+        h = x + delta
+        return h, self.forward(h)
 
     def forward_naive(self, x: torch.Tensor) -> torch.Tensor:
         """The baseline of ``forward``: normalize in float32, cast back, scale by the weight."""
@@ -149,6 +161,11 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)
+
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(x + delta, forward(x + delta))``, as ``RMSNorm.add_forward``."""
+        h = x + delta
+        return h, self.forward(h)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,7 +273,11 @@ class Attention(nn.Module):
 
     def forward(self, x, layer_idx, rope, cache, mask):
         B, T, _ = x.shape
-        qkv = self.wqkv(x).view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
+        qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
+        if rope is not None and getattr(cache, "takes_qkv", False) and kernels.fused_ok(qkv):
+            # minillm.paged with its kernels: RoPE and the KV write in one pass, then attention over the pool
+            return self.wo(cache.attend_qkv(layer_idx, qkv, rope))
+        qkv = qkv.view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
         qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)  # (B, H+Hkv, T, D), (B, Hkv, T, D)
         if rope is not None:
             qk = apply_rope(qk, *rope)  # q and k rotated in one go
@@ -287,7 +308,10 @@ class MLP(nn.Module):
     def forward(self, x):
         if not self.gated:
             return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
+        gate_up = self.w_gate_up(x)
+        if kernels.fused_ok(gate_up):
+            return self.w_down(kernels.silu_mul(gate_up))  # one pass where torch takes a silu and a product
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.w_down(F.silu(gate) * up)
 
 
@@ -297,8 +321,9 @@ class Block(nn.Module):
         self.attn_norm, self.attn, self.ffn_norm, self.mlp = attn_norm, attn, ffn_norm, mlp
 
     def forward(self, x, layer_idx, rope, cache, mask):
-        x = x + self.attn(self.attn_norm(x), layer_idx, rope, cache, mask)
-        return x + self.mlp(self.ffn_norm(x))
+        # the attention's output joins the residual stream in the same pass as the MLP's norm reads it
+        x, h = self.ffn_norm.add_forward(x, self.attn(self.attn_norm(x), layer_idx, rope, cache, mask))
+        return x + self.mlp(h)
 
 
 class Decoder(nn.Module):

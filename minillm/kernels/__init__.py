@@ -1,5 +1,5 @@
-"""minillm's own CPU kernels (C++, AVX2 + FMA): weight-only int4 and int8 linear products (``cpu.cpp``) and
-PagedAttention over the pool of KV blocks (``paged_attention.cpp``).
+"""minillm's own CPU kernels (C++, AVX2 + FMA): weight-only int4 and int8 linear products (``cpu.cpp``),
+PagedAttention over the pool of KV blocks (``paged_attention.cpp``) and a layer's small operations (``layer.cpp``).
 
 Why: a 4-bit decode step should cost what its bytes cost, and a decode row's attention what its keys cost.
 torch's weight-only CPU kernels take bfloat16 activations and, without AVX-512, decode the codes slower than
@@ -8,11 +8,14 @@ memory delivers them (docs/decode.md); these read each code once per call, turn 
 speculative verification costs about one pass over the codes. The layout: tiles of 32 output columns, each
 tile's codes for all K inputs contiguous (``int4_panels``, ``int8_panels``). ``paged_attention`` reads each
 sequence's keys and values where they lie in the pool (vLLM's kernel, docs/paged.md) instead of gathering them.
+``rms_norm``, ``add_rms_norm``, ``silu_mul`` and ``rope_write`` do in one pass what takes torch two to ten
+operators (each a dispatch and a parallel region): on a CPU step of short rows, those cost more than the math.
 
 The C++ builds once, on first use, with torch's extension builder (a compiler and ninja; about a minute). Where
 it cannot (no compiler, no AVX2, or ``MINILLM_KERNELS=0``), ``available()`` is False: ``minillm.quant`` keeps
-torch's kernels and the engine its gather + SDPA. Under ``torch.compile`` the three are ``torch.library``
-custom ops, which it calls as they are. The ``*_naive`` functions are the baselines.
+torch's kernels, the engine its gather + SDPA and the layers torch's operators. Under ``torch.compile`` the
+products and the attention are ``torch.library`` custom ops, which it calls as they are; the layer's small
+operations are left to inductor, which fuses them itself (``fused_ok``). The ``*_naive`` functions are the baselines.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "paged_attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "paged_attention.cpp", "layer.cpp")]
+HEADERS = [Path(__file__).with_name("simd.h")]
+# fp-contract=off: a product and a sum stay two roundings (as in torch's elementwise operators) unless the
+# source asks for a fused multiply-add, so that RoPE gives apply_rope's result bit for bit
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"]
 TILE = 32  # output columns per tile: the kernels' layout wants out_features % TILE == 0
 _state: dict = {}
 _building = threading.Lock()
@@ -45,9 +52,10 @@ def why_unavailable() -> str | None:
 
 
 def build_name() -> str:
-    """The extension's name, which is also its build folder's: named by its sources, so two checkouts (or
-    versions) on one machine keep a build each instead of rebuilding over each other on first use."""
-    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES)).hexdigest()[:12]
+    """The extension's name, which is also its build folder's: named by its sources and flags, so two checkouts
+    (or versions) on one machine keep a build each instead of rebuilding over each other on first use."""
+    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode()).hexdigest()[:12]
     return f"minillm_cpu_kernels_{digest}"
 
 
@@ -63,7 +71,7 @@ def load():
                 try:
                     from torch.utils.cpp_extension import load as build
                     ext = build(build_name(), [str(path) for path in SOURCES],
-                                extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                                extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
                 except Exception as e:  # a failed build leaves torch's kernels in charge
                     reason = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
             if reason is not None and reason != "MINILLM_KERNELS=0":
@@ -175,6 +183,78 @@ def paged_attention_naive(q, k_pool, v_pool, block_tables, query_start, query_le
         weights = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
         out[start:start + T] = torch.einsum("hts,shd->thd", weights, v)
     return out
+
+
+# ---- a layer's small operations (layer.cpp) ---------------------------------------------------------------
+def fused_ok(*tensors: torch.Tensor) -> bool:
+    """Whether the layer kernels take these tensors: float32 on the CPU, no gradient wanted, not traced by
+    ``torch.compile`` (inductor fuses the torch operators itself) and the kernels built."""
+    return (not torch.compiler.is_compiling() and available()
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``F.rms_norm(x, (C,), weight, eps)`` of x (..., C) float32, in one pass per row."""
+    return _loaded().rms_norm(_rows(x), weight.contiguous(), eps).view(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+    """``(x + delta, rms_norm(x + delta))``: the residual stream after a sublayer and the next sublayer's input
+    in one pass (vLLM's ``fused_add_rms_norm``, without writing over x)."""
+    h, y = _loaded().add_rms_norm(_rows(x), _rows(delta), weight.contiguous(), eps)
+    return h.view(x.shape), y.view(x.shape)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's ``silu(gate) * up`` for gate_up = [gate | up] (..., 2F) -> (..., F) (vLLM's ``silu_and_mul``)."""
+    return _loaded().silu_mul(_rows(gate_up)).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               slots: torch.Tensor) -> torch.Tensor:
+    """RoPE and the KV cache write of one layer, from the fused QKV product's output.
+
+    qkv: (N, (H + 2 Hkv) D) float32, token n's q heads, k heads and v heads side by side; cos, sin: (N, D) at each
+    token's position; k_pool, v_pool: (num_blocks, block_size, Hkv, D); slots: (N,) int64, token n's slot
+    (vLLM's slot_mapping). Writes ``apply_rope(k)`` and v at the slots; returns ``apply_rope(q)`` (N, H, D),
+    equal to the torch operators' result bit for bit.
+    """
+    return _loaded().rope_write(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_pool, v_pool, slots)
+
+
+def rms_norm_naive(x, weight, eps) -> torch.Tensor:
+    """The baseline of ``rms_norm``: torch's."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def add_rms_norm_naive(x, delta, weight, eps):
+    """The baseline of ``add_rms_norm``: the sum, then torch's norm."""
+    h = x + delta
+    return h, F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+
+def silu_mul_naive(gate_up) -> torch.Tensor:
+    """The baseline of ``silu_mul``: torch's silu, then the product."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rope_write_naive(qkv, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
+    """The baseline of ``rope_write``: split the heads, ``minillm.model.apply_rope``, ``index_copy_`` into the pools."""
+    from ..model import apply_rope  # the model imports this module
+
+    Hkv, D = k_pool.shape[2], k_pool.shape[3]
+    heads = qkv.view(qkv.shape[0], -1, D).transpose(0, 1)  # (H + 2 Hkv, N, D)
+    H = heads.shape[0] - 2 * Hkv
+    qk = apply_rope(heads[:H + Hkv], cos, sin)
+    k_pool.view(-1, Hkv, D).index_copy_(0, slots, qk[H:].transpose(0, 1))
+    v_pool.view(-1, Hkv, D).index_copy_(0, slots, heads[H + Hkv:].transpose(0, 1))
+    return qk[:H].transpose(0, 1).contiguous()
 
 
 def int4_panels(codes: torch.Tensor) -> torch.Tensor:

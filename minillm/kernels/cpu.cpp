@@ -318,7 +318,14 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
 
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor block_tables,
                               torch::Tensor query_start, torch::Tensor query_len, torch::Tensor seq_lens);  // paged_attention.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);  // layer.cpp, and the three below
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor d, torch::Tensor w, double eps);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
+                         torch::Tensor v_pool, torch::Tensor slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear); m.def("int8_linear", &int8_linear); m.def("paged_attention", &paged_attention);
+  m.def("rms_norm", &rms_norm); m.def("add_rms_norm", &add_rms_norm); m.def("silu_mul", &silu_mul);
+  m.def("rope_write", &rope_write);
 }

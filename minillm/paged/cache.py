@@ -342,24 +342,41 @@ class PagedKVCache:
         ``minillm.model.attention(q, *update(layer, k, v), mask)`` gives. For a flat row (B = 1) each segment
         attends over its own sequence's keys."""
         B, H, T, D = q.shape
-        Hkv = k.shape[1]
         self._write(layer, k, v)
         qt = q.transpose(1, 2).reshape(B * T, H, D).contiguous()  # (B*T, H, D): a group's queries in one piece
+        return self._attend_written(layer, qt).view(B, T, H, D).transpose(1, 2)
+
+    @property
+    def takes_qkv(self) -> bool:
+        """Whether ``Attention.forward`` may hand this forward's fused QKV product to ``attend_qkv``: minillm's
+        kernels are built, the pool is float32 on the CPU, and every token is written (no padding)."""
+        return self._fused_ok and self.head_dim % 16 == 0 and self._write_index is None
+
+    def attend_qkv(self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """``attend`` from the fused QKV product's output (B, T, (H + 2 Hkv) D), RoPE not yet applied: one kernel
+        (``kernels.rope_write``) rotates q and k and writes k and v at the prepared slots. Returns (B, T, H D)."""
+        B, T, _ = qkv.shape
+        cos, sin = (t.expand(B, 1, T, self.head_dim).reshape(B * T, self.head_dim) for t in rope)
+        qt = kernels.rope_write(qkv.reshape(B * T, -1), cos, sin, self.k[layer], self.v[layer], self._write_slots)
+        return self._attend_written(layer, qt).reshape(B, T, -1)
+
+    def _attend_written(self, layer: int, qt: torch.Tensor) -> torch.Tensor:
+        """Attention of the queries qt (B*T, H, D), this layer's new keys and values already in the pool."""
+        N, H, D = qt.shape
         if self.attention == "blockwise" and self._fused is None:
-            y = attend_blockwise(qt, self.k[layer], self.v[layer], self._bw_tables, self._bw_lens, self._bw_pos,
-                                 self._bw_index)
-            return y.view(B, T, H, D).transpose(1, 2)
+            return attend_blockwise(qt, self.k[layer], self.v[layer], self._bw_tables, self._bw_lens, self._bw_pos,
+                                    self._bw_index)
         y = None if self._fused is None else kernels.paged_attention(qt, self.k[layer], self.v[layer], *self._fused)
         if self._groups:
-            k_pool, v_pool = self.k[layer].view(-1, Hkv, D), self.v[layer].view(-1, Hkv, D)
-            outs = attend_groups(qt, k_pool, v_pool, self._groups, lambda n: self._buffers(n, k))
+            k_pool, v_pool = self.k[layer].view(-1, self.n_kv_heads, D), self.v[layer].view(-1, self.n_kv_heads, D)
+            outs = attend_groups(qt, k_pool, v_pool, self._groups, lambda n: self._buffers(n, qt))
             if self._groups_in_order:
                 y = outs[0] if len(outs) == 1 else torch.cat(outs)
             else:
-                y = q.new_empty((B * T, H, D)) if y is None else y  # the fused kernel's rows are already there
+                y = qt.new_empty((N, H, D)) if y is None else y  # the fused kernel's rows are already there
                 for group, out in zip(self._groups, outs):
                     y[group[0]] = out
-        return y.view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+        return y
 
     def truncate(self, n: int) -> None:
         """Cut every row's sequence to its first n positions (rolling back rejected tokens).
