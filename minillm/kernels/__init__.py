@@ -186,33 +186,28 @@ def paged_attention_naive(q, k_pool, v_pool, block_tables, query_start, query_le
 
 
 # ---- a layer's small operations (layer.cpp) ---------------------------------------------------------------
-def fused_ok(*tensors: torch.Tensor) -> bool:
-    """Whether the layer kernels take these tensors: float32 on the CPU, no gradient wanted, not traced by
-    ``torch.compile`` (inductor fuses the torch operators itself) and the kernels built."""
-    return (not torch.compiler.is_compiling() and available()
-            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()
+def fused_ok(x: torch.Tensor) -> bool:
+    """Whether the layer kernels take x (and the weights beside it, which live where x does): float32 on the
+    CPU, no gradient wanted, not traced by ``torch.compile`` (inductor fuses torch's operators itself) and the
+    kernels built. Asked before every small operation, so it asks the cheapest questions first."""
+    return (x.dtype == torch.float32 and x.is_cpu and not (x.requires_grad and torch.is_grad_enabled())
+            and not torch.compiler.is_compiling() and available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``F.rms_norm(x, (C,), weight, eps)`` of x (..., C) float32, in one pass per row."""
-    return _loaded().rms_norm(_rows(x), weight.contiguous(), eps).view(x.shape)
+    return _loaded().rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
     """``(x + delta, rms_norm(x + delta))``: the residual stream after a sublayer and the next sublayer's input
     in one pass (vLLM's ``fused_add_rms_norm``, without writing over x)."""
-    h, y = _loaded().add_rms_norm(_rows(x), _rows(delta), weight.contiguous(), eps)
-    return h.view(x.shape), y.view(x.shape)
+    return _loaded().add_rms_norm(x, delta, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU's ``silu(gate) * up`` for gate_up = [gate | up] (..., 2F) -> (..., F) (vLLM's ``silu_and_mul``)."""
-    return _loaded().silu_mul(_rows(gate_up)).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    return _loaded().silu_mul(gate_up)
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
@@ -224,7 +219,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
     (vLLM's slot_mapping). Writes ``apply_rope(k)`` and v at the slots; returns ``apply_rope(q)`` (N, H, D),
     equal to the torch operators' result bit for bit.
     """
-    return _loaded().rope_write(qkv.contiguous(), cos.contiguous(), sin.contiguous(), k_pool, v_pool, slots)
+    return _loaded().rope_write(qkv, cos, sin, k_pool, v_pool, slots)
 
 
 def rms_norm_naive(x, weight, eps) -> torch.Tensor:

@@ -15,10 +15,11 @@
 
 static int64_t grain(int64_t row_floats) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_floats)); }
 
-static void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == torch::kFloat && t.device().is_cpu() && t.is_contiguous(),
-              "layer kernels: ", name, " must be a contiguous (rows, features) float32 CPU tensor, got ", t.sizes(),
-              " of ", t.scalar_type(), " on ", t.device());
+// t (..., features) as a contiguous (rows, features) float32 CPU tensor (a view where t already is one).
+static torch::Tensor rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() >= 1 && t.scalar_type() == torch::kFloat && t.device().is_cpu(), "layer kernels: ", name,
+              " must be a (..., features) float32 CPU tensor, got ", t.sizes(), " of ", t.scalar_type(), " on ", t.device());
+  return t.reshape({-1, t.size(-1)}).contiguous();
 }
 
 // One row: h = x (+ d), y = h / sqrt(mean(h^2) + eps) * w. The sum of squares is kept in 8 lanes, then
@@ -53,37 +54,41 @@ static void norm_rows(const torch::Tensor& x, const float* d, const torch::Tenso
   });
 }
 
-static void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
-  check_rows(x, "x");
+static void check_weight(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == torch::kFloat && w.is_contiguous()
               && w.device().is_cpu(), "rms_norm: weight must be a contiguous (", x.size(1), ",) float32 CPU tensor, got ",
               w.sizes());
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  check_norm(x, w);
+// x (..., C) -> rms_norm(x), same shape.
+torch::Tensor rms_norm(torch::Tensor x_, torch::Tensor w, double eps) {
+  auto x = rows(x_, "x");
+  check_weight(x, w);
   auto y = torch::empty_like(x);
   norm_rows(x, nullptr, w, eps, nullptr, y.data_ptr<float>());
-  return y;
+  return y.view(x_.sizes());
 }
 
 // (x + d, rms_norm(x + d)): the residual stream after a sublayer and the next sublayer's input, in one pass.
-std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor d, torch::Tensor w, double eps) {
-  check_norm(x, w);
-  check_rows(d, "delta");
-  TORCH_CHECK(d.sizes() == x.sizes(), "add_rms_norm: delta ", d.sizes(), " must have x's shape ", x.sizes());
+std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x_, torch::Tensor d_, torch::Tensor w, double eps) {
+  TORCH_CHECK(d_.sizes() == x_.sizes(), "add_rms_norm: delta ", d_.sizes(), " must have x's shape ", x_.sizes());
+  auto x = rows(x_, "x"), d = rows(d_, "delta");
+  check_weight(x, w);
   auto h = torch::empty_like(x), y = torch::empty_like(x);
   norm_rows(x, d.data_ptr<float>(), w, eps, h.data_ptr<float>(), y.data_ptr<float>());
-  return {h, y};
+  return {h.view(x_.sizes()), y.view(x_.sizes())};
 }
 
 // silu(g) * u for gate_up = [g | u] (rows of 2F): g / (1 + e^-g), rounded, times u, as torch's silu and mul.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_rows(gate_up, "gate_up");
+// gate_up (..., 2F) -> (..., F).
+torch::Tensor silu_mul(torch::Tensor gate_up_) {
+  auto gate_up = rows(gate_up_, "gate_up");
   TORCH_CHECK(gate_up.size(1) % 2 == 0, "silu_mul: gate_up needs an even width (gate and up side by side), got ",
               gate_up.size(1));
   const int64_t M = gate_up.size(0), F = gate_up.size(1) / 2;
-  auto y = torch::empty({M, F}, gate_up.options());
+  auto shape = gate_up_.sizes().vec();
+  shape.back() = F;
+  auto y = torch::empty(shape, gate_up.options());
   const float* gp = gate_up.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, grain(2 * F), [&](int64_t begin, int64_t end) {
@@ -120,7 +125,8 @@ static inline void rope_head(const float* x, const float* c, const float* s, int
 // (N, H, D), the layout paged attention reads its queries in.
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
                          torch::Tensor v_pool, torch::Tensor slots) {
-  check_rows(qkv, "qkv"); check_rows(cos, "cos"); check_rows(sin, "sin");
+  TORCH_CHECK(qkv.dim() == 2 && cos.dim() == 2 && sin.dim() == 2, "rope_write: qkv, cos and sin are (N, width)");
+  qkv = rows(qkv, "qkv"); cos = rows(cos, "cos"); sin = rows(sin, "sin");
   TORCH_CHECK(k_pool.dim() == 4 && v_pool.sizes() == k_pool.sizes() && k_pool.is_contiguous() && v_pool.is_contiguous()
               && k_pool.scalar_type() == torch::kFloat && v_pool.scalar_type() == torch::kFloat
               && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
