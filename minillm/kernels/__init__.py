@@ -76,7 +76,8 @@ def load():
                     reason = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200]})"
             if reason is not None and reason != "MINILLM_KERNELS=0":
                 warnings.warn(f"minillm's AVX2 kernels are off: {reason}; quantized layers use torch's kernels "
-                              "instead (slower on CPUs without AVX-512), the engine gather + SDPA", stacklevel=2)
+                              "instead (slower on CPUs without AVX-512), the engine gather + SDPA, the layers "
+                              "torch's operators", stacklevel=2)
             _state["ext"] = ext
     return _state["ext"]
 

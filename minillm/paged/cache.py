@@ -3,7 +3,8 @@
 
 Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1 and 4.3. Per layer one key and one value tensor
 (num_blocks, block_size, Hkv, D), token-major within a block, so slot = block * block_size + offset and
-writing the new tokens is one ``index_copy_`` with the slot_mapping; ``attention.py`` reads them. Row b of a
+writing the new tokens is one ``index_copy_`` with the slot_mapping (or, where minillm's kernels are built, part of
+``kernels.rope_write``, which also applies RoPE); ``attention.py`` reads them. Row b of a
 forward belongs to sequence ``rows[b]`` (``set_rows``), or the forward is one flat row cut into segments
 (``set_rows(seq_ids, widths)``). Every row is written before any row attends, so several rows may belong
 to one sequence (a prefill in chunks, a verified draft) and see what an earlier one wrote.
