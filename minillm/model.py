@@ -130,7 +130,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.fused_ok(x) and self.weight.dtype == torch.float32:
+        if kernels.fused_ok(x, self.weight) and self.weight.dtype == torch.float32:
             return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -139,7 +139,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + delta, forward(x + delta))``: a sublayer's output added to the residual stream, and the next
         sublayer's input (vLLM's ``fused_add_rms_norm``)."""
-        if kernels.fused_ok(x) and self.weight.dtype == torch.float32:
+        if kernels.fused_ok(x, delta, self.weight) and self.weight.dtype == torch.float32:
             return kernels.add_rms_norm(x, delta, self.weight, self.eps)
         h = x + delta
         return h, self.forward(h)

@@ -105,7 +105,7 @@ def test_the_model_and_the_paged_cache_agree_with_torchs_operators(monkeypatch):
     monkeypatch.setattr(kernels, "rope_write", lambda *a: calls.append(1) or rope_write(*a))
     for fused in (True, False):
         if not fused:
-            monkeypatch.setattr(kernels, "fused_ok", lambda x: False)
+            monkeypatch.setattr(kernels, "fused_ok", lambda *tensors: False)
         cache = PagedKVCache(model.config, num_blocks=8, block_size=4, attention="bucketed")
         cache.add_sequence(0)
         cache.set_rows([0], widths=[9])
@@ -123,3 +123,53 @@ def test_rmsnorm_module_falls_back_for_other_dtypes():
     norm = RMSNorm(torch.rand(8) + 0.5, 1e-5)
     x = torch.randn(3, 8).double()
     torch.testing.assert_close(norm.to(torch.float64)(x), norm.forward_naive(x))
+
+
+def test_gradients_reach_trainable_weights_behind_a_frozen_embedding():
+    """distill_draft's setup (layers trained, embedding frozen): the first layer's input needs no gradient but its
+    norms and products do, so the kernels (which do not differentiate) must step aside for torch's operators."""
+    from tests.helpers import random_decoder
+
+    model = random_decoder(64)
+    for p in [*model.layers.parameters(), *model.norm.parameters()]:
+        p.requires_grad_(True)
+    with torch.enable_grad():
+        model(torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(5)).pow(2).mean().backward()
+    layer0 = model.layers[0]
+    for name, p in [("attn_norm", layer0.attn_norm.weight), ("ffn_norm", layer0.ffn_norm.weight),
+                    ("wqkv", layer0.attn.wqkv.weight_shards), ("w_gate_up", layer0.mlp.w_gate_up.weight_shards)]:
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"layer 0's {name} got no gradient"
+
+
+def test_forward_ad_and_torch_func_see_torchs_operators():
+    from torch.autograd import forward_ad as fwAD
+
+    norm = RMSNorm(torch.rand(8) + 0.5, 1e-5)
+    x, t = torch.randn(3, 8), torch.randn(3, 8)
+    with fwAD.dual_level():
+        tangent = fwAD.unpack_dual(norm(fwAD.make_dual(x, t))).tangent
+    _, expected = torch.func.jvp(norm.forward_naive, (x,), (t,))
+    assert tangent is not None
+    torch.testing.assert_close(tangent, expected)
+    torch.testing.assert_close(torch.vmap(norm)(x[:, None]), norm.forward_naive(x)[:, None], rtol=2e-6, atol=1e-6)
+    params = {"weight": norm.weight.detach()}
+    g = torch.func.grad(lambda w: torch.func.functional_call(norm, {"weight": w}, (x,)).sum())(params["weight"])
+    torch.testing.assert_close(g, torch.func.grad(lambda w: (w * torch.nn.functional.rms_norm(x, (8,), eps=1e-5)).sum())(
+        params["weight"]))
+
+
+def test_rope_write_refuses_pools_it_may_not_write_in_place():
+    qkv, cs, slots = torch.randn(2, 6 * 16), torch.randn(2, 16), torch.tensor([0, 1])
+    with pytest.raises(RuntimeError, match="at least one KV head"):
+        kernels.rope_write(qkv, cs, cs, torch.zeros(2, 4, 0, 16), torch.zeros(2, 4, 0, 16), slots)
+    k_pool, v_pool = pools()
+    with pytest.raises(RuntimeError, match="must not require grad"):
+        kernels.rope_write(qkv, cs, cs, k_pool.requires_grad_(), v_pool, slots)
+    with torch.inference_mode():
+        k_pool, v_pool = pools()
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        kernels.rope_write(qkv, cs, cs, k_pool, v_pool, slots)
+    k_pool, v_pool = pools()
+    before = k_pool._version
+    kernels.rope_write(qkv, cs, cs, k_pool, v_pool, slots)
+    assert k_pool._version > before  # autograd's saved-tensor checks see the write, as index_copy_'s

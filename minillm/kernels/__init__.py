@@ -29,6 +29,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch._C._functorch import is_functorch_wrapped_tensor as _is_functorch_wrapped
+from torch.autograd import forward_ad as _forward_ad
 
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "paged_attention.cpp", "layer.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
@@ -187,12 +189,19 @@ def paged_attention_naive(q, k_pool, v_pool, block_tables, query_start, query_le
 
 
 # ---- a layer's small operations (layer.cpp) ---------------------------------------------------------------
-def fused_ok(x: torch.Tensor) -> bool:
-    """Whether the layer kernels take x (and the weights beside it, which live where x does): float32 on the
-    CPU, no gradient wanted, not traced by ``torch.compile`` (inductor fuses torch's operators itself) and the
-    kernels built. Asked before every small operation, so it asks the cheapest questions first."""
-    return (x.dtype == torch.float32 and x.is_cpu and not (x.requires_grad and torch.is_grad_enabled())
-            and not torch.compiler.is_compiling() and available())
+def fused_ok(x: torch.Tensor, *more: torch.Tensor) -> bool:
+    """Whether the layer kernels take x and the other tensors of the call (a norm's weight, the residual): float32
+    on the CPU, not traced by ``torch.compile`` (inductor fuses torch's operators itself), the kernels built, and
+    nothing that differentiates through them (autograd, forward-mode AD, ``torch.func``'s transforms), which only
+    torch's operators do. Asked before every small operation, so it asks the cheapest questions first."""
+    if not (x.dtype == torch.float32 and x.is_cpu) or torch.compiler.is_compiling():
+        return False
+    tensors = (x, *more)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    if _forward_ad._current_level >= 0 or any(_is_functorch_wrapped(t) for t in tensors):
+        return False
+    return available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -132,7 +132,8 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
               && k_pool.device().is_cpu() && v_pool.device().is_cpu(),
               "rope_write: pools must be contiguous (blocks, block_size, Hkv, D) float32 CPU tensors, got ", k_pool.sizes());
   const int64_t N = qkv.size(0), Hkv = k_pool.size(2), D = k_pool.size(3), S = k_pool.size(0) * k_pool.size(1);
-  TORCH_CHECK(D % 16 == 0, "rope_write: head_dim a multiple of 16 (each half in 8-float lanes), got ", D);
+  TORCH_CHECK(Hkv > 0 && D > 0 && D % 16 == 0, "rope_write: at least one KV head and a head_dim that is a multiple of "
+              "16 (each half in 8-float lanes), got ", Hkv, " heads of ", D);
   TORCH_CHECK(qkv.size(1) % D == 0 && qkv.size(1) / D > 2 * Hkv && (qkv.size(1) / D - 2 * Hkv) % Hkv == 0,
               "rope_write: qkv's width ", qkv.size(1), " must be (H + 2 Hkv) * D with H a multiple of Hkv = ", Hkv,
               " and D = ", D);
@@ -140,10 +141,16 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
               "rope_write: cos and sin must be (", N, ", ", D, "), one row per token, got ", cos.sizes(), " and ", sin.sizes());
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == N && slots.scalar_type() == torch::kLong && slots.device().is_cpu(),
               "rope_write: slots must be (", N, ",) int64 on the CPU, got ", slots.sizes());
+  TORCH_CHECK(!k_pool.requires_grad() && !v_pool.requires_grad(), "rope_write: the pools are written in place, so "
+              "they must not require grad");
   slots = slots.contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n)  // every slot checked before any thread writes through one
     TORCH_CHECK(sp[n] >= 0 && sp[n] < S, "rope_write: slot ", sp[n], " of token ", n, " is outside the pool's ", S, " slots");
+  // an in-place write, as index_copy_'s: the pools' versions move (and an inference tensor outside inference
+  // mode is refused here, before anything is written)
+  k_pool.unsafeGetTensorImpl()->bump_version();
+  v_pool.unsafeGetTensorImpl()->bump_version();
   const int64_t H = qkv.size(1) / D - 2 * Hkv, W = qkv.size(1);
   auto q = torch::empty({N, H, D}, qkv.options());
   const float *xp = qkv.data_ptr<float>(), *cp = cos.data_ptr<float>(), *snp = sin.data_ptr<float>();
