@@ -130,7 +130,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.fused_ok(x, self.weight) and self.weight.dtype == torch.float32:
+        if kernels.fused_ok(x, self.weight):
             return kernels.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
@@ -139,7 +139,7 @@ class RMSNorm(nn.Module):
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(x + delta, forward(x + delta))``: a sublayer's output added to the residual stream, and the next
         sublayer's input (vLLM's ``fused_add_rms_norm``)."""
-        if kernels.fused_ok(x, delta, self.weight) and self.weight.dtype == torch.float32:
+        if kernels.fused_ok(x, delta, self.weight):
             return kernels.add_rms_norm(x, delta, self.weight, self.eps)
         h = x + delta
         return h, self.forward(h)
@@ -309,10 +309,9 @@ class MLP(nn.Module):
         if not self.gated:
             return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
         gate_up = self.w_gate_up(x)
-        if kernels.fused_ok(gate_up):
-            return self.w_down(kernels.silu_mul(gate_up))  # one pass where torch takes a silu and a product
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        # one pass where torch takes a silu and a product
+        silu_mul = kernels.silu_mul if kernels.fused_ok(gate_up) else kernels.silu_mul_naive
+        return self.w_down(silu_mul(gate_up))
 
 
 class Block(nn.Module):

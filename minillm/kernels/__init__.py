@@ -194,9 +194,9 @@ def fused_ok(x: torch.Tensor, *more: torch.Tensor) -> bool:
     on the CPU, not traced by ``torch.compile`` (inductor fuses torch's operators itself), the kernels built, and
     nothing that differentiates through them (autograd, forward-mode AD, ``torch.func``'s transforms), which only
     torch's operators do. Asked before every small operation, so it asks the cheapest questions first."""
-    if not (x.dtype == torch.float32 and x.is_cpu) or torch.compiler.is_compiling():
-        return False
     tensors = (x, *more)
+    if not all(t.dtype == torch.float32 and t.is_cpu for t in tensors) or torch.compiler.is_compiling():
+        return False
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     if _forward_ad._current_level >= 0 or any(_is_functorch_wrapped(t) for t in tensors):

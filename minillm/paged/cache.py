@@ -74,6 +74,7 @@ class PagedKVCache:
         # a first build (about a minute, once per machine) happens when the engine is made, not in a request
         self._fused_ok = (attention in FLAT_PATHS and dtype == torch.float32 and torch.device(device).type == "cpu"
                           and config.head_dim % 8 == 0 and kernels.available())
+        self._rope_write_ok = self._fused_ok and config.head_dim % 16 == 0  # rope_write: each half in 8-float lanes
         self.n_kv_heads, self.head_dim = config.n_kv_heads, config.head_dim
         self.group = config.n_heads // config.n_kv_heads  # query heads per KV head (GQA)
         shape = (num_blocks, block_size, config.n_kv_heads, config.head_dim)
@@ -351,7 +352,7 @@ class PagedKVCache:
     def takes_qkv(self) -> bool:
         """Whether ``Attention.forward`` may hand this forward's fused QKV product to ``attend_qkv``: minillm's
         kernels are built, the pool is float32 on the CPU, and every token is written (no padding)."""
-        return self._fused_ok and self.head_dim % 16 == 0 and self._write_index is None
+        return self._rope_write_ok and self._write_index is None
 
     def attend_qkv(self, layer: int, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """``attend`` from the fused QKV product's output (B, T, (H + 2 Hkv) D), RoPE not yet applied: one kernel
