@@ -1,11 +1,14 @@
-"""minillm's linear layer: W as one column block per CPU core for one-row products, and a copy in
-oneDNN's blocked layout for products of several rows (see ``Linear``); ``linear_naive`` is its baseline."""
+"""minillm's linear layer: W as one column block per CPU core, read by minillm's few-row kernel (or one batched
+matmul) for products of a few rows, and a copy in oneDNN's blocked layout for products of many rows (see
+``Linear``); ``linear_naive`` is its baseline."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import kernels
 
 
 def _onednn_linear_available() -> bool:
@@ -18,20 +21,31 @@ def _onednn_linear_available() -> bool:
 _ONEDNN = _onednn_linear_available()  # oneDNN's packed float32 linear (see Linear)
 
 
+def few_rows_limit() -> int:
+    """The most rows ``kernels.f32_linear`` takes (more go to oneDNN): where its time per product set met
+    oneDNN's (docs/decode.md), 32 rows with AVX-512's 16 lanes; with AVX2's 8 it is compute-bound sooner."""
+    return 32 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
+
+
+FEW_ROWS = few_rows_limit()
+
+
 class Linear(nn.Module):
     """``y = x W^T + b``, with W stored as ``n_shards`` column blocks, one per CPU core, and (on a
     CPU in float32, for products of several rows) a second copy packed in oneDNN's blocked layout.
 
     ``weight_shards`` is (n_shards, in_features, out_features / n_shards): shard s holds output columns
-    ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous, so a one-row product is one batched matmul that
-    torch spreads over the cores (Megatron-LM's column-parallel linear, Shoeybi et al. 2019, across cores).
-    Products of two rows or more (a batch, a prefill, a speculative verification) go through oneDNN's
-    ``linear`` with W reordered once (``packed_weight``: as much memory again as W, rebuilt when
-    ``weight_shards`` is replaced or written through the Parameter), the kernel ``torch.compile`` uses for
-    frozen float32 linears. Why: the kernel decides how close to the memory bandwidth the same bytes
-    stream, and which layout wins moves with the machine, so notebook 01
-    (``roofline.measure_linear_layouts``) measures them. Gradients, other devices and dtypes use the
-    shards; ``minillm.threads`` chooses the threads. ``linear_naive`` is the baseline the tests compare with.
+    ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous, so each core streams a block of its own
+    (Megatron-LM's column-parallel linear, Shoeybi et al. 2019, across cores). Products of up to
+    ``few_rows_limit()`` rows (a decode step, a speculative verification, a small batch) read the shards with
+    minillm's kernel (``kernels.f32_linear``: W streamed once, in order, every row's sums in registers; a row's
+    result does not depend on the other rows) where it is built, else as one batched matmul. Larger products
+    (a prefill, a large batch) go through oneDNN's ``linear`` with W reordered once (``packed_weight``: as much
+    memory again as W, rebuilt when ``weight_shards`` is replaced or written through the Parameter), the
+    kernel ``torch.compile`` uses for frozen float32 linears. Why: the kernel decides how close to the memory
+    bandwidth the same bytes stream, and which wins moves with the rows and the machine (docs/decode.md;
+    notebook 01's ``roofline.measure_linear_layouts``). Gradients, other devices and dtypes use the shards;
+    ``minillm.threads`` chooses the threads. ``linear_naive`` is the baseline the tests compare with.
 
     Args:
         weight: (out_features, in_features), in PyTorch's usual layout.
@@ -82,7 +96,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if torch.compiler.is_compiling():  # traced by torch.compile: its own GEMM picks the layout
             return F.linear(x, self.weight, self.bias)
+        w = self.weight_shards
+        if (x.numel() <= FEW_ROWS * self.in_features and w.shape[2] % kernels.TILE == 0 and w.is_contiguous()
+                and kernels.fused_ok(x, w)):
+            return self.forward_few_rows(x)
         return self.forward_onednn(x) if self._uses_onednn(x) else self.forward_shards(x)
+
+    def forward_few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The product through minillm's few-row kernel over the shards (CPU, float32)."""
+        y = kernels.f32_linear(x.reshape(-1, self.in_features), self.weight_shards)
+        y = y.reshape(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
     def forward_onednn(self, x: torch.Tensor) -> torch.Tensor:
         """The product through the packed oneDNN copy (CPU, float32)."""

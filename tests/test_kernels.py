@@ -34,6 +34,24 @@ def test_int4_linear_equals_dequantize_then_matmul(rows, out_features, in_featur
     assert ((y.double() - ref).abs() <= bound(x, w).double()).all()
 
 
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the 16-lane loop needs AVX-512")
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 11])
+@pytest.mark.parametrize("zero_points", [True, False])
+def test_int4_linear_16_and_8_lanes_give_the_same_floats(rows, zero_points):
+    """The few-row loop in AVX-512's 16 lanes and in AVX2's 8 adds the same products in the same order per column,
+    so where both run the AVX2 path (what a CPU without AVX-512 runs) is checked bit for bit against it."""
+    g = torch.Generator().manual_seed(rows)
+    codes = torch.randint(0, 16, (96, 256), generator=g)
+    scales = torch.rand(4, 96, generator=g) * 0.1
+    zeros = torch.randint(0, 16, scales.shape, generator=g).float() if zero_points else None
+    x, panels = torch.randn(rows, 256, generator=g), kernels.int4_panels(codes)
+    wide = kernels.int4_linear(x, panels, scales, zeros, 64, lanes=16)
+    assert torch.equal(kernels.int4_linear(x, panels, scales, zeros, 64, lanes=8), wide)
+    assert torch.equal(kernels.int4_linear(x, panels, scales, zeros, 64), wide)
+    with pytest.raises(RuntimeError, match="lanes must be"):
+        kernels.int4_linear(x, panels, scales, zeros, 64, lanes=4)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 11, 12, 100, 200])
 def test_codes_at_their_zero_point_do_not_cancel(rows):
     """Codes within one of the zero point and activations with a large mean: the product is small beside the

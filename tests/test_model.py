@@ -8,6 +8,7 @@ from conftest import DEVICES
 from helpers import rel_err
 
 import minillm.model
+from minillm import kernels, linear
 from minillm.model import (
     Linear,
     apply_rope,
@@ -38,7 +39,7 @@ def test_logits_equal_transformers(model, tokenizer, hf_model, play_text, n_toke
 
 
 @pytest.mark.parametrize("n_shards", [1, 2, 3])
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 40])
 def test_sharded_linear_equals_f_linear(n_shards, rows):
     g = torch.Generator().manual_seed(0)
     w, b = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
@@ -47,8 +48,10 @@ def test_sharded_linear_equals_f_linear(n_shards, rows):
     assert layer.n_shards == n_shards
     assert torch.equal(layer.weight, w)
     torch.testing.assert_close(layer(x), linear_naive(x, layer), rtol=1e-5, atol=1e-5)
-    # one row goes through the shards, several through oneDNN's packed copy (when torch has it)
-    assert (layer._packed is not None) == (minillm.model._ONEDNN and rows > 1)
+    # a few rows go through minillm's kernel over the shards when its columns fit (96 / n_shards a multiple of
+    # 32), else one row through the shards (bmm); more rows through oneDNN's packed copy (when torch has it)
+    few = kernels.available() and rows <= linear.FEW_ROWS and (96 // n_shards) % kernels.TILE == 0
+    assert (layer._packed is not None) == (minillm.model._ONEDNN and rows > 1 and not few)
     idx = torch.tensor([[0, 95, 33, 64]])
     assert torch.equal(layer.rows(idx), w[idx])
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch._C._functorch import is_functorch_wrapped_tensor as _is_functorch_wrapped
 from torch.autograd import forward_ad as _forward_ad
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "paged_attention.cpp", "layer.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "paged_attention.cpp", "layer.cpp", "dense.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 # fp-contract=off: a product and a sum stay two roundings (as in torch's elementwise operators) unless the
 # source asks for a fused multiply-add, so that RoPE gives apply_rope's result bit for bit
@@ -131,14 +131,15 @@ def _(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens):
 
 
 def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-                group_size: int) -> torch.Tensor:
+                group_size: int, lanes: int = 0) -> torch.Tensor:
     """``x W_hat^T`` with ``W_hat[n, k] = scales[g, n] * (q[n, k] - zeros[g, n])``, ``g = k // group_size``.
 
     x: (M, K) float32; panels: ``int4_panels(q)``; scales, zeros: (K / group_size, N) float32 (zeros None: 0).
+    lanes: the few-row loop's vectors, 16 (AVX-512), 8 (AVX2) or 0 (the widest the CPU has); the same floats.
     """
     if torch.compiler.is_compiling():
         return _int4_op(x.contiguous(), panels, scales, zeros, group_size)
-    return _loaded().int4_linear(x, panels, scales, zeros, group_size)  # eager: without the custom op's dispatch
+    return _loaded().int4_linear(x, panels, scales, zeros, group_size, lanes)  # eager: no custom op dispatch
 
 
 def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -230,6 +231,20 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
     equal to the torch operators' result bit for bit.
     """
     return _loaded().rope_write(qkv, cos, sin, k_pool, v_pool, slots)
+
+
+# ---- a float32 product of few rows (dense.cpp) -------------------------------------------------------------
+def f32_linear(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0) -> torch.Tensor:
+    """``x W^T`` for x (M, K) float32 and W held as ``Linear.weight_shards`` (S, K, Ns), Ns a multiple of 32:
+    shard s is ``W^T[:, s Ns:(s + 1) Ns]``. Returns (M, S Ns). Each output adds its K products in ascending k
+    whatever M, so a row's result does not depend on the other rows. lanes: 16 (AVX-512), 8 (AVX2) or 0 (the
+    widest the CPU has); both give the same floats."""
+    return _loaded().f32_linear(x, shards, lanes)
+
+
+def f32_linear_naive(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0) -> torch.Tensor:
+    """The baseline of ``f32_linear``: W^T reassembled from its shards, one ``x @ W^T``."""
+    return x @ shards.transpose(0, 1).reshape(shards.shape[1], -1)
 
 
 def rms_norm_naive(x, weight, eps) -> torch.Tensor:

@@ -1,4 +1,5 @@
-// minillm's CPU kernels: weight-only int4 and int8 products in float32, for AVX2 + FMA.
+// minillm's CPU kernels: weight-only int4 and int8 products in float32, for AVX2 + FMA (the int4 product of a
+// few rows also 16 lanes wide where the CPU has AVX-512).
 //
 // Both read each weight once per call and keep up to 6 rows' sums in registers, so that a decode step
 // (1 row) or a speculative verification (k + 1 rows) costs about one pass over the codes. Codes become
@@ -134,6 +135,63 @@ static void panel_all_rows(const float* x, int64_t M, int64_t K, const float* wf
 static const int64_t GEMM_ROWS = HAS_AVX512 ? 128 : 192;
 constexpr int64_t DECODE_ONCE_ROWS = 12;  // from this many rows on a tile is dequantized once (measured: docs/decode.md)
 
+// The same product 16 columns a vector, for CPUs with AVX-512: one 128-bit load gives a k's four code words,
+// a permute spreads words 0-1 (columns 0-15) and 2-3 (16-31) over 16 lanes each. The per-group sums stay in
+// registers for MR <= 8 rows; y holds the scaled sums between groups (the same products and additions per
+// column, in the same order, as the 8-lane tile: both give the same floats).
+template <int MR>
+__attribute__((target("avx512f"))) static void tile16(const float* x, int64_t K, const int32_t* w, const float* s,
+                                                      const float* zp, int64_t G, int64_t gs, int64_t N, int64_t n0,
+                                                      float* y, int64_t ldy) {
+  const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+  const __m512i mask = _mm512_set1_epi32(0xF);
+  const __m512i lo = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const __m512i hi = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  __m512 out[MR][2];
+  for (int m = 0; m < MR; ++m) { out[m][0] = _mm512_setzero_ps(); out[m][1] = _mm512_setzero_ps(); }
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[MR][2];
+    for (int m = 0; m < MR; ++m) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
+    const __m512 z0 = zp ? _mm512_loadu_ps(zp + g * N + n0) : _mm512_setzero_ps();
+    const __m512 z1 = zp ? _mm512_loadu_ps(zp + g * N + n0 + 16) : _mm512_setzero_ps();
+    for (int64_t k = g * gs; k < (g + 1) * gs; ++k) {
+      const int32_t* wk = w + k * 4;
+      prefetch_ahead(wk);
+      const __m512i words = _mm512_castsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk)));
+      const __m512 q0 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
+          _mm512_srlv_epi32(_mm512_permutexvar_epi32(lo, words), shifts), mask)), z0);
+      const __m512 q1 = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_and_si512(
+          _mm512_srlv_epi32(_mm512_permutexvar_epi32(hi, words), shifts), mask)), z1);
+      for (int m = 0; m < MR; ++m) {
+        const __m512 b = _mm512_set1_ps(x[m * K + k]);
+        acc[m][0] = _mm512_fmadd_ps(b, q0, acc[m][0]);
+        acc[m][1] = _mm512_fmadd_ps(b, q1, acc[m][1]);
+      }
+    }
+    const __m512 s0 = _mm512_loadu_ps(s + g * N + n0), s1 = _mm512_loadu_ps(s + g * N + n0 + 16);
+    for (int m = 0; m < MR; ++m) {
+      out[m][0] = _mm512_fmadd_ps(acc[m][0], s0, out[m][0]);
+      out[m][1] = _mm512_fmadd_ps(acc[m][1], s1, out[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m) { _mm512_storeu_ps(y + m * ldy + n0, out[m][0]); _mm512_storeu_ps(y + m * ldy + n0 + 16, out[m][1]); }
+}
+
+__attribute__((target("avx512f"))) static void rows_tile16(const float* x, int64_t M, int64_t K, const int32_t* w,
+    const float* s, const float* zp, int64_t G, int64_t gs, int64_t N, int64_t n0, float* y) {
+  int64_t m = 0;
+  for (; m + 6 <= M; m += 6) tile16<6>(x + m * K, K, w, s, zp, G, gs, N, n0, y + m * N, N);
+  const float* xm = x + m * K; float* ym = y + m * N;
+  switch (M - m) {
+    case 1: tile16<1>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
+    case 2: tile16<2>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
+    case 3: tile16<3>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
+    case 4: tile16<4>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
+    case 5: tile16<5>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
+  }
+}
+
+
 template <int MR, int NT>
 static void run_rows(const float* x, int64_t K, const int32_t* w, const float* s, const float* zp,
                      int64_t G, int64_t gs, int64_t N, int64_t n0, float* y) {
@@ -141,7 +199,8 @@ static void run_rows(const float* x, int64_t K, const int32_t* w, const float* s
 }
 
 static void rows_tile(const float* x, int64_t M, int64_t K, const int32_t* w, const float* s, const float* zp,
-                      int64_t G, int64_t gs, int64_t N, int64_t n0, float* y) {
+                      int64_t G, int64_t gs, int64_t N, int64_t n0, float* y, bool wide) {
+  if (wide) return rows_tile16(x, M, K, w, s, zp, G, gs, N, n0, y);
   if (M == 1) return run_rows<1, 4>(x, K, w, s, zp, G, gs, N, n0, y);
   if (M == 2) return run_rows<2, 4>(x, K, w, s, zp, G, gs, N, n0, y);
   if (M == 3) return run_rows<3, 4>(x, K, w, s, zp, G, gs, N, n0, y);
@@ -196,11 +255,16 @@ static torch::Tensor chunked_gemm(const torch::Tensor& x, int64_t T, Decode deco
   return y;
 }
 
+// lanes: 16 (AVX-512), 8 (AVX2) or 0 (the widest this CPU has) for products of fewer than DECODE_ONCE_ROWS rows;
+// both give the same floats.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s, c10::optional<torch::Tensor> z_opt,
-                          int64_t group_size) {
+                          int64_t group_size, int64_t lanes) {
   TORCH_CHECK(x.dim() == 2 && panels.dim() == 3 && panels.size(2) == 4, "x (M, K), panels (N/32, K, 4)");
   // checked before K / group_size: a zero group size would stop the process (integer division by zero)
   TORCH_CHECK(group_size > 0, "int4_linear: group_size must be positive, got ", group_size);
+  TORCH_CHECK(lanes == 0 || lanes == 8 || (lanes == 16 && HAS_AVX512), "int4_linear: lanes must be 0, 8 or 16 (16 needs "
+              "AVX-512), got ", lanes);
+  const bool wide = lanes == 16 || (lanes == 0 && HAS_AVX512);
   // the loops read the tensors' memory directly: a tensor on another device would be read as host memory
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu() && s.device().is_cpu()
               && (!z_opt.has_value() || z_opt->device().is_cpu()), "int4_linear: tensors on the CPU");
@@ -222,7 +286,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
     std::vector<float> wf(M >= DECODE_ONCE_ROWS ? K * 32 : 0);
     for (int64_t t = begin; t < end; ++t) {
       if (M < DECODE_ONCE_ROWS) {
-        rows_tile(xp, M, K, wp + t * K * 4, sp, zp, G, group_size, N, t * 32, yp);
+        rows_tile(xp, M, K, wp + t * K * 4, sp, zp, G, group_size, N, t * 32, yp, wide);
         continue;
       }
       decode_tile(wp, sp, zp, K, N, group_size, t, wf.data(), 32);
@@ -323,9 +387,11 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
                          torch::Tensor v_pool, torch::Tensor slots);
+torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes);  // dense.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear); m.def("int8_linear", &int8_linear); m.def("paged_attention", &paged_attention);
+  m.def("int4_linear", &int4_linear, py::arg("x"), py::arg("panels"), py::arg("s"), py::arg("z"),
+        py::arg("group_size"), py::arg("lanes") = 0); m.def("int8_linear", &int8_linear); m.def("paged_attention", &paged_attention);
   m.def("rms_norm", &rms_norm); m.def("add_rms_norm", &add_rms_norm); m.def("silu_mul", &silu_mul);
-  m.def("rope_write", &rope_write);
+  m.def("rope_write", &rope_write); m.def("f32_linear", &f32_linear);
 }

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from .. import kernels
 from ..compiled import is_compiled
 from ..linear import Linear
 from ..loading import parse_dtype
@@ -100,7 +101,9 @@ def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict
     * ``F.linear(x, W)`` with W (out, in) contiguous: PyTorch's default (``nn.Linear``, MKL);
     * ``x @ W^T`` with W^T (in, out) contiguous;
     * W^T split into one column block per core, one ``torch.bmm`` (minillm's ``Linear`` for one row);
-    * oneDNN's ``linear`` on W reordered into its blocked layout (minillm's ``Linear`` for 2+ rows);
+    * oneDNN's ``linear`` on W reordered into its blocked layout (minillm's ``Linear`` for many rows);
+    * minillm's few-row kernel over the column blocks (``kernels.f32_linear``: W streamed once, in order;
+      minillm's ``Linear`` for up to ``linear.FEW_ROWS`` rows), where it is built;
 
     and minillm's ``Linear`` itself. The same bytes are read in each; the difference is the kernel.
     """
@@ -120,6 +123,10 @@ def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict
     if device.type == "cpu" and model.dtype == torch.float32 and _ONEDNN:
         out["oneDNN linear, W packed (blocked)"] = time_median(
             lambda: [m.forward_onednn(xs[m.in_features]) for m in layers], device, repeats)
+    if (device.type == "cpu" and model.dtype == torch.float32 and kernels.available()
+            and all(m.weight_shards.shape[2] % kernels.TILE == 0 for m in layers)):
+        out[f"W^T in {layers[0].n_shards} column shards, few-row kernel"] = time_median(
+            lambda: [m.forward_few_rows(xs[m.in_features]) for m in layers], device, repeats)
     out["minillm Linear"] = time_median(lambda: [m(xs[m.in_features]) for m in layers], device, repeats)
     return out
 

@@ -1,0 +1,76 @@
+"""minillm's few-row float32 product (kernels/dense.cpp) against its naive twin, and Linear's choice of it."""
+
+import pytest
+import torch
+
+from minillm import kernels, linear
+from minillm.linear import Linear, linear_naive
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels off: {kernels.why_unavailable()}")
+LANES = [8, 16] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [8]
+
+
+def _bound(x, shards):
+    """The float32 rounding of a K-term sum: K eps times the sum of |x| |w| (a sum in another order lands within it)."""
+    K = shards.shape[1]
+    return K * torch.finfo(torch.float32).eps * (x.abs() @ kernels.f32_linear_naive(torch.eye(K), shards).abs())
+
+
+@pytest.mark.parametrize("S,K,Ns", [(2, 576, 480), (1, 100, 64), (3, 7, 32), (2, 1536, 96)])
+@pytest.mark.parametrize("M", [1, 2, 6, 7, 8, 9, 17])
+def test_f32_linear_equals_its_naive_twin(S, K, Ns, M):
+    torch.manual_seed(M)
+    w, x = torch.randn(S, K, Ns), torch.randn(M, K)
+    ref = kernels.f32_linear_naive(x, w)
+    for lanes in LANES:  # K = 7 and 100 end inside a block of 48 rows, 1536 spans 32 of them
+        assert ((kernels.f32_linear(x, w, lanes) - ref).abs() <= _bound(x, w)).all()
+
+
+def test_f32_linear_rows_do_not_depend_on_the_batch():
+    """Each output adds its products in one order whatever M and whichever lanes: a row alone, in a batch of 13,
+    or in 8- and 16-lane code gives the same floats (what makes a verification's logits equal a decode step's)."""
+    torch.manual_seed(0)
+    w, x = torch.randn(2, 576, 288), torch.randn(13, 576)
+    batch = kernels.f32_linear(x, w)
+    alone = torch.cat([kernels.f32_linear(x[i:i + 1], w) for i in range(13)])
+    assert torch.equal(batch, alone)
+    for lanes in LANES:
+        assert torch.equal(kernels.f32_linear(x, w, lanes), batch)
+
+
+def test_f32_linear_refusals_name_the_problem():
+    w = torch.randn(2, 16, 32)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.f32_linear(torch.randn(1, 16), torch.randn(2, 16, 40))
+    with pytest.raises(RuntimeError, match=r"x \(M, K\)"):
+        kernels.f32_linear(torch.randn(1, 17), w)
+    with pytest.raises(RuntimeError, match="float32"):
+        kernels.f32_linear(torch.randn(1, 16, dtype=torch.float64), w)
+    with pytest.raises(RuntimeError, match="lanes"):
+        kernels.f32_linear(torch.randn(1, 16), w, 4)
+    assert kernels.f32_linear(torch.randn(0, 16), w).shape == (0, 64)
+
+
+@pytest.mark.parametrize("rows", [1, 3, linear.FEW_ROWS, linear.FEW_ROWS + 1])
+def test_linear_takes_the_few_row_kernel_up_to_its_limit(monkeypatch, rows):
+    torch.manual_seed(rows)
+    layer = Linear(torch.randn(192, 64), torch.randn(192), n_shards=2)
+    calls = []
+    real = kernels.f32_linear
+    monkeypatch.setattr(kernels, "f32_linear", lambda *a: calls.append(a) or real(*a))
+    x = torch.randn(1, rows, 64)
+    with torch.inference_mode():
+        y = layer(x)
+    assert y.shape == (1, rows, 192)
+    assert bool(calls) == (rows <= linear.FEW_ROWS)
+    assert torch.allclose(y, linear_naive(x, layer), atol=1e-5)
+
+
+def test_linear_keeps_torch_for_gradients_and_odd_widths(monkeypatch):
+    monkeypatch.setattr(kernels, "f32_linear", lambda *a: pytest.fail("the kernel ran"))
+    layer = Linear(torch.randn(96, 16), n_shards=2)  # 48 columns per shard: not a multiple of 32
+    layer(torch.randn(2, 16))
+    layer = Linear(torch.randn(64, 16))
+    x = torch.randn(2, 16, requires_grad=True)
+    layer(x).sum().backward()
+    assert torch.allclose(x.grad, layer.weight.sum(0).expand(2, -1))
