@@ -22,6 +22,7 @@ from .lab import fragmentation as fragmentation_cli
 from .lab import quant as bench_quant_cli
 from .lab import serve_bench_cli
 from .lab import spec as bench_spec_cli
+from .lab import products as bench_products_cli
 from .lab import stack as bench_stack_cli
 from .lab import tour as tour_cli
 from .lab.decode import bench_decode, format_bench
@@ -209,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     roofline_cli.register(sub)
     bench_spec_cli.register(bench)
     bench_stack_cli.register(bench)
+    bench_products_cli.register(bench)
     speculative_cli.register(sub)
     quant_cli.register(sub)
     bench_quant_cli.register(bench)

@@ -22,9 +22,10 @@ _ONEDNN = _onednn_linear_available()  # oneDNN's packed float32 linear (see Line
 
 
 def few_rows_limit() -> int:
-    """The most rows ``kernels.f32_linear`` takes (more go to oneDNN): where its time per product set met
-    oneDNN's (docs/decode.md), 32 rows with AVX-512's 16 lanes; with AVX2's 8 it is compute-bound sooner."""
-    return 32 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
+    """The most rows ``kernels.f32_linear`` takes (more go to oneDNN): up to where it is ahead of oneDNN over a
+    forward's layers (``bench products``, docs/decode.md), 48 rows in AVX-512's 16 lanes; in AVX2's 8 lanes it is
+    bound by its arithmetic sooner (ahead up to 4 rows, measured against oneDNN's 16-lane code on an AVX-512 CPU)."""
+    return 48 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
 
 
 FEW_ROWS = few_rows_limit()

@@ -74,3 +74,20 @@ def test_linear_keeps_torch_for_gradients_and_odd_widths(monkeypatch):
     x = torch.randn(2, 16, requires_grad=True)
     layer(x).sum().backward()
     assert torch.allclose(x.grad, layer.weight.sum(0).expand(2, -1))
+
+
+def test_bench_products_times_only_paths_that_compute_the_product(monkeypatch):
+    from helpers import random_decoder
+
+    from minillm.lab.products import format_products, measure_products
+
+    model = random_decoder(256)  # every layer's width a multiple of 32: the few-row kernel takes them all
+    report = measure_products(model, rows=(1, 3), repeats=1, progress=False)
+    paths = report["rows"][1]["float32"]
+    assert {"shards, bmm", "few-row kernel, 8 lanes", "Linear (its choice)"} <= set(paths)
+    assert all(s > 0 for row in report["rows"] for s in row["float32"].values())
+    assert "few-row kernel" in format_products(report)
+    real = kernels.f32_linear
+    monkeypatch.setattr(kernels, "f32_linear", lambda x, w, lanes=0: real(x, w, lanes) * 1.01)
+    with pytest.raises(ValueError, match="differs from F.linear"):
+        measure_products(model, rows=(2,), repeats=1, progress=False)

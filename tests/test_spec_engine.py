@@ -368,6 +368,23 @@ def test_auto_stops_a_request_whose_drafts_fail(tiny):
     assert seq_alpha(0) < 0.04 and seq_alpha(1) == 0.5
 
 
+def test_auto_starts_a_draft_models_sequences_from_its_measured_acceptance(tiny, draft):
+    """The prior is the share of the draft's own greedy tokens the target's argmax agrees with: 1 for the target
+    itself, less for a shaken copy; an unseen sequence's rate is the prior, and its own drafts move it."""
+    from minillm.paged.spec_auto import measure_acceptance
+
+    assert measure_acceptance(tiny, tiny, [1, 2, 3], n=16) == 1.0
+    shaken = measure_acceptance(draft, tiny, [1, 2, 3], n=16)
+    assert 0.0 < shaken < 1.0 and shaken * 16 == round(shaken * 16)
+    engine = LLMEngine(tiny, block_size=4, speculative_config={"method": "draft_model", "model": draft,
+                                                               "num_speculative_tokens": "auto"})
+    assert engine.spec.prior == 0.5  # no tokenizer: nothing to measure on
+    engine.spec.prior = 0.8
+    assert engine.spec.alpha(7) == pytest.approx(0.8)
+    engine.spec._alpha[7] = (1.0, 4.0, engine.stats.steps)  # 1 of 4 accepted, just now
+    assert engine.spec.alpha(7) == pytest.approx((1 + 1.6) / 6)
+
+
 def test_auto_tries_again_once_old_failures_fade(tiny):
     """A copy begins after a preamble whose drafts fail: the rate forgets, so drafting resumes."""
     from minillm.paged.sequence import Sequence

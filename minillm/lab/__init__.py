@@ -4,6 +4,7 @@ measurement code. One file per command, with its figures; ``python -m tools.tabl
 and docs' tables from the records:
 
     decode.py, llamacpp.py          ``bench decode``: naive path, KV caches, transformers; ``--peer llamacpp``
+    products.py                     ``bench products``: every linear layer per row count and per kernel
     roofline_plots.py               the roofline's figures (the command is ``roofline/cli.py``)
     fragmentation.py                ``fragmentation``: reserved KV memory holding tokens, reservation vs paging
     engine_costs.py                 the attention paths' and the row cost model's timings (docs/paged.md)

@@ -7,6 +7,9 @@ moved by each forward as run); with m drafts it emits E0 plus their gains and co
 model's forwards, one per depth. Gains fall along a sequence, so the best m drafts are the m largest gains
 over all sequences; ``choose_draft_lengths`` takes the m that maximises expected tokens per second. At
 batch 1 on a CPU c(N) is flat and drafts are nearly free; at 64 sequences only well-accepted drafts pay.
+A sequence's acceptance rate starts from a prior: 1 in 2 for prompt lookup (its drafts are free, so it tries
+them), and for a draft model the rate ``measure_acceptance`` finds at start, so that a draft that would pay is
+tried (a sequence that never drafts never learns its rate).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ import math
 import time
 
 import torch
+
+from ..generation import generate_cached
+from ..sampling import SamplingParams
 
 
 def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int, step_cost,
@@ -100,3 +106,16 @@ def measure_step_cost(model, max_tokens: int, repeats: int = 3) -> PiecewiseCost
             best = min(best, time.perf_counter() - t0)
         points.append((n, best))
     return PiecewiseCost(points if len(points) > 1 else points + [(points[0][0] + 1, points[0][1])])
+
+
+@torch.inference_mode()
+def measure_acceptance(draft, target, prompt: list[int], n: int = 32) -> float:
+    """A draft model's acceptance rate, measured once at start: the draft continues ``prompt`` greedily for n
+    tokens, the target reads them in one forward, and the share of those tokens that equal the target's argmax
+    is returned (greedy verification's alpha along text the draft writes, as it drafts). A prior only: each
+    sequence's own acceptance replaces it as its drafts are verified."""
+    out = generate_cached(draft, prompt, SamplingParams(max_tokens=n, ignore_eos=True), max_seq_len=len(prompt) + n)
+    ids = list(prompt) + out.tokens
+    logits = target(torch.tensor([ids], device=target.device), torch.arange(len(ids), device=target.device),
+                    logits_indices=torch.arange(len(prompt) - 1, len(ids) - 1, device=target.device))
+    return (logits.reshape(-1, logits.shape[-1]).argmax(-1).cpu() == torch.tensor(out.tokens)).float().mean().item()

@@ -22,7 +22,8 @@ from ..speculative.proposers import NgramProposer
 from ..speculative.rejection import draw, rejection_sample
 from .sampler import draw_tokens
 from .spec_draft import DraftRunner
-from .spec_auto import choose_draft_lengths, measure_step_cost
+from ..data import BENCH_PROMPT
+from .spec_auto import choose_draft_lengths, measure_acceptance, measure_step_cost
 
 METHODS = ("ngram", "draft_model")
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
@@ -172,6 +173,11 @@ class SpecDecoder:
         self.step_cost = config.step_cost
         if config.auto and self.step_cost is None:
             self.step_cost = measure_step_cost(engine.model, engine.scheduler.max_num_batched_tokens)
+        # the acceptance rate a sequence starts from (as two drafts' worth of evidence): a draft model's measured
+        # at start on a short text of its own where the engine can tokenize one, else 1 in 2
+        self.prior = 0.5
+        if config.auto and self.draft is not None and engine.tokenizer is not None:
+            self.prior = measure_acceptance(config.model, engine.model, engine.tokenizer.encode(BENCH_PROMPT))
         self._alpha: dict[int, tuple[float, float, int]] = {}  # seq_id -> (accepted, examined) drafts at a step
         self._counts: list[int] = []  # rows of each ready sequence in the last forward
 
@@ -214,9 +220,9 @@ class SpecDecoder:
             self.step_cost.observe(num_tokens, seconds)
 
     def alpha(self, seq_id: int) -> float:
-        """The sequence's acceptance rate (accepted / examined drafts, faded by ``ALPHA_DECAY``), prior 1 in 2."""
+        """The sequence's acceptance rate (accepted / examined drafts, faded by ``ALPHA_DECAY``), from ``prior``."""
         accepted, examined = self._faded(seq_id)
-        return (accepted + 1.0) / (examined + 2.0)
+        return (accepted + 2.0 * self.prior) / (examined + 2.0)
 
     def _faded(self, seq_id: int) -> tuple[float, float]:
         """(accepted, examined) as of now, faded by the steps committed since (read, not written, while a step
