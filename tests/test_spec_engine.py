@@ -452,13 +452,14 @@ def test_observed_forwards_move_the_measured_cost():
     assert cost(16) == pytest.approx(8.0, rel=0.05) and cost(1) == 1.0
 
 
-def test_a_draft_forward_that_catches_up_is_costed_as_one_token_per_sequence(tiny, draft, monkeypatch):
-    """The first draft forward also feeds the tokens the draft has not seen (here the prompt): its time is
-    scaled along the start's cost curve to one token per sequence, so a catch-up does not read as drafting."""
+def test_a_draft_forward_is_costed_by_the_tokens_it_feeds(tiny, draft, monkeypatch):
+    """The first draft forward also feeds the tokens the draft has not seen (here the prompt and the first output):
+    it is timed as a forward of that many tokens, and "auto" prices a sequence's first draft by what it would feed,
+    so a sequence whose draft sat out for a while resumes only when its catch-up pays."""
     import types
 
     from minillm.paged import spec_draft
-    from minillm.paged.spec_auto import PiecewiseCost
+    from minillm.paged.spec_auto import PiecewiseCost, choose_draft_lengths
     config = spec("draft_model", "auto", draft, max_num_speculative_tokens=1, step_cost=lambda n: 1.0)
     engine = LLMEngine(tiny, block_size=4, speculative_config=config)
     runner = engine.spec.draft
@@ -467,5 +468,12 @@ def test_a_draft_forward_that_catches_up_is_costed_as_one_token_per_sequence(tin
     monkeypatch.setattr(spec_draft, "time", types.SimpleNamespace(perf_counter=lambda: float(next(clock))))
     engine.add_request("0", {"prompt_token_ids": ids(20, 9)}, greedy(4))
     engine.step()  # the prefill: nothing to draft
-    engine.step()  # the first decode step drafts one token, feeding the prompt and the first output (21 tokens)
-    assert runner.seconds == {1: pytest.approx(1.0 * 1e-3 / 21e-3)}  # 1 s as timed, scaled by cost(1) / cost(21)
+    seq = engine.scheduler.running[0]
+    assert runner.feed(seq) == 21  # the draft has seen nothing: the prompt and the first output
+    engine.step()  # the first decode step drafts one token, feeding those 21
+    assert runner.seconds == {21: 1.0}  # 1 s as timed, at 21 tokens
+    assert runner.forward_cost(21) == 1.0 and runner.forward_cost(1) == pytest.approx(1e-3 / 21e-3)
+    # two sequences at 0.9, a flat step: a draft forward of 1 token costs 0.1 s, of 40 tokens 4 s
+    cost = lambda n: 0.1 * n  # noqa: E731
+    assert choose_draft_lengths([0.9, 0.9], [1, 1], 2, lambda n: 1.0, cost, first_feed=[1, 1]) == [1, 1]
+    assert choose_draft_lengths([0.9, 0.9], [1, 1], 2, lambda n: 1.0, cost, first_feed=[1, 40]) == [1, 0]

@@ -25,16 +25,19 @@ from ..sampling import SamplingParams
 
 
 def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int, step_cost,
-                         draft_cost=None, emitted: float | None = None) -> list[int]:
+                         draft_cost=None, emitted: float | None = None, first_feed: list[int] | None = None) -> list[int]:
     """Per sequence, the number of drafts (0..most[i]) that maximises the step's expected tokens/s.
 
     Args:
         alphas: each sequence's acceptance rate (0..1); most: the drafts it may carry.
         step_tokens: tokens the step computes without drafts (N); step_cost: N -> seconds.
-        draft_cost: n -> seconds of one draft forward over n sequences (None for prompt lookup: free).
+        draft_cost: n -> seconds of one draft forward over n tokens (None for prompt lookup: free).
             Draft j of every sequence that drafts that far comes from the j-th forward, so the drafts
-            cost the sum over depths j of draft_cost(sequences drafting at depth j).
+            cost the sum over depths j of draft_cost(tokens fed at depth j): one per sequence from depth 2 on,
+            and at depth 1 what the draft has not yet seen of each sequence (``first_feed``).
         emitted: tokens the step emits without drafts (default: one per sequence).
+        first_feed: tokens each sequence's first draft forward feeds (default 1): its pending token plus
+            those the last step accepted, or a whole stretch after the draft sat out.
     Returns: the draft length of each sequence.
     """
     base = float(len(alphas) if emitted is None else emitted)
@@ -42,14 +45,14 @@ def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int,
     gains = heapq.merge(*[[(a ** j, i, j) for j in range(1, m + 1)] for i, (a, m) in enumerate(zip(alphas, most))],
                         key=lambda g: -g[0])
     best, best_m, total, order = base / step_cost(step_tokens), 0, base, []
-    at_depth, drafting = {}, 0.0  # sequences drafting at each depth; seconds of the draft forwards
+    at_depth, drafting = {}, 0.0  # tokens fed at each depth; seconds of the draft forwards
     for m, (gain, i, j) in enumerate(gains, start=1):
         total += gain
         order.append(i)
         if draft_cost is not None:
-            n = at_depth.get(j, 0)
-            drafting += draft_cost(n + 1) - (draft_cost(n) if n else 0.0)
-            at_depth[j] = n + 1
+            n, fed = at_depth.get(j, 0), first_feed[i] if first_feed is not None and j == 1 else 1
+            drafting += draft_cost(n + fed) - (draft_cost(n) if n else 0.0)
+            at_depth[j] = n + fed
         rate = total / (step_cost(step_tokens + m) + drafting)
         if rate > best:
             best, best_m = rate, m

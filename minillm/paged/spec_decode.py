@@ -208,8 +208,15 @@ class SpecDecoder:
         own = sum(min(s.num_tokens - s.num_computed_tokens, self.engine.scheduler.max_num_batched_tokens)
                   for s in running if s.num_tokens > s.num_computed_tokens)
         alphas = [self.alpha(seq.seq_id) for seq, _, _ in seqs]
+        feeds = None
+        if self.draft is not None:
+            # what the draft's first forward feeds: in steady state the pending token and the drafts the last step
+            # accepted; a prompt, or a stretch the draft sat out, is a catch-up that serves every later draft of the
+            # sequence, so it is priced as a steady step's feed (1 + the drafts expected to be accepted)
+            feeds = [min(self.draft.feed(seq), 1 + sum(a ** j for j in range(1, m + 1)))
+                     for (seq, _, _), a, m in zip(seqs, alphas, most)]
         ks = choose_draft_lengths(alphas, most, own, self.step_cost,
-                                  self.draft.forward_cost if self.draft is not None else None)
+                                  self.draft.forward_cost if self.draft is not None else None, first_feed=feeds)
         for (seq, _, _), k in zip(seqs, ks):
             del seq.spec_token_ids[k:]
         return [(seq, req, k) for (seq, req, _), k in zip(seqs, ks) if k > 0]

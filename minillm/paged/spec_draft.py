@@ -8,6 +8,7 @@ drafted token per sequence, all in one flat row (``pack_flat``). A sampled reque
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -36,18 +37,29 @@ class DraftRunner:
         self._q: dict[int, torch.Tensor] = {}  # seq_id -> (d, V) the distributions its drafts came from
         self._generators: dict[tuple[str, int], torch.Generator] = {}
         self._saved: dict = {}
-        self.cost = measure_step_cost(model, engine.scheduler.max_num_seqs, repeats=2) if auto else None
-        self.seconds: dict[int, float] = {}  # sequences drafting together -> seconds of one such forward, as run
+        # the start's curve reaches a step's token budget: a first forward that catches up on a prompt is scaled
+        # along it to one token per sequence, which a curve measured only up to the seats would extrapolate flat
+        self.cost = measure_step_cost(model, engine.scheduler.max_num_batched_tokens, repeats=2) if auto else None
+        self.seconds: dict[int, float] = {}  # tokens fed -> seconds of one draft forward of that many, as run
 
     def forward_cost(self, n: int) -> float:
-        """Seconds of one draft forward over n sequences: a moving average of those run at n, else the start's
+        """Seconds of one draft forward over n tokens: a moving average of those run at n, else the start's
         measure scaled as the nearest count run so far was (the start times the bare forward, without packing)."""
         if not n or self.cost is None:
             return 0.0
         if n in self.seconds or not self.seconds:
             return self.seconds.get(n, self.cost(n))
-        near = min(self.seconds, key=lambda m: abs(m - n))
+        near = min(self.seconds, key=lambda m: abs(math.log(m / n)))
         return self.cost(n) * self.seconds[near] / self.cost(near)
+
+    def feed(self, seq) -> int:
+        """Tokens the sequence's first draft forward would feed: those past the longest prefix the draft's KV
+        shares with the sequence (its pending token, the last step's accepted ones, or all after a pause)."""
+        fed, known = self.fed.get(seq.seq_id, ()), seq.token_ids
+        keep = 0
+        while keep < min(len(fed), len(known) - 1) and fed[keep] == known[keep]:
+            keep += 1
+        return len(known) - keep
 
     @torch.inference_mode()
     def propose(self, seqs) -> None:
@@ -60,12 +72,9 @@ class DraftRunner:
             if not self.manager.holds(seq.seq_id):
                 self.manager.allocate(seq.seq_id)
                 self.fed[seq.seq_id] = []
-            fed, known = self.fed[seq.seq_id], seq.token_ids
-            keep = 0
-            while keep < min(len(fed), len(known) - 1) and fed[keep] == known[keep]:
-                keep += 1
-            del fed[keep:]
-            work.append([seq, req, k, known[keep:]])
+            keep = seq.num_tokens - self.feed(seq)
+            del self.fed[seq.seq_id][keep:]
+            work.append([seq, req, k, seq.token_ids[keep:]])
         self._saved = {key: g.get_state() for key, g in self._generators.items()}
         try:
             self._draft(work)
@@ -86,14 +95,10 @@ class DraftRunner:
             logits = self.model(rows.tokens, rows.input_pos, self.cache,
                                 logits_indices=rows.logits_indices([s for s, _, _ in spans]))
             greedy = logits.argmax(-1).tolist()
-            # every forward is timed, the first too: with one draft per sequence it is the only one, and
-            # a draft's cost is its packing and its paged cache as much as its weights. A first forward
-            # that also catches up on tokens the draft has not seen is scaled to one token per sequence
-            # along the start's curve, so a catch-up does not read as the cost of drafting
-            n, fed, took = len(spans), rows.tokens.numel(), time.perf_counter() - start
-            if fed > n and self.cost is not None:
-                took *= self.cost(n) / self.cost(fed)
-            self.seconds[n] = 0.7 * self.seconds.get(n, took) + 0.3 * took
+            # every forward is timed by the tokens it fed, the first too: a draft's cost is its packing and its
+            # paged cache as much as its weights, and its first forward also feeds what the last step accepted
+            fed, took = rows.tokens.numel(), time.perf_counter() - start
+            self.seconds[fed] = 0.7 * self.seconds.get(fed, took) + 0.3 * took
             for i, (seq, req, k, feed) in enumerate(work):
                 self.fed[seq.seq_id] += feed
                 if req.params.greedy:
