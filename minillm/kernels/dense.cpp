@@ -12,7 +12,7 @@
 //
 // Every output adds its K products in ascending k, one fused multiply-add each, whatever M and whichever
 // instruction set: a row's result does not depend on the rows that share the call (batch invariance), so a
-// sequence computes the same logits alone, in a batch, or verifying drafts.
+// row's products are the same alone, in a batch, or among drafts being verified.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
