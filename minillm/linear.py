@@ -92,7 +92,7 @@ class Linear(nn.Module):
         w = self.weight_shards
         return (_ONEDNN and x.numel() > self.in_features and w.device.type == "cpu"
                 and w.dtype == torch.float32 and x.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)))
+                and not kernels.differentiated(x, w, *(() if self.bias is None else (self.bias,))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
         if torch.compiler.is_compiling():  # traced by torch.compile: its own GEMM picks the layout

@@ -91,3 +91,43 @@ def test_bench_products_times_only_paths_that_compute_the_product(monkeypatch):
     monkeypatch.setattr(kernels, "f32_linear", lambda x, w, lanes=0: real(x, w, lanes) * 1.01)
     with pytest.raises(ValueError, match="differs from F.linear"):
         measure_products(model, rows=(2,), repeats=1, progress=False)
+
+
+def test_f32_linear_refuses_gradients_and_runs_under_torch_compile():
+    w, x = torch.randn(1, 8, 32), torch.randn(2, 8, requires_grad=True)
+    with pytest.raises(RuntimeError, match="no backward"):
+        kernels.f32_linear(x, w)
+    with torch.no_grad():
+        assert torch.equal(kernels.f32_linear(x, w), kernels.f32_linear(x.detach(), w))
+    compiled = torch.compile(lambda a: kernels.f32_linear(a, w), fullgraph=True, backend="eager")
+    a = torch.randn(3, 8)
+    assert torch.equal(compiled(a), kernels.f32_linear(a, w))
+
+
+def test_linear_keeps_forward_ad_and_bias_gradients_on_every_path():
+    """Rows that go to oneDNN (here: shards 48 wide, which the kernel does not take) keep a dual's tangent and a
+    trainable bias's gradient, as the one-row path does."""
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    layer = Linear(torch.randn(96, 16), torch.randn(96), n_shards=2)
+    with fwAD.dual_level():
+        x = fwAD.make_dual(torch.randn(2, 16), torch.ones(2, 16))
+        tangent = fwAD.unpack_dual(layer(x)).tangent
+    assert tangent is not None and torch.allclose(tangent, layer.weight.sum(1).expand(2, -1), atol=1e-5)
+    layer.bias.requires_grad_(True)
+    layer(torch.randn(3, 16)).sum().backward()
+    assert torch.equal(layer.bias.grad, torch.full((96,), 3.0))
+
+
+def test_bench_products_adds_each_layers_bias_and_refuses_other_dtypes(capsys):
+    from torch import nn
+
+    from minillm.cli import main
+    from minillm.lab.products import measure_products
+
+    model = nn.Sequential(Linear(torch.randn(64, 32), torch.randn(64) * 5))
+    report = measure_products(model, rows=(1, 2), repeats=1, progress=False)  # the paths agree with F.linear + bias
+    assert len(report["rows"][0]["float32"]) >= 3
+    assert main(["bench", "products", "--dtype", "bfloat16"]) == 2
+    assert "float32 CPU kernels" in capsys.readouterr().err

@@ -385,6 +385,21 @@ def test_auto_starts_a_draft_models_sequences_from_its_measured_acceptance(tiny,
     assert engine.spec.alpha(7) == pytest.approx((1 + 1.6) / 6)
 
 
+def test_auto_builds_with_drafts_and_prompts_it_cannot_measure_on(tiny):
+    """A draft whose context is shorter than the step's token budget, and calibration prompts that do not fit a
+    context, are empty or hold ids outside the vocabulary: the engine builds, with the prior 1 in 2."""
+    from minillm.paged.spec_auto import measure_acceptance
+
+    short = random_decoder(V, scale=0.3, max_seq_len=100)
+    engine = LLMEngine(tiny, block_size=4, speculative_config={"method": "draft_model", "model": short,
+                                                               "num_speculative_tokens": "auto", "step_cost": lambda n: 1.0})
+    assert engine.spec.draft.cost.points[-1][0] == 100  # the draft's curve stops at its context
+    assert measure_acceptance(short, tiny, list(range(1, 101))) is None  # no room after the prompt
+    assert measure_acceptance(short, tiny, []) is None
+    assert measure_acceptance(short, tiny, [1, V]) is None  # an id outside the vocabulary
+    assert measure_acceptance(short, tiny, list(range(1, 90)), n=32) is not None  # 11 tokens of room: measured
+
+
 def test_auto_tries_again_once_old_failures_fade(tiny):
     """A copy begins after a preamble whose drafts fail: the rate forgets, so drafting resumes."""
     from minillm.paged.sequence import Sequence

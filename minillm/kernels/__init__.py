@@ -198,11 +198,15 @@ def fused_ok(x: torch.Tensor, *more: torch.Tensor) -> bool:
     tensors = (x, *more)
     if not all(t.dtype == torch.float32 and t.is_cpu for t in tensors) or torch.compiler.is_compiling():
         return False
+    return not differentiated(*tensors) and available()
+
+
+def differentiated(*tensors: torch.Tensor) -> bool:
+    """Whether something differentiates through these tensors: autograd (grad mode on and one requires grad),
+    forward-mode AD, or ``torch.func``'s transforms. Only torch's operators carry those; a kernel would drop them."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    if _forward_ad._current_level >= 0 or any(_is_functorch_wrapped(t) for t in tensors):
-        return False
-    return available()
+        return True
+    return _forward_ad._current_level >= 0 or any(_is_functorch_wrapped(t) for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -234,12 +238,32 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
 
 
 # ---- a float32 product of few rows (dense.cpp) -------------------------------------------------------------
+@torch.library.custom_op("minillm::f32_linear", mutates_args=())
+def _f32_op(x: torch.Tensor, shards: torch.Tensor, lanes: int) -> torch.Tensor:
+    return _loaded().f32_linear(x, shards, lanes)
+
+
+@_f32_op.register_fake
+def _(x, shards, lanes):
+    return x.new_empty(x.shape[0], shards.shape[0] * shards.shape[2])
+
+
 def f32_linear(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0) -> torch.Tensor:
     """``x W^T`` for x (M, K) float32 and W held as ``Linear.weight_shards`` (S, K, Ns), Ns a multiple of 32:
     shard s is ``W^T[:, s Ns:(s + 1) Ns]``. Returns (M, S Ns). Each output adds its K products in ascending k
     whatever M, so a row's result does not depend on the other rows. lanes: 16 (AVX-512), 8 (AVX2) or 0 (the
-    widest the CPU has); both give the same floats."""
-    return _loaded().f32_linear(x, shards, lanes)
+    widest the CPU has); both give the same floats.
+
+    Raises:
+        RuntimeError: something differentiates through x or the shards (the kernel has no backward: ``Linear``
+            uses torch's product then), or the shapes, dtypes or lanes the kernel's own checks name.
+    """
+    if torch.compiler.is_compiling():
+        return _f32_op(x.contiguous(), shards, lanes)
+    if differentiated(x, shards):
+        raise RuntimeError("f32_linear: the kernel has no backward; under autograd, forward-mode AD or torch.func use "
+                           "x @ W^T (Linear does so by itself)")
+    return _loaded().f32_linear(x, shards, lanes)  # eager: without the custom op's dispatch
 
 
 def f32_linear_naive(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0) -> torch.Tensor:

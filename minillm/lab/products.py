@@ -22,6 +22,11 @@ from ..quant.qlinear import QuantLinear
 from ..timing import machine, time_median
 
 
+def _biased(m, y: torch.Tensor) -> torch.Tensor:
+    """y plus the layer's bias, as the layer's own forward adds it after a kernel."""
+    return y if m.bias is None else y + m.bias.to(y.dtype)
+
+
 def _float_paths(layers: list[Linear]) -> dict:
     """name -> fn(layer, x) for the float32 layers, those this machine and these widths allow."""
     paths = {"shards, bmm": lambda m, x: m.forward_shards(x)}
@@ -29,7 +34,8 @@ def _float_paths(layers: list[Linear]) -> dict:
         paths["oneDNN, packed"] = lambda m, x: m.forward_onednn(x)
     if kernels.available() and all(m.weight_shards.shape[2] % kernels.TILE == 0 for m in layers):
         for lanes in ([16, 8] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [8]):
-            paths[f"few-row kernel, {lanes} lanes"] = lambda m, x, n=lanes: kernels.f32_linear(x, m.weight_shards, n)
+            paths[f"few-row kernel, {lanes} lanes"] = lambda m, x, n=lanes: _biased(
+                m, kernels.f32_linear(x, m.weight_shards, n))
     paths["Linear (its choice)"] = lambda m, x: m(x)
     return paths
 
@@ -43,7 +49,7 @@ def _int4_paths(layers: list[QuantLinear]) -> dict:
             if kind != "minillm-int4":
                 return m(x)
             panels, s, z, kg, perm = t
-            return kernels.int4_linear(x if perm is None else x[:, perm], panels, s, z, kg, lanes=n)
+            return _biased(m, kernels.int4_linear(x if perm is None else x[:, perm], panels, s, z, kg, lanes=n))
         return run
     paths = {}
     if kernels.available() and any((m._kernel or (None,))[0] == "minillm-int4" for m in layers):
@@ -108,6 +114,9 @@ def format_products(report: dict) -> str:
 
 
 def cmd_bench_products(args) -> int:
+    if args.dtype != "float32" or args.device != "cpu":
+        raise ValueError(f"--dtype {args.dtype} --device {args.device}: bench products times the float32 CPU kernels "
+                         "(and minillm's int4 ones); run it without --dtype and --device")
     model, _ = load_model(args.model, n_shards=args.shards)
     qmodel = load_model(args.quant_file)[0] if args.quant_file else None
     report = measure_products(model, args.rows, qmodel, args.repeats, progress=not args.json)

@@ -112,11 +112,16 @@ def measure_step_cost(model, max_tokens: int, repeats: int = 3) -> PiecewiseCost
 
 
 @torch.inference_mode()
-def measure_acceptance(draft, target, prompt: list[int], n: int = 32) -> float:
+def measure_acceptance(draft, target, prompt: list[int], n: int = 32) -> float | None:
     """A draft model's acceptance rate, measured once at start: the draft continues ``prompt`` greedily for n
     tokens, the target reads them in one forward, and the share of those tokens that equal the target's argmax
     is returned (greedy verification's alpha along text the draft writes, as it drafts). A prior only: each
-    sequence's own acceptance replaces it as its drafts are verified."""
+    sequence's own acceptance replaces it as its drafts are verified. None where there is nothing to measure on:
+    an empty prompt, ids outside either vocabulary, or no room for a token after the prompt in either context."""
+    vocab = min(draft.config.vocab_size, target.config.vocab_size)
+    n = min(n, draft.config.max_seq_len - len(prompt), target.config.max_seq_len - len(prompt))
+    if not prompt or n < 1 or not all(0 <= t < vocab for t in prompt):
+        return None
     out = generate_cached(draft, prompt, SamplingParams(max_tokens=n, ignore_eos=True), max_seq_len=len(prompt) + n)
     ids = list(prompt) + out.tokens
     logits = target(torch.tensor([ids], device=target.device), torch.arange(len(ids), device=target.device),

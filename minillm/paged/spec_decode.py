@@ -177,7 +177,8 @@ class SpecDecoder:
         # at start on a short text of its own where the engine can tokenize one, else 1 in 2
         self.prior = 0.5
         if config.auto and self.draft is not None and engine.tokenizer is not None:
-            self.prior = measure_acceptance(config.model, engine.model, engine.tokenizer.encode(BENCH_PROMPT))
+            measured = measure_acceptance(config.model, engine.model, engine.tokenizer.encode(BENCH_PROMPT))
+            self.prior = 0.5 if measured is None else measured
         self._alpha: dict[int, tuple[float, float, int]] = {}  # seq_id -> (accepted, examined) drafts at a step
         self._counts: list[int] = []  # rows of each ready sequence in the last forward
 

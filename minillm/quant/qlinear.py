@@ -137,6 +137,11 @@ class QuantLinear(nn.Module):
             return self._build_int8(qw, ours)
         if self.config.bits > 4:
             return None
+        # group ids outside the scales' columns are no layout at all (to_empty's uninitialised buffers, until
+        # load_state_dict writes them): no kernel, rather than a bincount as large as a garbage id
+        g_idx = qw.g_idx.long()
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= qw.scales.shape[1]):
+            return None
         # the kernel wants contiguous groups: sort input columns by group once (identity unless act_order)
         perm = torch.argsort(qw.g_idx.long(), stable=True)
         g_sorted = qw.g_idx.long()[perm]
