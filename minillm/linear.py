@@ -21,14 +21,10 @@ def _onednn_linear_available() -> bool:
 _ONEDNN = _onednn_linear_available()  # oneDNN's packed float32 linear (see Linear)
 
 
-def few_rows_limit() -> int:
-    """The most rows ``kernels.f32_linear`` takes (more go to oneDNN): up to where it is ahead of oneDNN over a
-    forward's layers (``bench products``, docs/decode.md), 48 rows in AVX-512's 16 lanes; in AVX2's 8 lanes it is
-    bound by its arithmetic sooner (ahead up to 4 rows, measured against oneDNN's 16-lane code on an AVX-512 CPU)."""
-    return 48 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
-
-
-FEW_ROWS = few_rows_limit()
+# the most rows ``kernels.f32_linear`` takes (more go to oneDNN): up to where it is ahead of oneDNN over a forward's
+# layers (``bench products``, docs/decode.md), 48 rows in AVX-512's 16 lanes; in AVX2's 8 lanes it is bound by its
+# arithmetic sooner (ahead up to 4 rows, measured against oneDNN's 16-lane code on an AVX-512 CPU)
+FEW_ROWS = 48 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
 
 
 class Linear(nn.Module):
@@ -38,7 +34,7 @@ class Linear(nn.Module):
     ``weight_shards`` is (n_shards, in_features, out_features / n_shards): shard s holds output columns
     ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous, so each core streams a block of its own
     (Megatron-LM's column-parallel linear, Shoeybi et al. 2019, across cores). Products of up to
-    ``few_rows_limit()`` rows (a decode step, a speculative verification, a small batch) read the shards with
+    ``FEW_ROWS`` rows (a decode step, a speculative verification, a small batch) read the shards with
     minillm's kernel (``kernels.f32_linear``: W streamed once, in order, every row's sums in registers; a row's
     result does not depend on the other rows) where it is built, else as one batched matmul. Larger products
     (a prefill, a large batch) go through oneDNN's ``linear`` with W reordered once (``packed_weight``: as much

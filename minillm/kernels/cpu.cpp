@@ -9,6 +9,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "simd.h"
 #include <algorithm>
 #include <vector>
 
@@ -113,8 +114,7 @@ __attribute__((target("avx512f"))) static void panel_all_rows16(const float* x, 
   }
 }
 
-// detection runs here, in a static initializer, which may precede libgcc's own: initialize it first
-static const bool HAS_AVX512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+static const bool HAS_AVX512 = cpu_has_avx512();
 
 static void panel_all_rows(const float* x, int64_t M, int64_t K, const float* wf, float* y, int64_t ldy) {
   if (HAS_AVX512) return panel_all_rows16(x, M, K, wf, y, ldy);
@@ -179,16 +179,7 @@ __attribute__((target("avx512f"))) static void tile16(const float* x, int64_t K,
 
 __attribute__((target("avx512f"))) static void rows_tile16(const float* x, int64_t M, int64_t K, const int32_t* w,
     const float* s, const float* zp, int64_t G, int64_t gs, int64_t N, int64_t n0, float* y) {
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) tile16<6>(x + m * K, K, w, s, zp, G, gs, N, n0, y + m * N, N);
-  const float* xm = x + m * K; float* ym = y + m * N;
-  switch (M - m) {
-    case 1: tile16<1>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
-    case 2: tile16<2>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
-    case 3: tile16<3>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
-    case 4: tile16<4>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
-    case 5: tile16<5>(xm, K, w, s, zp, G, gs, N, n0, ym, N); break;
-  }
+  by_rows<6>(M, [&](auto mr, int64_t m) { tile16<decltype(mr)::value>(x + m * K, K, w, s, zp, G, gs, N, n0, y + m * N, N); });
 }
 
 

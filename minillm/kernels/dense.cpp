@@ -16,29 +16,30 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include "simd.h"
 #include <algorithm>
 
 constexpr int64_t KB = 48;  // rows of W^T per block (measured: docs/decode.md)
 
-// One chunk (NV vectors of 8 or 16 columns) for MR rows of x over the block's kb rows of W^T.
-template <int MR, int NV>
+// One chunk (2 vectors of 8 columns) for MR rows of x over the block's kb rows of W^T.
+template <int MR>
 static void chunk8(const float* x, int64_t K, int64_t kb, const float* w, int64_t ld, float* y, int64_t ldy,
                    bool first) {
-  __m256 acc[MR][NV];
+  __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * ldy + 8 * v);
+    for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * ldy + 8 * v);
   for (int64_t k = 0; k < kb; ++k) {
     const float* wk = w + k * ld;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 4 * 8 * NV), _MM_HINT_T0);
-    __m256 wv[NV];
-    for (int v = 0; v < NV; ++v) wv[v] = _mm256_loadu_ps(wk + 8 * v);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 64), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
     for (int m = 0; m < MR; ++m) {
       const __m256 b = _mm256_broadcast_ss(x + m * K + k);
-      for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_fmadd_ps(b, wv[v], acc[m][v]);
+      acc[m][0] = _mm256_fmadd_ps(b, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(b, w1, acc[m][1]);
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int v = 0; v < NV; ++v) _mm256_storeu_ps(y + m * ldy + 8 * v, acc[m][v]);
+    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(y + m * ldy + 8 * v, acc[m][v]);
 }
 
 template <int MR>
@@ -62,24 +63,6 @@ __attribute__((target("avx512f"))) static void chunk16(const float* x, int64_t K
     for (int v = 0; v < 2; ++v) _mm512_storeu_ps(y + m * ldy + 16 * v, acc[m][v]);
 }
 
-// Every row of x for one chunk: MR rows at a time (the registers hold MR x chunk sums), the rest by a switch.
-template <int MR, typename F>
-static void by_rows(int64_t M, F&& run) {
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) run(std::integral_constant<int, MR>{}, m);
-  switch (M - m) {
-    case 1: run(std::integral_constant<int, 1>{}, m); break;
-    case 2: run(std::integral_constant<int, 2>{}, m); break;
-    case 3: run(std::integral_constant<int, 3>{}, m); break;
-    case 4: run(std::integral_constant<int, 4>{}, m); break;
-    case 5: run(std::integral_constant<int, 5>{}, m); break;
-    case 6: run(std::integral_constant<int, 6>{}, m); break;
-    case 7: run(std::integral_constant<int, 7>{}, m); break;
-  }
-}
-
-static const bool DENSE_AVX512 = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
-
 // x (M, K) float32, w (S, K, Ns) float32 with Ns % 32 == 0 -> y (M, S Ns). lanes: 16 (AVX-512), 8 (AVX2) or 0
 // (the widest this CPU has); both give the same floats.
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes) {
@@ -89,8 +72,8 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes) {
               && w.device().is_cpu() && w.is_contiguous(), "f32_linear: float32 CPU tensors, contiguous shards");
   TORCH_CHECK(w.size(2) % 32 == 0, "f32_linear: shard width must be a multiple of 32, got ", w.size(2));
   TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "f32_linear: lanes must be 0, 8 or 16, got ", lanes);
-  TORCH_CHECK(lanes != 16 || DENSE_AVX512, "f32_linear: lanes=16 needs a CPU with AVX-512");
-  const bool wide = lanes == 16 || (lanes == 0 && DENSE_AVX512);
+  TORCH_CHECK(lanes != 16 || cpu_has_avx512(), "f32_linear: lanes=16 needs a CPU with AVX-512");
+  const bool wide = lanes == 16 || (lanes == 0 && cpu_has_avx512());
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), S = w.size(0), Ns = w.size(2), N = S * Ns;
   auto y = torch::empty({M, N}, x.options());
@@ -114,7 +97,7 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes) {
           if (wide)
             by_rows<8>(M, [&](auto mr, int64_t m) { chunk16<decltype(mr)::value>(xp + m * K + k0, K, kb, wc, Ns, yc + m * N, N, k0 == 0); });
           else
-            by_rows<6>(M, [&](auto mr, int64_t m) { chunk8<decltype(mr)::value, 2>(xp + m * K + k0, K, kb, wc, Ns, yc + m * N, N, k0 == 0); });
+            by_rows<6>(M, [&](auto mr, int64_t m) { chunk8<decltype(mr)::value>(xp + m * K + k0, K, kb, wc, Ns, yc + m * N, N, k0 == 0); });
         }
       }
     }

@@ -1,6 +1,9 @@
-// AVX2 helpers shared by paged_attention.cpp and layer.cpp.
+// Helpers shared by the kernels: AVX2 math (paged_attention.cpp, layer.cpp), the CPU's AVX-512 question and the
+// dispatch of a row count to register-blocked loops (cpu.cpp, dense.cpp).
 #pragma once
 #include <immintrin.h>
+#include <cstdint>
+#include <type_traits>
 
 // exp of 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error
 // below 2e-7 there), 2^n written into the exponent bits. Below -87 (e^x under float32's normal range) it
@@ -25,3 +28,28 @@ static inline float hsum8(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+
+// Whether the CPU has AVX-512F, asked once. A static initializer may run before libgcc's own, so the builtin's
+// initialisation is called first.
+static inline bool cpu_has_avx512() {
+  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+  return yes;
+}
+
+// Every row of x: run(rows, first row) for MR rows at a time (the registers hold MR rows' sums), the rest (up to
+// 7) by a switch, each count a loop of its own compiled for it.
+template <int MR, typename F>
+static void by_rows(int64_t M, F&& run) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) run(std::integral_constant<int, MR>{}, m);
+  switch (M - m) {
+    case 1: run(std::integral_constant<int, 1>{}, m); break;
+    case 2: run(std::integral_constant<int, 2>{}, m); break;
+    case 3: run(std::integral_constant<int, 3>{}, m); break;
+    case 4: run(std::integral_constant<int, 4>{}, m); break;
+    case 5: run(std::integral_constant<int, 5>{}, m); break;
+    case 6: run(std::integral_constant<int, 6>{}, m); break;
+    case 7: run(std::integral_constant<int, 7>{}, m); break;
+  }
+}
+

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..data import BENCH_PROMPT
 from ..sampling import check_logits, logits_to_probs
 from ..speculative.proposers import NgramProposer
 from ..speculative.rejection import draw, rejection_sample
 from .sampler import draw_tokens
 from .spec_draft import DraftRunner
-from ..data import BENCH_PROMPT
 from .spec_auto import choose_draft_lengths, measure_acceptance, measure_step_cost
 
 METHODS = ("ngram", "draft_model")

@@ -143,8 +143,8 @@ class QuantLinear(nn.Module):
         if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= qw.scales.shape[1]):
             return None
         # the kernel wants contiguous groups: sort input columns by group once (identity unless act_order)
-        perm = torch.argsort(qw.g_idx.long(), stable=True)
-        g_sorted = qw.g_idx.long()[perm]
+        perm = torch.argsort(g_idx, stable=True)
+        g_sorted = g_idx[perm]
         sizes = torch.bincount(g_sorted)  # columns per group (a shorter last group is fine)
         # kernel groups: the largest supported size that tiles every group (a group of 128 is two
         # kernel groups of 64 sharing a scale; per-channel rows repeat their one scale)
