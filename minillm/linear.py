@@ -22,9 +22,9 @@ _ONEDNN = _onednn_linear_available()  # oneDNN's packed float32 linear (see Line
 
 
 # the most rows ``kernels.f32_linear`` takes (more go to oneDNN): up to where it is ahead of oneDNN over a forward's
-# layers (``bench products``, docs/decode.md), 48 rows in AVX-512's 16 lanes; in AVX2's 8 lanes it is bound by its
+# layers (``bench products``, docs/decode.md), 96 rows in AVX-512's 16 lanes; in AVX2's 8 lanes it is bound by its
 # arithmetic sooner (ahead up to 4 rows, measured against oneDNN's 16-lane code on an AVX-512 CPU)
-FEW_ROWS = 48 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
+FEW_ROWS = 96 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 4
 
 
 class Linear(nn.Module):

@@ -17,25 +17,26 @@ def _bound(x, shards):
 
 
 @pytest.mark.parametrize("S,K,Ns", [(2, 576, 480), (1, 100, 64), (3, 7, 32), (2, 1536, 96)])
-@pytest.mark.parametrize("M", [1, 2, 6, 7, 8, 9, 17])
+@pytest.mark.parametrize("M", [1, 2, 6, 7, 8, 9, 17, 30, 53])
 def test_f32_linear_equals_its_naive_twin(S, K, Ns, M):
     torch.manual_seed(M)
     w, x = torch.randn(S, K, Ns), torch.randn(M, K)
     ref = kernels.f32_linear_naive(x, w)
-    for lanes in LANES:  # K = 7 and 100 end inside a block of 48 rows, 1536 spans 32 of them
+    for lanes in LANES:  # K = 7 and 100 end inside a block (48, 96 or 192 rows of W^T by M), 1536 spans several
         assert ((kernels.f32_linear(x, w, lanes) - ref).abs() <= _bound(x, w)).all()
 
 
 def test_f32_linear_rows_do_not_depend_on_the_batch():
-    """Each output adds its products in one order whatever M and whichever lanes: a row alone, in a batch of 13,
-    or in 8- and 16-lane code gives the same floats (what makes a verification's logits equal a decode step's)."""
+    """Each output adds its products in one order whatever M and whichever lanes: a row alone, in a batch of 13
+    or of 60 (longer blocks of W^T), or in 8- and 16-lane code gives the same floats (what makes a verification's
+    logits equal a decode step's)."""
     torch.manual_seed(0)
-    w, x = torch.randn(2, 576, 288), torch.randn(13, 576)
-    batch = kernels.f32_linear(x, w)
-    alone = torch.cat([kernels.f32_linear(x[i:i + 1], w) for i in range(13)])
-    assert torch.equal(batch, alone)
+    w, x = torch.randn(2, 576, 288), torch.randn(60, 576)
+    alone = torch.cat([kernels.f32_linear(x[i:i + 1], w) for i in range(60)])
+    assert torch.equal(kernels.f32_linear(x, w), alone)
+    assert torch.equal(kernels.f32_linear(x[:13], w), alone[:13])
     for lanes in LANES:
-        assert torch.equal(kernels.f32_linear(x, w, lanes), batch)
+        assert torch.equal(kernels.f32_linear(x, w, lanes), alone)
 
 
 def test_f32_linear_refusals_name_the_problem():

@@ -283,6 +283,9 @@ def test_serve_bench_modes_agree_and_the_command_prints_json(tiny_with_tokenizer
     for name in ("sequential", "static", "engine"):
         assert {"output_tokens_per_s", "total_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s"} <= set(out["modes"][name])
     assert {"kv_utilization", "preemptions", "prefix_hit_rate"} <= set(out["modes"]["engine"])
+    spec = out["modes"]["engine+spec"]  # the command's default row: speculation changes no greedy token
+    assert spec["speculative_config"] == {"method": "ngram", "num_speculative_tokens": "auto"}
+    assert spec["same_tokens_as_sequential"] == out["num_requests"] and 0 <= spec["acceptance_rate"] <= 1
     assert abs(out["memory"]["kv_utilization"] - out["memory"]["lab_kv_utilization"]) < 0.01
 
 

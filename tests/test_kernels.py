@@ -17,7 +17,7 @@ def bound(x, w):
     return 1e-5 * (x.abs() @ w.abs().t()) + 1e-6
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 15, 19, 22, 100, 130, 200])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 15, 19, 22, 30, 100, 130, 200, 400])
 @pytest.mark.parametrize("out_features,in_features,group_size", [(32, 64, 32), (96, 256, 64), (64, 384, 128)])
 @pytest.mark.parametrize("zero_points", [True, False])
 def test_int4_linear_equals_dequantize_then_matmul(rows, out_features, in_features, group_size, zero_points):
@@ -101,7 +101,7 @@ def test_quant_linear_takes_our_kernel_within_float32_rounding_of_its_reference(
     qw = gptq_quantize(torch.randn(96, 256, generator=g) * 0.05, h.H, QuantConfig(bits, group_size), act_order=act_order)
     layer = QuantLinear(qw, bias=torch.randn(96, generator=g))
     assert layer.kernel == ("minillm-int8" if bits == 8 else "minillm-int4")
-    for rows in (1, 5, 8, 12, 20, 200):  # each path: registers, panels, chunked GEMM
+    for rows in (1, 5, 8, 12, 20, 200, 400):  # each path: registers, panels (blocks of 48 and 192), chunked GEMM
         y, ref = layer(x[:rows]), quant_linear_naive(x[:rows], layer)
         assert ((y - ref).abs() <= bound(x[:rows], layer.dequantize()) + 1e-5).all()  # torch's: bfloat16's 1e-2
 

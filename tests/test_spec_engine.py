@@ -398,6 +398,9 @@ def test_auto_builds_with_drafts_and_prompts_it_cannot_measure_on(tiny):
     assert measure_acceptance(short, tiny, []) is None
     assert measure_acceptance(short, tiny, [1, V]) is None  # an id outside the vocabulary
     assert measure_acceptance(short, tiny, list(range(1, 90)), n=32) is not None  # 11 tokens of room: measured
+    # the target's own curve stops at its context too (a step's budget of 256 tokens, a context of 100)
+    engine = LLMEngine(short, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": "auto"})
+    assert engine.spec.step_cost.points[-1][0] == 100
 
 
 def test_auto_tries_again_once_old_failures_fade(tiny):

@@ -79,45 +79,9 @@ static void panel_rows(const float* x, int64_t K, const float* wf, float* y, int
   }
 }
 
-// The same micro-kernel 16 columns wide, for CPUs with AVX-512 (compiled for it by the target attribute, chosen
-// at run time): there oneDNN's float32 GEMM runs 16-wide, and the 8-wide panel fell to 0.6-0.8x of it from 64
-// rows on (docs/decode.md). Each column sums over k in the same order, so both give the same floats.
-template <int MR>
-__attribute__((target("avx512f"))) static void panel_rows16(const float* x, int64_t K, const float* wf, float* y,
-                                                            int64_t ldy) {
-  __m512 acc[MR][2];
-  for (int m = 0; m < MR; ++m) { acc[m][0] = _mm512_setzero_ps(); acc[m][1] = _mm512_setzero_ps(); }
-  for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(wf + k * 32), w1 = _mm512_loadu_ps(wf + k * 32 + 16);
-    for (int m = 0; m < MR; ++m) {
-      const __m512 b = _mm512_set1_ps(x[m * K + k]);
-      acc[m][0] = _mm512_fmadd_ps(b, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(b, w1, acc[m][1]);
-    }
-  }
-  for (int m = 0; m < MR; ++m) { _mm512_storeu_ps(y + m * ldy, acc[m][0]); _mm512_storeu_ps(y + m * ldy + 16, acc[m][1]); }
-}
-
-__attribute__((target("avx512f"))) static void panel_all_rows16(const float* x, int64_t M, int64_t K, const float* wf,
-                                                                float* y, int64_t ldy) {
-  int64_t m = 0;
-  for (; m + 8 <= M; m += 8) panel_rows16<8>(x + m * K, K, wf, y + m * ldy, ldy);
-  const float* xm = x + m * K; float* ym = y + m * ldy;
-  switch (M - m) {
-    case 1: panel_rows16<1>(xm, K, wf, ym, ldy); break;
-    case 2: panel_rows16<2>(xm, K, wf, ym, ldy); break;
-    case 3: panel_rows16<3>(xm, K, wf, ym, ldy); break;
-    case 4: panel_rows16<4>(xm, K, wf, ym, ldy); break;
-    case 5: panel_rows16<5>(xm, K, wf, ym, ldy); break;
-    case 6: panel_rows16<6>(xm, K, wf, ym, ldy); break;
-    case 7: panel_rows16<7>(xm, K, wf, ym, ldy); break;
-  }
-}
-
 static const bool HAS_AVX512 = cpu_has_avx512();
 
 static void panel_all_rows(const float* x, int64_t M, int64_t K, const float* wf, float* y, int64_t ldy) {
-  if (HAS_AVX512) return panel_all_rows16(x, M, K, wf, y, ldy);
   int64_t m = 0;
   for (; m + 6 <= M; m += 6) panel_rows<6>(x + m * K, K, wf, y + m * ldy, ldy);
   const float* xm = x + m * K; float* ym = y + m * ldy;
@@ -130,9 +94,27 @@ static void panel_all_rows(const float* x, int64_t M, int64_t K, const float* wf
   }
 }
 
-// from this many rows on: dequantize chunks of the layer for torch's float32 GEMM (where the 16-wide panel runs,
-// the crossover sits lower: measured in docs/decode.md)
-static const int64_t GEMM_ROWS = HAS_AVX512 ? 128 : 192;
+// A tile's product for many rows: decode(k0, kb, out) writes rows k0 .. k0 + kb - 1 of the tile's dequantized
+// W_hat^T as (kb, 32) floats; wf holds K * 32. With AVX-512 the tile goes in blocks of block_rows(M) rows that
+// stay in L1 while every row of x passes over them (simd.h's block16; the sums go through y between blocks),
+// else whole into L2 for the 8-wide panel. Both sum each column over k in ascending order: the same floats.
+template <typename Decode>
+static void panel_product(const float* x, int64_t M, int64_t K, Decode decode, float* wf, float* y, int64_t ldy) {
+  if (!HAS_AVX512) {
+    decode(0, K, wf);
+    return panel_all_rows(x, M, K, wf, y, ldy);
+  }
+  for (int64_t k0 = 0, kb = block_rows(M); k0 < K; k0 += kb) {
+    const int64_t n = std::min(kb, K - k0);
+    decode(k0, n, wf);
+    block_all_rows(x, M, K, k0, n, wf, 32, y, ldy, true);
+  }
+}
+
+// from this many rows on: dequantize chunks of the layer for torch's float32 GEMM, which blocks the rows of x
+// too (the panel re-reads all of x for every tile). With AVX-512's blocked panel the crossover sits higher
+// (measured in docs/decode.md); an engine step of at most 256 tokens stays on the panel.
+static const int64_t GEMM_ROWS = HAS_AVX512 ? 384 : 192;
 constexpr int64_t DECODE_ONCE_ROWS = 12;  // from this many rows on a tile is dequantized once (measured: docs/decode.md)
 
 // The same product 16 columns a vector, for CPUs with AVX-512: one 128-bit load gives a k's four code words,
@@ -208,12 +190,13 @@ static void rows_tile(const float* x, int64_t M, int64_t K, const int32_t* w, co
 }
 
 
-// Tile t's dequantized weights W_hat^T[k, 32 t .. 32 t + 31] for every k, as float32 rows of 32 at stride
-// ld: W_hat = s (q - z), the reference's float32 values (q - z is exact).
+// Tile t's dequantized weights W_hat^T[k, 32 t .. 32 t + 31] for k0 <= k < k0 + kb, as float32 rows of 32 at
+// stride ld: W_hat = s (q - z), the reference's float32 values (q - z is exact).
 static void decode_tile(const int32_t* wp, const float* sp, const float* zp, int64_t K, int64_t N, int64_t group_size,
-                        int64_t t, float* out, int64_t ld) {
+                        int64_t t, int64_t k0, int64_t kb, float* out, int64_t ld) {
   const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28), mask = _mm256_set1_epi32(0xF);
-  for (int64_t k = 0; k < K; ++k) {
+  out -= k0 * ld;  // row k of the tile goes to out + (k - k0) ld
+  for (int64_t k = k0; k < k0 + kb; ++k) {
     const int64_t g = k / group_size;
     prefetch_ahead(wp + (t * K + k) * 4);
     for (int j = 0; j < 4; ++j) {
@@ -271,7 +254,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
   const int32_t* wp = panels.data_ptr<int32_t>();
   const float* sp = s.data_ptr<float>(); const float* zp = z_opt.has_value() ? z_opt->data_ptr<float>() : nullptr;
   if (M >= GEMM_ROWS)
-    return chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) { decode_tile(wp, sp, zp, K, N, group_size, t, out, ld); });
+    return chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) { decode_tile(wp, sp, zp, K, N, group_size, t, 0, K, out, ld); });
   auto y = torch::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -282,8 +265,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
         rows_tile(xp, M, K, wp + t * K * 4, sp, zp, G, group_size, N, t * 32, yp, wide);
         continue;
       }
-      decode_tile(wp, sp, zp, K, N, group_size, t, wf.data(), 32);
-      panel_all_rows(xp, M, K, wf.data(), yp + t * 32, N);
+      panel_product(xp, M, K, [&](int64_t k0, int64_t kb, float* out) { decode_tile(wp, sp, zp, K, N, group_size, t, k0, kb, out, 32); },
+                    wf.data(), yp + t * 32, N);
     }
   });
   return y;
@@ -329,9 +312,10 @@ static void rows_tile8(const float* x, int64_t M, int64_t K, const int8_t* w, fl
   }
 }
 
-// Tile t's int8 codes as float32 rows of 32 at stride ld (the scale and offset are applied to the product).
-static void decode_tile8(const int8_t* wp, int64_t K, int64_t t, float* out, int64_t ld) {
-  for (int64_t k = 0; k < K; ++k) {
+// Rows k0 .. k0 + kb - 1 of tile t's int8 codes as float32 rows of 32 at stride ld (the scale and offset are applied to the product).
+static void decode_tile8(const int8_t* wp, int64_t t, int64_t K, int64_t k0, int64_t kb, float* out, int64_t ld) {
+  out -= k0 * ld;
+  for (int64_t k = k0; k < k0 + kb; ++k) {
     prefetch_ahead(wp + (t * K + k) * 32);
     for (int j = 0; j < 32; j += 8)
       _mm256_storeu_ps(out + k * ld + j, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
@@ -353,7 +337,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
   const int8_t* wp = panels.data_ptr<int8_t>();
   torch::Tensor y;
   if (M >= GEMM_ROWS) {
-    y = chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) { decode_tile8(wp, K, t, out, ld); });
+    y = chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) { decode_tile8(wp, t, K, 0, K, out, ld); });
   } else {
     y = torch::empty({M, N}, x.options());
     const float* xp = x.data_ptr<float>(); float* yp = y.data_ptr<float>();
@@ -364,8 +348,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
           rows_tile8(xp, M, K, wp + t * K * 32, yp, N, t * 32);
           continue;
         }
-        decode_tile8(wp, K, t, wf.data(), 32);
-        panel_all_rows(xp, M, K, wf.data(), yp + t * 32, N);
+        panel_product(xp, M, K, [&](int64_t k0, int64_t kb, float* out) { decode_tile8(wp, t, K, k0, kb, out, 32); },
+                      wf.data(), yp + t * 32, N);
       }
     });
   }

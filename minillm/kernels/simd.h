@@ -1,5 +1,5 @@
-// Helpers shared by the kernels: AVX2 math (paged_attention.cpp, layer.cpp), the CPU's AVX-512 question and the
-// dispatch of a row count to register-blocked loops (cpu.cpp, dense.cpp).
+// Helpers shared by the kernels: AVX2 math (paged_attention.cpp, layer.cpp), the CPU's AVX-512 question, the
+// dispatch of a row count to register-blocked loops and the float32 block product they run (cpu.cpp, dense.cpp).
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
@@ -53,3 +53,62 @@ static void by_rows(int64_t M, F&& run) {
   }
 }
 
+
+// Rows of W^T per block for a product of M rows. A block's sums go back to y between blocks, so more rows take
+// longer blocks (fewer round trips); a few rows are bound by W's bytes, and short blocks keep its stream in
+// order (measured over SmolLM2's layers: docs/decode.md).
+static inline int64_t block_rows(int64_t M) { return M <= 24 ? 48 : M <= 32 ? 96 : 192; }
+
+// y[m, 0..31] (+)= sum over k < kb of x[m, k] w[k, 0..31] for MR rows, w's rows at stride ld: the sums stay in
+// registers for the block (from zero when first, else from y), one fused multiply-add per product in ascending
+// k. So a result does not depend on MR, the block length or the rows beside it, and the 8- and 16-lane
+// versions give the same floats. The prefetch asks for the row's columns two chunks ahead.
+template <int MR>
+static void block8(const float* x, int64_t K, int64_t kb, const float* w, int64_t ld, float* y, int64_t ldy,
+                   bool first) {
+  __m256 acc[MR][2];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * ldy + 8 * v);
+  for (int64_t k = 0; k < kb; ++k) {
+    const float* wk = w + k * ld;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 64), _MM_HINT_T0);
+    const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 b = _mm256_broadcast_ss(x + m * K + k);
+      acc[m][0] = _mm256_fmadd_ps(b, w0, acc[m][0]);
+      acc[m][1] = _mm256_fmadd_ps(b, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(y + m * ldy + 8 * v, acc[m][v]);
+}
+
+template <int MR>
+__attribute__((target("avx512f"))) static void block16(const float* x, int64_t K, int64_t kb, const float* w, int64_t ld,
+                                                       float* y, int64_t ldy, bool first) {
+  __m512 acc[MR][2];
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + 16 * v);
+  for (int64_t k = 0; k < kb; ++k) {
+    const float* wk = w + k * ld;
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 64), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(wk + 80), _MM_HINT_T0);
+    const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
+    for (int m = 0; m < MR; ++m) {
+      const __m512 b = _mm512_set1_ps(x[m * K + k]);
+      acc[m][0] = _mm512_fmadd_ps(b, w0, acc[m][0]);
+      acc[m][1] = _mm512_fmadd_ps(b, w1, acc[m][1]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int v = 0; v < 2; ++v) _mm512_storeu_ps(y + m * ldy + 16 * v, acc[m][v]);
+}
+
+// Every row of x (M, K) times one block of W^T: 32 columns (wide) or 16, kb rows from k0, at stride ld.
+static inline void block_all_rows(const float* x, int64_t M, int64_t K, int64_t k0, int64_t kb, const float* w,
+                                  int64_t ld, float* y, int64_t ldy, bool wide) {
+  if (wide)
+    by_rows<8>(M, [&](auto mr, int64_t m) { block16<decltype(mr)::value>(x + m * K + k0, K, kb, w, ld, y + m * ldy, ldy, k0 == 0); });
+  else
+    by_rows<6>(M, [&](auto mr, int64_t m) { block8<decltype(mr)::value>(x + m * K + k0, K, kb, w, ld, y + m * ldy, ldy, k0 == 0); });
+}

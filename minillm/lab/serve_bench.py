@@ -37,7 +37,10 @@ PAPER = {"throughput_vs_orca": "2-4x (Sec. 6.2)", "parallel_sampling_saved": "6.
          "beam_search_saved": "37.6-66.3% (Sec. 6.3)", "kv_utilization": 0.963,
          "orca_vs_static": "36.9x (Orca, GPT-3 175B)", "cb_vs_static_anyscale": "8x (Anyscale blog)"}
 GOALS = {"engine_vs_sequential": 4.0, "engine_vs_static": 1.3, "engine_vs_transformers": 3.0,
-         "kv_utilization": 0.96, "kv_vs_lab_points": 1.0}
+         "engine_spec_vs_transformers": 3.0, "kv_utilization": 0.96, "kv_vs_lab_points": 1.0}
+#: the engine with speculation, the command's extra row: prompt lookup with the draft length chosen per step
+#: (exact: the greedy tokens are the plain engine's)
+SPEC_ROW = {"method": "ngram", "num_speculative_tokens": "auto"}
 
 
 @dataclass(frozen=True)
@@ -151,11 +154,13 @@ def drive_engine(engine, reqs: list[BenchRequest], progress=None):
 
 
 def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blocks: int | None = None,
-               max_num_seqs: int = 64, max_num_batched_tokens: int = 256, progress=None) -> dict:
+               max_num_seqs: int = 64, max_num_batched_tokens: int = 256, progress=None,
+               speculative_config: dict | None = None) -> dict:
     """The engine, every request added at time 0; adds its memory figures, the lab's prediction and
-    ``rows_per_step_mean`` (sequences in a step's forward, the mean over steps)."""
+    ``rows_per_step_mean`` (sequences in a step's forward, the mean over steps); with ``speculative_config``,
+    the drafts' acceptance instead of the linear layers' floor."""
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens)
+                       max_num_batched_tokens=max_num_batched_tokens, speculative_config=speculative_config)
     outs, wall, ttft, tpot = drive_engine(engine, reqs, progress)
     report = _summary(reqs, wall, ttft, tpot, [o.outputs[0].token_ids for o in outs])
     mem = engine.stats.summary(block_size)
@@ -165,6 +170,13 @@ def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blo
                                        "mean_blocks", "steps")})
     report.update({"lab_kv_utilization": lab, "num_blocks": engine.num_blocks,
                    "rows_per_step_mean": float(np.mean([len(rec.runs) for rec in engine.stats.records]))})
+    if speculative_config is not None:
+        spec = engine.stats.spec_decoding
+        report.update({"speculative_config": dict(speculative_config), "num_draft_tokens": spec.num_draft_tokens,
+                       "num_accepted_tokens": spec.num_accepted_tokens,
+                       "acceptance_rate": spec.num_accepted_tokens / max(1, spec.num_draft_tokens)})
+        report["engine"] = engine
+        return report
     floor = linear_floor(model, engine.stats.records)  # after the wall clock: not part of the engine's time
     report.update({"linear_s": floor["linear_s"], "linear_only_tokens_per_s": report["output_tokens"] / floor["linear_s"],
                    "linear_grid": floor["grid"]})
@@ -298,13 +310,15 @@ def sharing_run(model, reqs: list[BenchRequest], block_size: int = 16, width: in
 def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "sharegpt", scale: float = 0.25,
                 block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 256, peer: bool = False, sharing_requests: int = 8,
-                memory_requests: int = 64, progress: bool = True) -> dict:
+                memory_requests: int = 64, progress: bool = True, speculative_config: dict | None = None) -> dict:
     """Every mode on the same requests, then the memory and sharing runs; the report described in the
-    module docstring (``modes`` keyed sequential / static / engine / transformers)."""
+    module docstring (``modes`` keyed engine / engine+spec / static / sequential / transformers; engine+spec only
+    with ``speculative_config``, the engine's with speculation)."""
     reqs = make_requests(tokenizer, num_requests, trace, scale)
     generate_cached(model, reqs[0].prompt_token_ids, _greedy(2))  # warm-up
     modes = {}
-    names = ["engine", "static", "sequential"] + (["transformers"] if peer else [])
+    names = (["engine"] + (["engine+spec"] if speculative_config else []) + ["static", "sequential"]
+             + (["transformers"] if peer else []))
     with tqdm(total=len(names) * len(reqs), desc="serve-bench", disable=not progress) as bar:
         for name in names:
             bar.set_postfix_str(name)
@@ -312,6 +326,12 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
                 modes[name] = run_engine(model, reqs, block_size=block_size, num_blocks=num_blocks,
                                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                          progress=bar)
+                continue
+            if name == "engine+spec":
+                modes[name] = run_engine(model, reqs, block_size=block_size, num_blocks=num_blocks,
+                                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                         progress=bar, speculative_config=speculative_config)
+                modes[name].pop("engine")
                 continue
             if name == "sequential":
                 modes[name] = run_sequential(model, reqs)
@@ -348,6 +368,11 @@ def goals(report: dict) -> dict:
                       ("transformers", "engine_vs_transformers")):
         ratio = e / m[name]["output_tokens_per_s"] if name in m else None
         g[key] = {"measured": ratio, "goal": GOALS[key], "held": None if ratio is None else ratio >= GOALS[key]}
+    if "engine+spec" in m:
+        key = "engine_spec_vs_transformers"
+        ratio = (m["engine+spec"]["output_tokens_per_s"] / m["transformers"]["output_tokens_per_s"]
+                 if "transformers" in m else None)
+        g[key] = {"measured": ratio, "goal": GOALS[key], "held": None if ratio is None else ratio >= GOALS[key]}
     mem = report.get("memory")
     if mem:
         g["kv_utilization"] = {"measured": mem["kv_utilization"], "goal": GOALS["kv_utilization"],
@@ -377,6 +402,11 @@ def format_report(report: dict, goals: bool = True) -> str:
     lines.append(f"engine memory: peak {e['peak_blocks']} / mean {e['mean_blocks']:.1f} of {e['num_blocks']} blocks, "
                  f"kv_utilization {100 * e['kv_utilization']:.1f}% (lab predicts {100 * e['lab_kv_utilization']:.1f}%), "
                  f"{e['preemptions']} preemptions, prefix hit rate {100 * e['prefix_hit_rate']:.1f}%, {e['steps']} steps")
+    if "engine+spec" in report["modes"]:
+        x = report["modes"]["engine+spec"]
+        lines.append(f"engine+spec: the engine with speculative_config={x['speculative_config']}: {x['steps']} steps "
+                     f"against {e['steps']}, {100 * x['acceptance_rate']:.0f}% of {x['num_draft_tokens']} draft tokens "
+                     "accepted")
     if "linear_s" in e:
         lines.append(f"engine time in the linear layers alone (its step shapes, timed apart): {e['linear_s']:.1f} of "
                      f"{e['wall_s']:.1f} s; with nothing else, {e['linear_only_tokens_per_s']:.0f} output tok/s")

@@ -18,7 +18,7 @@ from ..timing import available_memory
 from ..threads import fix_threads
 from .background import background_load, check_load
 from .online import cmd_online
-from .serve_bench import format_report, request_lengths, serve_bench
+from .serve_bench import SPEC_ROW, format_report, request_lengths, serve_bench
 from .serve_spec import SPEC_TRACES, cmd_serve_spec
 
 # --quick's defaults; an explicit --requests or --scale still wins (the report says what ran)
@@ -48,7 +48,8 @@ def serve_bench_kwargs(args) -> tuple[dict, list[tuple[int, int]]]:
     kwargs.update({k: v for k, v in (("num_requests", args.requests), ("scale", args.scale)) if v is not None})
     kwargs.update(trace=args.trace, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  peer=args.peer, progress=not args.json)
+                  peer=args.peer, progress=not args.json,
+                  speculative_config=None if args.no_spec_row else SPEC_ROW)
     if args.block_size > MAX_SEQ_LEN:
         # the memory run replays the traces' full lengths with this block size, and no sequence is longer
         raise ValueError(f"--block-size: {args.block_size} tokens per block is more than the longest sequence "
@@ -147,6 +148,8 @@ def register(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=at_least(1), default=256, help="tokens per engine step")
     p.add_argument("--peer", action="store_true", help="also run transformers' continuous batching "
                    "(generate_batch's manager, attn_implementation='paged|sdpa')")
+    p.add_argument("--no-spec-row", action="store_true", help="leave out the row engine+spec (the engine with "
+                   "prompt-lookup speculation, draft length auto: the same greedy tokens, fewer steps)")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: chosen from the "
                    "cores this process may use and their load, minillm.threads)")
     p.add_argument("--background-load", type=at_least(0), default=0, metavar="N", help="run N CPU-bound processes "

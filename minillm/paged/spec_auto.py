@@ -96,7 +96,9 @@ class PiecewiseCost:
 @torch.inference_mode()
 def measure_step_cost(model, max_tokens: int, repeats: int = 3) -> PiecewiseCost:
     """c(N): the fastest of ``repeats`` forwards of N tokens (logits at every token, as a decode step
-    with drafts computes them), at N = 1, 2, 4, ... up to ``max_tokens``; about a second for SmolLM2."""
+    with drafts computes them), at N = 1, 2, 4, ... up to ``max_tokens`` or the model's context if shorter
+    (the curve extrapolates past it); about a second for SmolLM2."""
+    max_tokens = min(max_tokens, model.config.max_seq_len)
     sizes = sorted({1 << i for i in range(max(1, max_tokens).bit_length())} | {max(1, max_tokens)})
     points = []
     for n in sizes:

@@ -39,8 +39,7 @@ class DraftRunner:
         self._saved: dict = {}
         # the start's curve reaches a step's token budget (or the draft's context, if shorter): a first forward
         # feeds a whole prompt, which a curve measured only up to the seats would extrapolate flat
-        most = min(engine.scheduler.max_num_batched_tokens, model.config.max_seq_len)
-        self.cost = measure_step_cost(model, most, repeats=2) if auto else None
+        self.cost = measure_step_cost(model, engine.scheduler.max_num_batched_tokens, repeats=2) if auto else None
         self.seconds: dict[int, float] = {}  # tokens fed -> seconds of one draft forward of that many, as run
 
     def forward_cost(self, n: int) -> float:

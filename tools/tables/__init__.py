@@ -127,6 +127,11 @@ def headline(folder: Path = FIGURES) -> str:
                 f"{engine['same_tokens_as_sequential']}/{n} requests' greedy tokens equal one at a time's"
                 + ("" if name == "sequential" else f" ({name}: {modes[name]['same_tokens_as_sequential']}/{n})"),
                 "serve-bench")
+    if "engine+spec" in modes and "transformers" in modes:
+        spec, hf = modes["engine+spec"], modes["transformers"]
+        row(f"the same engine + prompt-lookup speculation (auto), {n} requests", "transformers' continuous batching",
+            hf["output_tokens_per_s"], spec["output_tokens_per_s"], spec["output_tokens_per_s"] / hf["output_tokens_per_s"],
+            f"{spec['same_tokens_as_sequential']}/{n} requests' greedy tokens equal one at a time's", "serve-bench")
     t, b = tour["report"], bench["report"]
     lines = _table(["technique", "its baseline", "baseline tokens/s", "tokens/s", "speedup", "check", "run"],
                    ["l", "l", "r", "r", "r", "l", "l"], rows)

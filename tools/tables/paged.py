@@ -8,7 +8,8 @@ from pathlib import Path
 from . import FIGURES, MET, _source, _table, _trace, read_record
 
 
-SERVE_MODES = {"engine": "the engine (continuous batching)", "static": "static batches (`generate_batch`, {b} at a time)",
+SERVE_MODES = {"engine": "the engine (continuous batching)",
+               "engine+spec": "the engine + prompt-lookup speculation (`ngram`, draft length `auto`)", "static": "static batches (`generate_batch`, {b} at a time)",
                "sequential": "one at a time (`generate_cached`)",
                "transformers": "transformers' continuous batching (paged\\|sdpa)"}
 
@@ -38,6 +39,11 @@ def serve_bench(folder: Path = FIGURES) -> str:
         lines[-1] += (f" At the trace's full lengths ({x['num_requests']} requests, mean {x['mean_prompt']:.0f} / "
                       f"{x['mean_output']:.0f} tokens, a tiny random model): {x['kv_utilization']:.1%} (lab "
                       f"{x['lab_kv_utilization']:.1%}; the paper: {s['paper']['kv_utilization']:.1%}).")
+    if "engine+spec" in s["modes"]:
+        x = s["modes"]["engine+spec"]
+        lines += ["", f"With speculation (vLLM's `speculative_config={x['speculative_config']}`) the engine took "
+                  f"{x['steps']} steps against {e['steps']}; {x['acceptance_rate']:.0%} of its "
+                  f"{x['num_draft_tokens']} draft tokens were accepted."]
     if "linear_s" in e:
         lines += ["", f"The engine's steps in the linear layers alone (each step's token count through the blocks' "
                   f"layers and its sampled rows through the output layer, timed apart): {e['linear_s']:.1f} of its "
@@ -49,7 +55,8 @@ def serve_bench(folder: Path = FIGURES) -> str:
                   f"(paper: {s['paper']['parallel_sampling_saved']}) and {x['beam_search']:.1%} for beam width "
                   f"{x['width']} (paper: {s['paper']['beam_search_saved']}), on the first {x['num_requests']} requests."]
     words = {"engine_vs_sequential": "engine / one at a time", "engine_vs_static": "engine / static batches",
-             "engine_vs_transformers": "engine / transformers", "kv_utilization": "kv_utilization at full lengths",
+             "engine_vs_transformers": "engine / transformers",
+             "engine_spec_vs_transformers": "engine with speculation / transformers", "kv_utilization": "kv_utilization at full lengths",
              "kv_vs_lab_points": "kv_utilization's distance from the lab's prediction"}
     units = {"kv_utilization": ("{:.1%}", "{:.0%}"), "kv_vs_lab_points": ("{:.2f} points", "at most {} points")}
     goals = []
