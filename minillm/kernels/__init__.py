@@ -1,20 +1,17 @@
-"""minillm's own CPU kernels (C++, AVX2 + FMA): weight-only int4 and int8 linear products (``cpu.cpp``),
-PagedAttention over the pool of KV blocks (``paged_attention.cpp``) and a layer's small operations (``layer.cpp``).
+"""minillm's own CPU kernels (C++, AVX2 + FMA, 16 lanes where the CPU has AVX-512): weight-only int4 and int8
+products (``cpu.cpp``), float32 products of a few dozen rows (``dense.cpp``), PagedAttention over the pool of KV
+blocks (``paged_attention.cpp``) and a layer's small operations (``layer.cpp``).
 
-Why: a 4-bit decode step should cost what its bytes cost, and a decode row's attention what its keys cost.
-torch's weight-only CPU kernels take bfloat16 activations and, without AVX-512, decode the codes slower than
-memory delivers them (docs/decode.md); these read each code once per call, turn it into float32 in registers
-(``s (q - z)``, as the reference dequantizes) and keep up to six rows' sums there, so a decode step or a
-speculative verification costs about one pass over the codes. The layout: tiles of 32 output columns, each
-tile's codes for all K inputs contiguous (``int4_panels``, ``int8_panels``). ``paged_attention`` reads each
-sequence's keys and values where they lie in the pool (vLLM's kernel, docs/paged.md) instead of gathering them.
-``rms_norm``, ``add_rms_norm``, ``silu_mul`` and ``rope_write`` do in one pass what takes torch two to ten
-operators (each a dispatch and a parallel region): on a CPU step of short rows, those cost more than the math.
+Why: a decode step should cost what its bytes cost. The products stream each weight (or code, turned into float32
+in registers as the reference dequantizes: ``s (q - z)``) once per call, in order, with several rows' sums in
+registers, so a decode step or a speculative verification costs about one pass over the weights (docs/decode.md).
+``paged_attention`` reads each sequence's keys and values where they lie in the pool (vLLM's kernel) instead of
+gathering them; ``rms_norm``, ``add_rms_norm``, ``silu_mul`` and ``rope_write`` do in one pass what takes torch
+two to ten operators, which on a CPU step of short rows cost more than the math.
 
 The C++ builds once, on first use, with torch's extension builder (a compiler and ninja; about a minute). Where
-it cannot (no compiler, no AVX2, or ``MINILLM_KERNELS=0``), ``available()`` is False: ``minillm.quant`` keeps
-torch's kernels, the engine its gather + SDPA and the layers torch's operators. Under ``torch.compile`` the
-products and the attention are ``torch.library`` custom ops, which it calls as they are; the layer's small
+it cannot (no compiler, no AVX2, or ``MINILLM_KERNELS=0``), ``available()`` is False and every caller keeps torch's
+operators. Under ``torch.compile`` the products and the attention are ``torch.library`` custom ops; the small
 operations are left to inductor, which fuses them itself (``fused_ok``). The ``*_naive`` functions are the baselines.
 """
 
