@@ -34,6 +34,15 @@ def test_int4_linear_equals_dequantize_then_matmul(rows, out_features, in_featur
     assert ((y.double() - ref).abs() <= bound(x, w).double()).all()
 
 
+@pytest.mark.parametrize("rows", [1, 12, 50, 383, 384])
+def test_products_over_no_inputs_are_zero(rows):
+    """K = 0: every output is an empty sum, on every path (registers, panels, chunked GEMM)."""
+    x = torch.randn(rows, 0)
+    y4 = kernels.int4_linear(x, kernels.int4_panels(torch.zeros(32, 0, dtype=torch.long)), torch.zeros(0, 32), None, 32)
+    y8 = kernels.int8_linear(x, kernels.int8_panels(torch.zeros(32, 0, dtype=torch.int8)), torch.ones(32), torch.ones(32))
+    assert torch.equal(y4, torch.zeros(rows, 32)) and torch.equal(y8, torch.zeros(rows, 32))
+
+
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="the 16-lane loop needs AVX-512")
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 11])
 @pytest.mark.parametrize("zero_points", [True, False])

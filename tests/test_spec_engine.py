@@ -401,6 +401,11 @@ def test_auto_builds_with_drafts_and_prompts_it_cannot_measure_on(tiny):
     # the target's own curve stops at its context too (a step's budget of 256 tokens, a context of 100)
     engine = LLMEngine(short, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": "auto"})
     assert engine.spec.step_cost.points[-1][0] == 100
+    # past the last point the curve never falls, though two close points timed in the wrong order
+    from minillm.paged.spec_auto import PiecewiseCost
+    noisy = PiecewiseCost([(1, 1.0), (4, 1.2), (5, 1.1)])
+    assert noisy(256) == 1.1 and noisy(6) == 1.1
+    assert PiecewiseCost([(4, 1.0), (5, 1.5)])(7) == 2.5  # a rising slope is followed
 
 
 def test_auto_tries_again_once_old_failures_fade(tiny):

@@ -256,6 +256,7 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
   if (M >= GEMM_ROWS)
     return chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) { decode_tile(wp, sp, zp, K, N, group_size, t, 0, K, out, ld); });
   auto y = torch::empty({M, N}, x.options());
+  if (K == 0) return y.zero_();  // no products: the loops below would write nothing
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, T, 1, [&](int64_t begin, int64_t end) {
@@ -338,6 +339,8 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor panels, torch::Tensor s
   torch::Tensor y;
   if (M >= GEMM_ROWS) {
     y = chunked_gemm(x, T, [&](int64_t t, float* out, int64_t ld) { decode_tile8(wp, t, K, 0, K, out, ld); });
+  } else if (K == 0) {  // no products: the loops below would write nothing
+    y = torch::zeros({M, N}, x.options());
   } else {
     y = torch::empty({M, N}, x.options());
     const float* xp = x.data_ptr<float>(); float* yp = y.data_ptr<float>();

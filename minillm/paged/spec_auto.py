@@ -63,8 +63,8 @@ def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int,
 
 
 class PiecewiseCost:
-    """Seconds of a forward of N tokens, linear between measured points (and beyond the last); ``observe``
-    folds in the forwards the engine runs, so that the costs follow the machine's load."""
+    """Seconds of a forward of N tokens, linear between measured points (and beyond the last, never falling);
+    ``observe`` folds in the forwards the engine runs, so that the costs follow the machine's load."""
 
     def __init__(self, points: list[tuple[int, float]]):
         self.measured = dict(points)
@@ -89,8 +89,10 @@ class PiecewiseCost:
         for (n0, c0), (n1, c1) in zip(pts, pts[1:]):
             if n <= n1:
                 return c0 + (c1 - c0) * (n - n0) / (n1 - n0)
+        # past the last point along the last slope, never falling: two close points (a short context) can time
+        # in the wrong order, and a cost that fell with the tokens would make long drafts look free
         (n0, c0), (n1, c1) = pts[-2], pts[-1]
-        return c1 + (c1 - c0) * (n - n1) / max(1, n1 - n0)
+        return c1 + max(0.0, c1 - c0) * (n - n1) / max(1, n1 - n0)
 
 
 @torch.inference_mode()
