@@ -175,11 +175,10 @@ def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blo
         report.update({"speculative_config": dict(speculative_config), "num_draft_tokens": spec.num_draft_tokens,
                        "num_accepted_tokens": spec.num_accepted_tokens,
                        "acceptance_rate": spec.num_accepted_tokens / max(1, spec.num_draft_tokens)})
-        report["engine"] = engine
-        return report
-    floor = linear_floor(model, engine.stats.records)  # after the wall clock: not part of the engine's time
-    report.update({"linear_s": floor["linear_s"], "linear_only_tokens_per_s": report["output_tokens"] / floor["linear_s"],
-                   "linear_grid": floor["grid"]})
+    else:
+        floor = linear_floor(model, engine.stats.records)  # after the wall clock: not part of the engine's time
+        report.update({"linear_s": floor["linear_s"], "linear_grid": floor["grid"],
+                       "linear_only_tokens_per_s": report["output_tokens"] / floor["linear_s"]})
     report["engine"] = engine  # for the notebook's timeline; removed before JSON
     return report
 
@@ -322,16 +321,10 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
     with tqdm(total=len(names) * len(reqs), desc="serve-bench", disable=not progress) as bar:
         for name in names:
             bar.set_postfix_str(name)
-            if name == "engine":
+            if name in ("engine", "engine+spec"):
                 modes[name] = run_engine(model, reqs, block_size=block_size, num_blocks=num_blocks,
                                          max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                         progress=bar)
-                continue
-            if name == "engine+spec":
-                modes[name] = run_engine(model, reqs, block_size=block_size, num_blocks=num_blocks,
-                                         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                         progress=bar, speculative_config=speculative_config)
-                modes[name].pop("engine")
+                                         progress=bar, speculative_config=speculative_config if name != "engine" else None)
                 continue
             if name == "sequential":
                 modes[name] = run_sequential(model, reqs)
@@ -342,9 +335,10 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
                 modes[name] = run_transformers(hf, reqs, max_num_seqs,
                                                kv_tokens=modes["engine"]["num_blocks"] * block_size)
             bar.update(len(reqs))
-    engine = modes["engine"].pop("engine")
+    engine = modes["engine"]["engine"]
     ref = modes["sequential"]["tokens"]
     for m in modes.values():
+        m.pop("engine", None)
         m["same_tokens_as_sequential"] = sum(a == b for a, b in zip(m.pop("tokens"), ref))
     report = {"machine": machine(), "dtype": dtype_name(model.dtype), "trace": trace, "scale": scale,
               "num_requests": num_requests, "block_size": block_size, "max_num_seqs": max_num_seqs,
