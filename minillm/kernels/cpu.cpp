@@ -62,6 +62,9 @@ static void tile(const float* x, int64_t M_ld, int64_t K, const int32_t* w, int 
 
 // Many rows: the tile's weights are dequantized once into a (K, 32) float32 panel (in L2), then every
 // row block runs a float32 micro-kernel over it, so decoding costs once per tile, not once per 6 rows.
+// The loop of simd.h's block8 (both 16-column halves per row group, the whole K, no prefetch), kept apart:
+// block8 over the same panel (the halves in turn, both per row group, the whole tile or blocks of it) took
+// 1.3-1.7x as long for 12-191 rows (an AVX-512 CPU forced onto this path, 2026-12-04).
 template <int MR>
 static void panel_rows(const float* x, int64_t K, const float* wf, float* y, int64_t ldy) {
   for (int h = 0; h < 32; h += 16) {
