@@ -36,9 +36,12 @@ def instruction_set() -> str:
     """The vector instructions torch's CPU kernels use here ("AVX512", "AVX2", ...): which int4 kernel
     inductor can generate depends on it, so every decode record names it."""
     try:
-        return torch.backends.cpu.get_cpu_capability()
+        isa = torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
         return "unknown"
+    if os.environ.get("ATEN_CPU_CAPABILITY"):  # a cap, e.g. =avx2 to run as on a CPU without AVX-512
+        isa += f" by ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']}"
+    return isa
 
 
 def machine() -> str:

@@ -132,3 +132,22 @@ def test_bench_products_adds_each_layers_bias_and_refuses_other_dtypes(capsys):
     assert len(report["rows"][0]["float32"]) >= 3
     assert main(["bench", "products", "--dtype", "bfloat16"]) == 2
     assert "float32 CPU kernels" in capsys.readouterr().err
+
+
+def test_aten_cpu_capability_avx2_runs_everything_as_on_an_avx2_only_cpu():
+    """ATEN_CPU_CAPABILITY=avx2 caps torch, inductor and minillm's kernels alike, and the records say so: the
+    way to measure an AVX2-only CPU's paths on a CPU with AVX-512 (docs/decode.md)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from minillm import kernels, linear; from minillm.timing import instruction_set\n"
+            "x, w = torch.randn(3, 64), torch.randn(1, 64, 32)\n"
+            "try:\n    kernels.f32_linear(x, w, 16); wide = 'lanes 16 ran'\n"
+            "except RuntimeError as e:\n    wide = str(e).splitlines()[0]\n"
+            "print(instruction_set(), linear.FEW_ROWS, wide, sep='|')")
+    env = {**__import__("os").environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    isa, few_rows, wide = out.strip().splitlines()[-1].split("|")
+    assert isa == "AVX2 by ATEN_CPU_CAPABILITY=avx2"
+    assert int(few_rows) == 4  # Linear's AVX2 limit, not AVX-512's
+    assert "ATEN_CPU_CAPABILITY" in wide  # the 16-lane kernel is refused, naming the cap

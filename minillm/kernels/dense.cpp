@@ -28,7 +28,7 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes) {
               && w.device().is_cpu() && w.is_contiguous(), "f32_linear: float32 CPU tensors, contiguous shards");
   TORCH_CHECK(w.size(2) % 32 == 0, "f32_linear: shard width must be a multiple of 32, got ", w.size(2));
   TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "f32_linear: lanes must be 0, 8 or 16, got ", lanes);
-  TORCH_CHECK(lanes != 16 || cpu_has_avx512(), "f32_linear: lanes=16 needs a CPU with AVX-512");
+  TORCH_CHECK(lanes != 16 || cpu_has_avx512(), "f32_linear: lanes=16 needs a CPU with AVX-512 and no ATEN_CPU_CAPABILITY=avx2 cap");
   const bool wide = lanes == 16 || (lanes == 0 && cpu_has_avx512());
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), S = w.size(0), Ns = w.size(2), N = S * Ns;

@@ -3,6 +3,8 @@
 #pragma once
 #include <immintrin.h>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 // exp of 8 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor series to r^7 (relative error
@@ -29,10 +31,15 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-// Whether the CPU has AVX-512F, asked once. A static initializer may run before libgcc's own, so the builtin's
-// initialisation is called first.
+// Whether to use AVX-512F, asked once: the CPU has it and torch's ATEN_CPU_CAPABILITY does not cap the process
+// below it (=avx2 runs torch, inductor and these kernels as on an AVX2-only CPU). A static initializer may run
+// before libgcc's own, so the builtin's initialisation is called first.
 static inline bool cpu_has_avx512() {
-  static const bool yes = (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+  static const bool yes = [] {
+    const char* cap = std::getenv("ATEN_CPU_CAPABILITY");
+    const bool capped = cap && (std::strcmp(cap, "avx2") == 0 || std::strcmp(cap, "default") == 0);
+    return !capped && (__builtin_cpu_init(), __builtin_cpu_supports("avx512f"));
+  }();
   return yes;
 }
 

@@ -26,7 +26,7 @@ from ..roofline.ceilings import measure
 from ..sampling import SamplingParams
 from ..timing import instruction_set, machine
 from .decode import decode_bytes_per_token, run_ours
-from .peers import load_llamacpp_peer
+from .peers import llamacpp_build, load_llamacpp_peer
 
 
 def gguf_bytes_per_token(model_path=None) -> int:
@@ -139,13 +139,15 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
             "threads": n_threads, "batch_size": 1,
             "prompt": prompt, "prompt_tokens": len(prompt_tokens), "new_tokens": new_tokens, "repeats": repeats,
             "bandwidth": {"before": before, "after": after, "ceiling": ceiling}, "results": results,
+            "llamacpp_build": llamacpp_build() if llamacpp else None,
             "best_ours": best, "best_over_llamacpp": statistics.median(per_repeat) if llamacpp else None,
             "best_over_llamacpp_per_repeat": per_repeat}
 
 
 def format_bench_llamacpp(report: dict) -> str:
     bw = report["bandwidth"]
-    lines = [f"machine: {report['machine']}",
+    lines = [f"machine: {report['machine']}" + (f"; llama.cpp built for {report['llamacpp_build']}"
+                                                 if report.get("llamacpp_build") else ""),
              f"{report['threads']} threads, batch 1, prompt {report['prompt_tokens']} tokens, "
              f"{report['new_tokens']} new "
              f"tokens, greedy; median of {report['repeats']} interleaved runs after a warm-up each; bandwidth bound "

@@ -5,6 +5,7 @@ each loader imports its package when called."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -39,6 +40,16 @@ def llamacpp_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def llamacpp_build() -> str:
+    """The x86 vector extensions this llama.cpp build uses, e.g. "AVX2 FMA F16C AVX512": a record states which
+    instructions the peer ran, since llama-cpp-python compiles for the machine it is installed on."""
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    flags = re.findall(r"\b(AVX\w*|FMA|F16C|AMX\w*) = 1", info)
+    return " ".join(dict.fromkeys(flags)) or "no AVX"
 
 
 def load_llamacpp_peer(model_path, n_threads: int, n_ctx: int):

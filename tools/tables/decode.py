@@ -155,7 +155,8 @@ def decode_llamacpp(folder: Path = FIGURES) -> str:
                      f"{res[comp]['tokens_equal_to_eager']})")
     if steps:
         lines += ["", "What each step bought in this run: " + "; ".join(steps) + "."]
-    lines += ["", f"{p['machine']}, {p['threads']} threads for both, batch 1, {p['prompt_tokens']}-token prompt, {n} new "
+    build = f"; llama.cpp built for {p['llamacpp_build']}" if p.get("llamacpp_build") else ""
+    lines += ["", f"{p['machine']}{build}, {p['threads']} threads for both, batch 1, {p['prompt_tokens']}-token prompt, {n} new "
               f"tokens, greedy, {p['repeats']} interleaved repeats after a warm-up each; {_source(rec)}."]
     return "\n".join(lines)
 
