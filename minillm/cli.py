@@ -160,7 +160,7 @@ def _bench_decode_llamacpp(args) -> int:
     model, tokenizer = load(args)
     report = bench_decode_llamacpp(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
                                    model_path=args.model, quant_head=args.quant_head, compile=not args.no_compile,
-                                   progress=not args.json)
+                                   int8_activations=not args.no_int8_activations, progress=not args.json)
     print_json(report) if args.json else print(format_bench_llamacpp(report))
     return 0
 
@@ -203,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--peer llamacpp: the output layer of the 4-bit paths (default int8: within 0.1%% of the "
                          "float head's perplexity; int4 is faster and 5.7%% worse, docs/decode.md)")
     bd.add_argument("--no-compile", action="store_true", help="--peer llamacpp: leave out the compiled 4-bit path")
+    bd.add_argument("--no-int8-activations", action="store_true", help="--peer llamacpp: leave out the paths whose "
+                    "4-bit layers take int8 activations (llama.cpp's recipe: integer dot products, x rounded per 32)")
     add_model_args(bd)
     bd.set_defaults(func=cmd_bench_decode, measures_speed=True)
 

@@ -30,13 +30,18 @@ from .model import Decoder
 warnings.filterwarnings("ignore", message="TypedStorage is deprecated", category=UserWarning,
                         module=r"torch\._inductor\.")
 
+#: dynamo checks its guards before every step; those on the model's modules (every layer's attributes and
+#: tensors) took about 0.9 ms of a 1-row step of the int4 model, 8% of its time (docs/decode.md). The weights
+#: are frozen into the code anyway, so a change to them after compiling is already unseen: they are dropped,
+#: and the guards on the step's own inputs (sizes, dtypes, the cache) stay
+GUARDS = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 #: inductor settings: autotuned GEMMs over frozen (constant) weights; no CUDA graphs, because the
 #: number of cached positions (a shape) changes every step
-COMPILE_OPTIONS = {"max_autotune": True, "freezing": True, "triton.cudagraphs": False}
+COMPILE_OPTIONS = {"max_autotune": True, "freezing": True, "triton.cudagraphs": False, **GUARDS}
 #: on CUDA, without max_autotune: there it times Triton GEMM configurations for minutes (on an H200
 #: it had not finished after 200 s), and a batch-1 decode step of this model on a GPU is bound by
 #: kernel launches, not by its GEMMs (see ``compile_decode``)
-CUDA_COMPILE_OPTIONS = {"freezing": True, "triton.cudagraphs": False}
+CUDA_COMPILE_OPTIONS = {"freezing": True, "triton.cudagraphs": False, **GUARDS}
 #: compiled versions kept per model (the weights' addresses are guarded; each batch size and cache
 #: layout adds one)
 RECOMPILE_LIMIT = 64

@@ -142,9 +142,13 @@ def _stack_report():
             "full_stack_over_row2": 5.0, "full_stack_over_row1": 25.0}
 
 
+def _llamacpp_avx2_report():
+    return {**_llamacpp_report(), "machine": "m (AVX2 by ATEN_CPU_CAPABILITY=avx2)", "llamacpp_build": "AVX AVX2 F16C FMA"}
+
+
 REPORTS = {"02_kv_cache.json": _kv_report, "01_roofline.json": _roofline_report, "tour.json": _tour_report,
            "bench_decode.json": _bench_report, "bench_decode_llamacpp.json": _llamacpp_report,
-           "serve_bench.json": _serve_report, "fragmentation.json": _fragmentation_report,
+           "bench_decode_llamacpp_avx2.json": _llamacpp_avx2_report, "serve_bench.json": _serve_report, "fragmentation.json": _fragmentation_report,
            "04_speculative.json": _spec_report, "stack.json": _stack_report}
 
 
@@ -277,6 +281,10 @@ def test_decode_tables_compute_ratios_from_the_runs(tmp_path):
     # 62 / 31, 72 / 62, 144 / 72
     assert "the 4-bit blocks 2.00x the float32 step; quantizing the output layer (int8 head) 1.16x eager; compiling 2.00x" in text
     assert "first 24)" in text
+    _write(tmp_path, "bench_decode_llamacpp_avx2.json")  # the run capped at AVX2 names the cap and llama.cpp's build
+    text = decode_tables.decode_llamacpp_avx2(tmp_path)
+    assert "m (AVX2 by ATEN_CPU_CAPABILITY=avx2); llama.cpp built for AVX AVX2 F16C FMA, 2 threads for both" in text
+    assert "`cmd for bench_decode_llamacpp_avx2.json`" in text
 
 
 def test_paged_tables_from_serve_bench_fragmentation_and_bench_decode(tmp_path):

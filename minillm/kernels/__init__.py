@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from torch._C._functorch import is_functorch_wrapped_tensor as _is_functorch_wrapped
 from torch.autograd import forward_ad as _forward_ad
 
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "paged_attention.cpp", "layer.cpp", "dense.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "paged_attention.cpp", "layer.cpp", "dense.cpp",
+                                                       "w4a8.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 # fp-contract=off: a product and a sum stay two roundings (as in torch's elementwise operators) unless the
 # source asks for a fused multiply-add, so that RoPE gives apply_rope's result bit for bit
@@ -106,6 +107,17 @@ def _(x, panels, scales, zeros, group_size):
     return x.new_empty(x.shape[0], panels.shape[0] * TILE)
 
 
+@torch.library.custom_op("minillm::int4_a8_linear", mutates_args=())
+def _int4_a8_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor | None,
+                group_size: int) -> torch.Tensor:
+    return _loaded().int4_a8_linear(x, packed, scales, scaled_zeros, group_size)
+
+
+@_int4_a8_op.register_fake
+def _(x, packed, scales, scaled_zeros, group_size):
+    return x.new_empty(x.shape[0], packed.shape[0] * TILE)
+
+
 @torch.library.custom_op("minillm::int8_linear", mutates_args=())
 def _int8_op(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
     return _loaded().int8_linear(x, panels, scales, offset)
@@ -137,6 +149,16 @@ def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zer
     if torch.compiler.is_compiling():
         return _int4_op(x.contiguous(), panels, scales, zeros, group_size)
     return _loaded().int4_linear(x, panels, scales, zeros, group_size, lanes)  # eager: no custom op dispatch
+
+
+def int4_a8_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor | None,
+                   group_size: int) -> torch.Tensor:
+    """``Q8(x) W_hat^T`` (w4a8.cpp): x (M, K) float32 quantized to int8 in blocks of 32 (``quantize_q8``), the
+    codes ``int4_a8_panels(codes)``, scales (K / group_size, N) float32, scaled_zeros ``scales * zeros`` or None,
+    group_size a multiple of 32. Each row's result is the same whatever rows are beside it."""
+    if torch.compiler.is_compiling():
+        return _int4_a8_op(x.contiguous(), packed, scales, scaled_zeros, group_size)
+    return _loaded().int4_a8_linear(x, packed, scales, scaled_zeros, group_size)
 
 
 def int8_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
@@ -305,6 +327,34 @@ def int4_panels(codes: torch.Tensor) -> torch.Tensor:
     c = codes.reshape(n // TILE, 4, 8, k).permute(0, 3, 1, 2).to(torch.int64)  # (T, K, 4, 8)
     words = (c << (4 * torch.arange(8, device=codes.device))).sum(-1)  # 0 .. 2^32 - 1
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32).contiguous()
+
+
+def int4_a8_panels(codes: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes in 0..15 -> (N / 32, K / 32, 512) uint8 for ``int4_a8_linear``: for each 32-column tile and
+    block of 32 inputs, 4 groups of 8 columns, each 4 vectors of 32 bytes; byte 4c + i of vector l holds column
+    c's code for input 4l + i of the block in its low nibble and for input 16 + 4l + i in its high one (so
+    vpmaddubsw multiplies a column's 4 consecutive codes with 4 consecutive activations)."""
+    n, k = codes.shape
+    c = codes.to(torch.uint8).reshape(n // TILE, 4, 8, k // 32, 2, 4, 4)  # (t, j, c, b, half, l, i)
+    byte = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)  # (t, j, c, b, l, i)
+    return byte.permute(0, 3, 1, 4, 2, 5).reshape(n // TILE, k // 32, 512).contiguous()
+
+
+def quantize_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) float32 -> (codes, d): int8 codes (..., K) and one scale per block of ``block`` inputs (..., K /
+    block), d = max |x| / 127 and codes = round(x / d) (0 where a block is all zero): llama.cpp's Q8_0."""
+    xb = x.reshape(*x.shape[:-1], -1, block)
+    d = xb.abs().amax(-1) / 127
+    q = torch.where(d[..., None] == 0, torch.zeros_like(xb), torch.round(xb / d[..., None]))
+    return q.to(torch.int8).reshape(x.shape), d
+
+
+def int4_a8_linear_naive(x, codes, scales, zeros, group_size) -> torch.Tensor:
+    """The baseline of ``int4_a8_linear`` (codes (N, K), zeros (K / group_size, N) or None): x quantized by
+    ``quantize_q8`` and dequantized, then ``int4_linear_naive``'s product."""
+    q, d = quantize_q8(x)
+    x_hat = (q.float().reshape(*d.shape, -1) * d[..., None]).reshape(x.shape)
+    return int4_linear_naive(x_hat, codes, scales, zeros, group_size)
 
 
 def int8_panels(codes: torch.Tensor) -> torch.Tensor:

@@ -371,10 +371,12 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
                          torch::Tensor v_pool, torch::Tensor slots);
 torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes);  // dense.cpp
+torch::Tensor int4_a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s, c10::optional<torch::Tensor> sz,
+                             int64_t group_size);  // w4a8.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, py::arg("x"), py::arg("panels"), py::arg("s"), py::arg("z"),
         py::arg("group_size"), py::arg("lanes") = 0); m.def("int8_linear", &int8_linear); m.def("paged_attention", &paged_attention);
   m.def("rms_norm", &rms_norm); m.def("add_rms_norm", &add_rms_norm); m.def("silu_mul", &silu_mul);
-  m.def("rope_write", &rope_write); m.def("f32_linear", &f32_linear);
+  m.def("rope_write", &rope_write); m.def("f32_linear", &f32_linear); m.def("int4_a8_linear", &int4_a8_linear);
 }

@@ -21,6 +21,7 @@ from ..formats.gguf import read_gguf
 from ..generation import generate_cached
 from ..loading import default_model_path
 from ..quant import QuantConfig, QuantLinear, quantize_model
+from ..quant.activations import quantize_activations
 from ..quant.head import quantize_output
 from ..roofline.ceilings import measure
 from ..sampling import SamplingParams
@@ -54,10 +55,12 @@ def _llamacpp(llm, prompt_tokens, params):
     return run
 
 
-def four_bit_paths(model, quant_head: str = "int8", compile: bool = True, progress: bool = True) -> dict:
+def four_bit_paths(model, quant_head: str = "int8", compile: bool = True, progress: bool = True,
+                   int8_activations: bool = False) -> dict:
     """minillm's 4-bit decode paths built from a float ``model`` (left as it is): the blocks' linear layers
     in 4 bits (RTN group 64: no calibration, and calibration changes accuracy, not speed) with the float
-    output layer, then with the output layer quantized (``quant_head``), eager and compiled.
+    output layer, then with the output layer quantized (``quant_head``), then (``int8_activations``) with the
+    blocks' inputs rounded to int8 as llama.cpp does (``quant.activations``); the last one or two also compiled.
 
     Returns {name: model}."""
     body = copy.deepcopy(model)
@@ -67,16 +70,21 @@ def four_bit_paths(model, quant_head: str = "int8", compile: bool = True, progre
         head = copy.deepcopy(body)
         quantize_output(head, quant_head)
         paths[f"ours int4 (RTN g64), {quant_head} head"] = head
+    last = [list(paths)[-1]]
+    if int8_activations:
+        a8 = copy.deepcopy(paths[last[0]])
+        quantize_activations(a8)
+        last.append(last[0] + ", int8 activations")
+        paths[last[1]] = a8
     if compile:
-        best = copy.deepcopy(list(paths.values())[-1])
-        name = list(paths)[-1] + ", compiled"
-        paths[name] = compile_decode(best)
+        for name in last:
+            paths[name + ", compiled"] = compile_decode(copy.deepcopy(paths[name]))
     return paths
 
 
 def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: int = 128, repeats: int = 3,
                           model_path=None, quant_head: str = "int8", compile: bool = True, llamacpp: bool = True,
-                          progress: bool = True) -> dict:
+                          int8_activations: bool = True, progress: bool = True) -> dict:
     """Batch-1 greedy decode tokens/s of minillm's float and 4-bit paths (``four_bit_paths``) and of llama.cpp
     on the same GGUF file, same prompt tokens, same thread count (``torch.get_num_threads()``), in this
     process, interleaved: each repeat runs every path once in turn, after one warm-up run each (which also
@@ -99,7 +107,7 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
     n_threads = torch.get_num_threads()
     prompt_tokens = tokenizer.encode(prompt)
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    ours = {"ours float32 (cached, eager)": model, **four_bit_paths(model, quant_head, compile, progress)}
+    ours = {"ours float32 (cached, eager)": model, **four_bit_paths(model, quant_head, compile, progress, int8_activations)}
     paths = {name: run_ours(generate_cached, m, prompt_tokens, params) for name, m in ours.items()}
     nbytes = {name: decode_bytes_per_token(m) for name, m in ours.items()}
     peer = "llama.cpp (same GGUF)"

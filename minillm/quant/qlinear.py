@@ -51,6 +51,7 @@ class QuantLinear(nn.Module):
     #: reference path's dequantization is folded into a float32 constant under freezing)
     compilable = True
     torch_kernels = False  # True: compiled traces take torch's kernels (``prepare_compile``)
+    act_bits = None  # 8: activations rounded to int8 in blocks of 32 first (``minillm.quant.activations``)
     _compile_kernel = None  # what compiled traces run when it is not ``_kernel`` (class defaults: older pickles)
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, fast: bool = True):
@@ -75,7 +76,7 @@ class QuantLinear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """Which product ``forward`` runs: "minillm-int4", "minillm-int8", "torch-int4", "torch-int8" or
+        """Which product ``forward`` runs: "minillm-int4", "minillm-int4-a8", "minillm-int8", "torch-int4", "torch-int8" or
         "reference"."""
         return "reference" if self._kernel is None else self._kernel[0]
 
@@ -113,9 +114,18 @@ class QuantLinear(nn.Module):
 
     # ---- forwards -----------------------------------------------------------------------------
     def forward_reference(self, x: torch.Tensor) -> torch.Tensor:
-        """(..., I) -> (..., O): dequantize, then ``F.linear`` (exact)."""
+        """(..., I) -> (..., O): dequantize, then ``F.linear`` (exact; with ``act_bits``, of x rounded first)."""
+        x = self.round_activations(x)
         w = self.dequantize().to(device=x.device, dtype=x.dtype)
         return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+    def round_activations(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the layer's products see it: rounded to int8 in blocks of 32 inputs where ``act_bits`` is 8
+        (``kernels.quantize_q8``, then back to x's dtype), else x itself."""
+        if self.act_bits is None:
+            return x
+        q, d = kernels.quantize_q8(x.float())
+        return (q.float().reshape(*d.shape, -1) * d[..., None]).reshape(x.shape).to(x.dtype)
 
     def prepare_fast(self) -> bool:
         """Build the kernel's tensors if the layout allows it (after ``prepare_compile``, torch's too, for
@@ -166,6 +176,11 @@ class QuantLinear(nn.Module):
             # (O, I / 2) uint8, two codes per byte, the even column in the high nibble (torch >= 2.5)
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), inner_k_tiles)  # pragma: no cover
+        elif self.out_features % kernels.TILE == 0 and ours and self.act_bits == 8 and order is None:
+            # int8 activations times the codes in integer dot products (blocks of 32 in input order: not after
+            # act-order's permutation, where the next branch's kernel runs on x rounded first); z's term as s z sum(x)
+            sz = (s * z).t().contiguous().float() if bool((z != 0).any()) else None
+            return ("minillm-int4-a8", kernels.int4_a8_panels(codes), s.t().contiguous().float(), sz, kg)
         elif self.out_features % kernels.TILE == 0 and ours:
             # ours: W_hat = s (q - z) per kernel group, in float32, as the reference dequantizes
             return ("minillm-int4", kernels.int4_panels(codes), s.t().contiguous().float(), z.t().contiguous(), kg,
@@ -243,7 +258,11 @@ class QuantLinear(nn.Module):
         compiled = self._compile_kernel is not None and torch.compiler.is_compiling()
         kind, *tensors = self._compile_kernel if compiled else self._kernel
         x2 = x.reshape(-1, self.in_features)
-        if kind == "minillm-int4":
+        if kind != "minillm-int4-a8":  # that kernel rounds the activations itself, in integer dot products
+            x2 = self.round_activations(x2)
+        if kind == "minillm-int4-a8":
+            y = kernels.int4_a8_linear(x2.float(), *tensors)
+        elif kind == "minillm-int4":
             panels, s, z, kg, perm = tensors
             y = kernels.int4_linear((x2 if perm is None else x2[:, perm]).float(), panels, s, z, kg)
         elif kind == "minillm-int8":

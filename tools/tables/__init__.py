@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -53,7 +54,9 @@ def record_command(out: str | Path, argv: list[str], root: Path = ROOT) -> Path:
     proc = subprocess.run([sys.executable, "-m", "minillm", *argv], capture_output=True, text=True, cwd=root)
     if proc.returncode != 0:
         raise RuntimeError(f"python -m minillm {' '.join(argv)} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return record(json.loads(proc.stdout), out, "python -m minillm " + " ".join(argv))
+    # a cap on the instruction set is part of the command: the same command without it measures another machine
+    cap = f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']} " if os.environ.get("ATEN_CPU_CAPABILITY") else ""
+    return record(json.loads(proc.stdout), out, cap + "python -m minillm " + " ".join(argv))
 
 
 def read_record(name: str, folder: Path = FIGURES) -> dict:
@@ -170,6 +173,9 @@ WRITERS = {name: f"`python -m tools.tables record figures/{name} -- {cmd}`" for 
     ("tour.json", "tour"), ("bench_decode.json", "bench decode"),
     ("bench_decode_llamacpp.json", "bench decode --peer llamacpp"), ("serve_bench.json", "serve-bench --peer"),
     ("fragmentation.json", "fragmentation"), ("stack.json", "bench stack --quant-file FILE"))}
+WRITERS["bench_decode_llamacpp_avx2.json"] = (
+    "`ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=<llama-cpp-python built without AVX-512> python -m tools.tables record "
+    "figures/bench_decode_llamacpp_avx2.json -- bench decode --peer llamacpp` (docs/decode.md)")
 WRITERS.update({"02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.json": "notebooks/01_roofline.ipynb",
                 "04_speculative.json": "notebooks/04_speculative_decoding.ipynb"})
 

@@ -121,9 +121,9 @@ def decode(folder: Path = FIGURES) -> str:
     return "\n".join(lines)
 
 
-def decode_llamacpp(folder: Path = FIGURES) -> str:
+def decode_llamacpp(folder: Path = FIGURES, name: str = "bench_decode_llamacpp.json") -> str:
     """docs/decode.md's table of minillm's 4-bit paths beside llama.cpp, from ``bench decode --peer llamacpp``."""
-    rec = read_record("bench_decode_llamacpp.json", folder)
+    rec = read_record(name, folder)
     p = rec["report"]
     res, n = p["results"], p["new_tokens"]
     rows = [[name, f"{r['decode_tokens_per_s']:.1f}", ", ".join(f"{x:.1f}" for x in r["runs"]),
@@ -159,6 +159,11 @@ def decode_llamacpp(folder: Path = FIGURES) -> str:
     lines += ["", f"{p['machine']}{build}, {p['threads']} threads for both, batch 1, {p['prompt_tokens']}-token prompt, {n} new "
               f"tokens, greedy, {p['repeats']} interleaved repeats after a warm-up each; {_source(rec)}."]
     return "\n".join(lines)
+
+
+def decode_llamacpp_avx2(folder: Path = FIGURES) -> str:
+    """The same table for the run capped at AVX2 (``ATEN_CPU_CAPABILITY=avx2``, llama.cpp built without AVX-512)."""
+    return decode_llamacpp(folder, "bench_decode_llamacpp_avx2.json")
 
 
 def speculative(folder: Path = FIGURES) -> str:
@@ -204,8 +209,9 @@ def speculative(folder: Path = FIGURES) -> str:
 
 
 TABLES = {"kv_cache": kv_cache, "roofline": roofline, "decode": decode, "decode_llamacpp": decode_llamacpp,
-          "speculative": speculative}
-FILES = {"docs/kv_cache.md": ["kv_cache"], "docs/roofline.md": ["roofline"], "docs/decode.md": ["decode", "decode_llamacpp"],
-         "docs/speculative.md": ["speculative"]}
+          "decode_llamacpp_avx2": decode_llamacpp_avx2, "speculative": speculative}
+FILES = {"docs/kv_cache.md": ["kv_cache"], "docs/roofline.md": ["roofline"],
+         "docs/decode.md": ["decode", "decode_llamacpp", "decode_llamacpp_avx2"], "docs/speculative.md": ["speculative"]}
 READS = {"kv_cache": ["02_kv_cache.json"], "roofline": ["01_roofline.json"], "decode": ["bench_decode.json"],
-         "decode_llamacpp": ["bench_decode_llamacpp.json"], "speculative": ["04_speculative.json"]}
+         "decode_llamacpp": ["bench_decode_llamacpp.json"], "decode_llamacpp_avx2": ["bench_decode_llamacpp_avx2.json"],
+         "speculative": ["04_speculative.json"]}
