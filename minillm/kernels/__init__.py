@@ -95,48 +95,46 @@ def available() -> bool:
     return load() is not None
 
 
-# ---- the products, as custom ops so that torch.compile calls them as they are ----------------------------
-@torch.library.custom_op("minillm::int4_linear", mutates_args=())
-def _int4_op(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
-             group_size: int) -> torch.Tensor:
-    return _loaded().int4_linear(x, panels, scales, zeros, group_size)
+# ---- the products and the attention as ops that torch.compile calls as they are ---------------------------
+# Their schemas and output shapes are defined here; their CPU kernels are registered by the extension when it
+# loads (cpu.cpp's TORCH_LIBRARY_IMPL), so that compiled code reaches the C++ through the dispatcher alone (a
+# Python function in between cost each call about 9 us more: a millisecond of a 1-row decode step).
+_LIB = torch.library.Library("minillm", "DEF")
+_LIB.define("int4_linear(Tensor x, Tensor panels, Tensor scales, Tensor? zeros, int group_size, int lanes=0) -> Tensor")
+_LIB.define("int4_a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor? scaled_zeros, int group_size) -> Tensor")
+_LIB.define("int8_linear(Tensor x, Tensor panels, Tensor scales, Tensor? offset) -> Tensor")
+_LIB.define("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor query_start, "
+            "Tensor query_len, Tensor seq_lens) -> Tensor")
+_LIB.define("f32_linear(Tensor x, Tensor shards, int lanes) -> Tensor")
 
 
-@_int4_op.register_fake
-def _(x, panels, scales, zeros, group_size):
+@torch.library.register_fake("minillm::int4_linear", lib=_LIB)
+def _(x, panels, scales, zeros, group_size, lanes=0):
     return x.new_empty(x.shape[0], panels.shape[0] * TILE)
 
 
-@torch.library.custom_op("minillm::int4_a8_linear", mutates_args=())
-def _int4_a8_op(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, scaled_zeros: torch.Tensor | None,
-                group_size: int) -> torch.Tensor:
-    return _loaded().int4_a8_linear(x, packed, scales, scaled_zeros, group_size)
-
-
-@_int4_a8_op.register_fake
+@torch.library.register_fake("minillm::int4_a8_linear", lib=_LIB)
 def _(x, packed, scales, scaled_zeros, group_size):
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
-@torch.library.custom_op("minillm::int8_linear", mutates_args=())
-def _int8_op(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, offset: torch.Tensor | None) -> torch.Tensor:
-    return _loaded().int8_linear(x, panels, scales, offset)
-
-
-@_int8_op.register_fake
+@torch.library.register_fake("minillm::int8_linear", lib=_LIB)
 def _(x, panels, scales, offset):
     return x.new_empty(x.shape[0], panels.shape[0] * TILE)
 
 
-@torch.library.custom_op("minillm::paged_attention", mutates_args=())
-def _paged_attention_op(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
-                        query_start: torch.Tensor, query_len: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-    return _loaded().paged_attention(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens)
-
-
-@_paged_attention_op.register_fake
+@torch.library.register_fake("minillm::paged_attention", lib=_LIB)
 def _(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("minillm::f32_linear", lib=_LIB)
+def _(x, shards, lanes):
+    return x.new_empty(x.shape[0], shards.shape[0] * shards.shape[2])
+
+
+_int4_op, _int4_a8_op, _int8_op = torch.ops.minillm.int4_linear, torch.ops.minillm.int4_a8_linear, torch.ops.minillm.int8_linear
+_paged_attention_op, _f32_op = torch.ops.minillm.paged_attention, torch.ops.minillm.f32_linear
 
 
 def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,
@@ -257,16 +255,6 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
 
 
 # ---- a float32 product of few rows (dense.cpp) -------------------------------------------------------------
-@torch.library.custom_op("minillm::f32_linear", mutates_args=())
-def _f32_op(x: torch.Tensor, shards: torch.Tensor, lanes: int) -> torch.Tensor:
-    return _loaded().f32_linear(x, shards, lanes)
-
-
-@_f32_op.register_fake
-def _(x, shards, lanes):
-    return x.new_empty(x.shape[0], shards.shape[0] * shards.shape[2])
-
-
 def f32_linear(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0) -> torch.Tensor:
     """``x W^T`` for x (M, K) float32 and W held as ``Linear.weight_shards`` (S, K, Ns), Ns a multiple of 32:
     shard s is ``W^T[:, s Ns:(s + 1) Ns]``. Returns (M, S Ns). Each output adds its K products in ascending k

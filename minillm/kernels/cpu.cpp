@@ -374,6 +374,14 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes);  // d
 torch::Tensor int4_a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s, c10::optional<torch::Tensor> sz,
                              int64_t group_size);  // w4a8.cpp
 
+// The CPU kernels of the ops that compiled graphs call (their schemas and shape functions are defined in Python,
+// minillm/kernels/__init__.py): inductor's code calls them through the C++ dispatcher, not through a Python
+// function, about 9 us less per call (121 products in a decode step).
+TORCH_LIBRARY_IMPL(minillm, CPU, m) {
+  m.impl("int4_linear", &int4_linear); m.impl("int8_linear", &int8_linear); m.impl("int4_a8_linear", &int4_a8_linear);
+  m.impl("paged_attention", &paged_attention); m.impl("f32_linear", &f32_linear);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, py::arg("x"), py::arg("panels"), py::arg("s"), py::arg("z"),
         py::arg("group_size"), py::arg("lanes") = 0); m.def("int8_linear", &int8_linear); m.def("paged_attention", &paged_attention);

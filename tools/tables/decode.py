@@ -153,6 +153,10 @@ def decode_llamacpp(folder: Path = FIGURES, name: str = "bench_decode_llamacpp.j
         eager = comp.removesuffix(", compiled")
         steps.append(f"compiling {tps[comp] / tps[eager]:.2f}x its eager twin (whose greedy tokens it keeps for the first "
                      f"{res[comp]['tokens_equal_to_eager']})")
+    a8 = next((k for k in res if k.endswith(", int8 activations")), None)
+    if a8 and head in tps:
+        steps.append(f"int8 activations {tps[a8] / tps[head]:.2f}x eager"
+                     + (f", {tps[a8 + ', compiled'] / tps[comp]:.2f}x compiled" if comp and a8 + ", compiled" in tps else ""))
     if steps:
         lines += ["", "What each step bought in this run: " + "; ".join(steps) + "."]
     build = f"; llama.cpp built for {p['llamacpp_build']}" if p.get("llamacpp_build") else ""
