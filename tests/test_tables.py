@@ -224,7 +224,8 @@ def test_record_keeps_command_date_and_load(tmp_path):
 
 
 def test_headline_pairs_each_technique_with_its_baseline_from_one_run(tmp_path):
-    _write(tmp_path, "tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json")
+    _write(tmp_path, "tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json",
+           "bench_decode_llamacpp_avx2.json")
     text = tables.headline(tmp_path)
     assert "| KV cache (contiguous) | recompute the sequence every step | 8.0 | 32.0 | 4.00x |" in text
     assert "| transformers on the same GGUF weights | 15.0 | 30.0 | 2.00x | tokens differ |" in text
@@ -237,10 +238,14 @@ def test_headline_pairs_each_technique_with_its_baseline_from_one_run(tmp_path):
     for name in ("tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json"):
         assert f"`cmd for {name}`" in text
     assert "\nm, float32, greedy." in text  # one machine: named once, above the runs
+    # the run held to AVX2 is a row of its own, and names its cap and llama.cpp's build whatever the other runs share
+    assert ("| int4 (RTN g64), int8 head, compiled, AVX2 | llama.cpp's Q4_1 built for AVX2 | 120.0 | 144.0 | 1.20x |"
+            in text)
+    assert "llama.cpp built for AVX AVX2 F16C FMA; m (AVX2 by ATEN_CPU_CAPABILITY=avx2); `cmd for bench_decode_llamacpp_avx2.json`" in text
 
 
 def test_headline_names_each_runs_machine_when_the_runs_differ(tmp_path):
-    _write(tmp_path, "tour.json", "bench_decode.json", "bench_decode_llamacpp.json")
+    _write(tmp_path, "tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "bench_decode_llamacpp_avx2.json")
     tables.record({**_serve_report(), "machine": "AMD EPYC, 2 cores"}, tmp_path / "serve_bench.json", "cmd for serve")
     text = tables.headline(tmp_path)
     assert "\nfloat32, greedy." in text and "each on the machine it names" in text

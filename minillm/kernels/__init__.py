@@ -1,6 +1,7 @@
 """minillm's own CPU kernels (C++, AVX2 + FMA, 16 lanes where the CPU has AVX-512): weight-only int4 and int8
-products (``cpu.cpp``), float32 products of a few dozen rows (``dense.cpp``), PagedAttention over the pool of KV
-blocks (``paged_attention.cpp``) and a layer's small operations (``layer.cpp``).
+products (``cpu.cpp``), the int4 product with int8 activations (``w4a8.cpp``), float32 products of a few dozen
+rows (``dense.cpp``), PagedAttention over the pool of KV blocks (``paged_attention.cpp``) and a layer's small
+operations (``layer.cpp``).
 
 Why: a decode step should cost what its bytes cost. The products stream each weight (or code, turned into float32
 in registers as the reference dequantizes: ``s (q - z)``) once per call, in order, with several rows' sums in

@@ -8,6 +8,7 @@
     recipe.py     ``Recipe``: a run's options in one frozen dataclass; GPTQ's presets ``PAPER`` and ``BEST``
     pipeline.py   ``quantize_model(model, recipe, calib)``: block by block, in execution order, on calibration text
     checkpoint.py save / load a quantized model (safetensors); head.py: the output layer in int8 or int4
+    activations.py  int8 activations for the 4-bit layers (llama.cpp's Q8 blocks, integer dot products)
     bitrate.py    variable bitrate as ExLlamaV2 does it (bitrate_cli.py: ``quantize --bpw``; sensitivity.py: KL costs)
     cli.py        ``python -m minillm perplexity | quantize``
 

@@ -119,6 +119,13 @@ def headline(folder: Path = FIGURES) -> str:
         best["decode_tokens_per_s"], p["best_over_llamacpp"],
         _first_equal(best["tokens_equal_to_float"], p["new_tokens"], "float32's")
         + f" (llama.cpp: first {cpp['tokens_equal_to_float']})", "bench decode --peer llamacpp")
+    avx2 = read_record("bench_decode_llamacpp_avx2.json", folder)  # both sides held to AVX2 (docs/decode.md)
+    a = avx2["report"]
+    best, cpp = a["results"][a["best_ours"]], a["results"]["llama.cpp (same GGUF)"]
+    row(a["best_ours"].removeprefix("ours ") + ", AVX2", "llama.cpp's Q4_1 built for AVX2", cpp["decode_tokens_per_s"],
+        best["decode_tokens_per_s"], a["best_over_llamacpp"],
+        _first_equal(best["tokens_equal_to_float"], a["new_tokens"], "float32's")
+        + f" (llama.cpp: first {cpp['tokens_equal_to_float']})", "bench decode --peer llamacpp, AVX2")
     s = serve["report"]
     modes, n = s["modes"], s["num_requests"]
     engine = modes["engine"]
@@ -151,6 +158,8 @@ def headline(folder: Path = FIGURES) -> str:
               f"* bench decode --peer llamacpp: {p['threads']} threads each, {p['new_tokens']} new tokens, the median "
               f"of {p['repeats']} interleaved repeats; speedup = median of the per-repeat ratios; {where(p)}"
               f"{_source(peer)}",
+              f"* bench decode --peer llamacpp, AVX2: the same, torch, inductor and minillm's kernels held to AVX2 "
+              f"(`ATEN_CPU_CAPABILITY=avx2`), llama.cpp built for {a['llamacpp_build']}; {a['machine']}; {_source(avx2)}",
               f"* serve-bench: {n} requests at once, {_trace(s['trace'])}-like lengths x {s['scale']}, output tokens/s "
               f"over the wall time; {where(s)}{_source(serve)}"]
     return "\n".join(lines)
@@ -167,7 +176,8 @@ from . import stack as _stack  # noqa: E402
 # which builder fills which table, and which files hold it (each checked by tests/test_tables.py)
 TABLES = {"headline": headline, **_decode.TABLES, **_paged.TABLES, **_stack.TABLES}
 FILES = {"README.md": ["headline", "stack_short"], **_decode.FILES, **_paged.FILES, **_stack.FILES}
-READS = {"headline": ["tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json"],
+READS = {"headline": ["tour.json", "bench_decode.json", "bench_decode_llamacpp.json", "serve_bench.json",
+                      "bench_decode_llamacpp_avx2.json"],
          **_decode.READS, **_paged.READS, **_stack.READS}
 WRITERS = {name: f"`python -m tools.tables record figures/{name} -- {cmd}`" for name, cmd in (
     ("tour.json", "tour"), ("bench_decode.json", "bench decode"),
@@ -179,7 +189,7 @@ WRITERS["bench_decode_llamacpp_avx2.json"] = (
 WRITERS.update({"02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.json": "notebooks/01_roofline.ipynb",
                 "04_speculative.json": "notebooks/04_speculative_decoding.ipynb"})
 
-MARKER = re.compile(r"(<!-- table:(?P<name>[a-z_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+MARKER = re.compile(r"(<!-- table:(?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
 def _nulls(obj, at: str = ""):
