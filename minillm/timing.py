@@ -39,7 +39,7 @@ def instruction_set() -> str:
         isa = torch.backends.cpu.get_cpu_capability()
     except (AttributeError, RuntimeError):
         return "unknown"
-    if os.environ.get("ATEN_CPU_CAPABILITY"):  # a cap, e.g. =avx2 to run as on a CPU without AVX-512
+    if os.environ.get("ATEN_CPU_CAPABILITY") in ("avx2", "default"):  # a cap: =avx2 runs as a CPU without AVX-512
         isa += f" by ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']}"
     return isa
 

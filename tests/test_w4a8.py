@@ -125,3 +125,38 @@ def test_int4_a8_runs_inside_torch_compile():
     x = torch.randn(3, 128)
     compiled = torch.compile(lambda x: torch.relu(layer(x)), fullgraph=True)
     torch.testing.assert_close(compiled(x), torch.relu(layer(x)))
+
+
+def test_a_nan_or_an_infinity_in_a_block_reaches_the_output():
+    x, codes, scales, zeros = _layer(3, 32, 64, 32, True)
+    x[0, 3], x[1, 40] = float("nan"), float("inf")
+    y = kernels.int4_a8_linear(x, kernels.int4_a8_panels(codes), scales, scales * zeros, 32)
+    assert y[0].isnan().all() and y[1].isnan().all() and y[2].isfinite().all()  # as the float product: NaN, inf - inf
+
+
+def test_the_ops_refuse_a_backward_and_rounding_passes_gradients_straight_through():
+    x, codes, scales, _ = _layer(2, 32, 64, 32, False)
+    x.requires_grad_()
+    y = torch.ops.minillm.int4_a8_linear(x, kernels.int4_a8_panels(codes), scales, None, 32)
+    with pytest.raises(RuntimeError, match="no backward"):
+        y.sum().backward()
+    layer, xs = _quant_layer()
+    quantize_activations(torch.nn.Sequential(layer))
+    xg = xs[:2].clone().requires_grad_()
+    layer(xg).sum().backward()  # the reference path, rounding as the kernel does: the gradient of the unrounded x
+    torch.testing.assert_close(xg.grad, layer.dequantize().sum(0).expand(2, -1))
+
+
+def test_quantize_activations_drops_a_compiled_decode(tmp_path):
+    from helpers import write_tiny_gguf
+
+    from minillm.compiled import compile_decode, is_compiled
+    from minillm.loading import load_model
+    from minillm.quant import quantize_model
+
+    write_tiny_gguf(tmp_path / "tiny.gguf")
+    model = load_model(tmp_path / "tiny.gguf")[0]
+    quantize_model(model, "rtn", QuantConfig(4, 32), progress=False)
+    compile_decode(model)  # its guards leave the modules out: a stale graph would run the old kernels
+    quantize_activations(model)
+    assert not is_compiled(model)

@@ -134,6 +134,14 @@ def _(x, shards, lanes):
     return x.new_empty(x.shape[0], shards.shape[0] * shards.shape[2])
 
 
+def _no_backward(ctx, *grads):
+    raise RuntimeError("minillm's kernels have no backward: differentiate through the naive twins (QuantLinear's "
+                       "reference path, Linear's shards) instead")
+
+
+for _name in ("int4_linear", "int4_a8_linear", "int8_linear", "paged_attention", "f32_linear"):
+    torch.library.register_autograd(f"minillm::{_name}", _no_backward, lib=_LIB)  # a backward fails, not a silent None
+
 _int4_op, _int4_a8_op, _int8_op = torch.ops.minillm.int4_linear, torch.ops.minillm.int4_a8_linear, torch.ops.minillm.int8_linear
 _paged_attention_op, _f32_op = torch.ops.minillm.paged_attention, torch.ops.minillm.f32_linear
 

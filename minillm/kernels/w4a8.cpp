@@ -28,16 +28,22 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t gs, int8_t* xq,
     for (int64_t b = 0; b < B; ++b) {
       const float* xb = x + m * K + b * QB;
       float amax = 0.0f;
-      for (int64_t i = 0; i < QB; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      for (int64_t i = 0; i < QB; ++i) {
+        const float a = std::fabs(xb[i]);
+        if (a > amax || a != a) amax = a;  // a NaN stays (std::max would skip it), so that it reaches the output
+      }
       const float db = amax / 127.0f;
+      // a block of zeros has codes 0; one with a NaN or an infinity gets codes 0 and d = NaN or inf, so its
+      // products come out NaN, as the float product's would, rather than a finite number
+      const bool plain = db != 0.0f && std::isfinite(db);
       int32_t sum = 0;
       for (int64_t i = 0; i < QB; ++i) {
-        const int8_t q = db == 0.0f ? 0 : static_cast<int8_t>(std::nearbyint(xb[i] / db));  // ties to even, as torch.round
+        const int8_t q = plain ? static_cast<int8_t>(std::nearbyint(xb[i] / db)) : 0;  // ties to even, as torch.round
         xq[m * K + b * QB + i] = q;
         sum += q;
       }
       d[m * B + b] = db;
-      xs[m * G + b * QB / gs] += db * static_cast<float>(sum);
+      xs[m * G + b * QB / gs] += plain ? db * static_cast<float>(sum) : db;
     }
   }
 }

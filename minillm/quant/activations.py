@@ -3,7 +3,8 @@ Q8 activation). Each row of x is rounded to int8 in blocks of 32 inputs with one
 max |x| / 127, so that the codes can meet it in integer dot products (``minillm.kernels.int4_a8_linear``):
 one vpmaddubsw does 32 multiply-adds, where the float path converts every code and spends one FMA on it. On
 a CPU without AVX-512 that conversion, not the memory, bounds a one-row product (docs/decode.md). The price
-is the rounding of x (each layer's output moves by about 1% of its size; measured in docs/decode.md).
+is the rounding of x (each layer's output moves by about 1% of its size; measured in docs/decode.md). The
+choice is not saved with a quantized checkpoint: call ``quantize_activations`` after loading.
 """
 
 from __future__ import annotations
@@ -34,4 +35,6 @@ def quantize_activations(model: nn.Module, bits: int = 8) -> int:
         m.act_bits = bits
         if m.want_fast:
             m.prepare_fast()
+    if hasattr(model, "_compiled_decode"):
+        model._compiled_decode = None  # a compiled decode froze the layers as they were: compile again after this
     return len(layers)

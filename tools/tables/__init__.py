@@ -55,7 +55,8 @@ def record_command(out: str | Path, argv: list[str], root: Path = ROOT) -> Path:
     if proc.returncode != 0:
         raise RuntimeError(f"python -m minillm {' '.join(argv)} exited {proc.returncode}: {proc.stderr[-2000:]}")
     # a cap on the instruction set is part of the command: the same command without it measures another machine
-    cap = f"ATEN_CPU_CAPABILITY={os.environ['ATEN_CPU_CAPABILITY']} " if os.environ.get("ATEN_CPU_CAPABILITY") else ""
+    cap = "".join(f"{name}={os.environ[name]} " for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")
+                  if os.environ.get(name))
     return record(json.loads(proc.stdout), out, cap + "python -m minillm " + " ".join(argv))
 
 
@@ -184,7 +185,8 @@ WRITERS = {name: f"`python -m tools.tables record figures/{name} -- {cmd}`" for 
     ("bench_decode_llamacpp.json", "bench decode --peer llamacpp"), ("serve_bench.json", "serve-bench --peer"),
     ("fragmentation.json", "fragmentation"), ("stack.json", "bench stack --quant-file FILE"))}
 WRITERS["bench_decode_llamacpp_avx2.json"] = (
-    "`ATEN_CPU_CAPABILITY=avx2 PYTHONPATH=<llama-cpp-python built without AVX-512> python -m tools.tables record "
+    "`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PYTHONPATH=<llama-cpp-python built without AVX-512> "
+    "python -m tools.tables record "
     "figures/bench_decode_llamacpp_avx2.json -- bench decode --peer llamacpp` (docs/decode.md)")
 WRITERS.update({"02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.json": "notebooks/01_roofline.ipynb",
                 "04_speculative.json": "notebooks/04_speculative_decoding.ipynb"})

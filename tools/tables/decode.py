@@ -142,7 +142,8 @@ def decode_llamacpp(folder: Path = FIGURES, name: str = "bench_decode_llamacpp.j
               f"runs, {bw['after'] / 1e9:.1f} after)."]
     tps = {name: r["decode_tokens_per_s"] for name, r in res.items()}
     fp, body = "ours float32 (cached, eager)", "ours int4 (RTN g64), float head"
-    head = next((k for k in res if k.startswith("ours int4") and k not in (body,) and not k.endswith(", compiled")), None)
+    head = next((k for k in res if k.startswith("ours int4") and k not in (body,) and not k.endswith(", compiled")
+                 and not k.endswith(", int8 activations")), None)
     comp = next((k for k in res if k.endswith(", compiled")), None)
     steps = []
     if fp in tps and body in tps:
@@ -154,9 +155,11 @@ def decode_llamacpp(folder: Path = FIGURES, name: str = "bench_decode_llamacpp.j
         steps.append(f"compiling {tps[comp] / tps[eager]:.2f}x its eager twin (whose greedy tokens it keeps for the first "
                      f"{res[comp]['tokens_equal_to_eager']})")
     a8 = next((k for k in res if k.endswith(", int8 activations")), None)
-    if a8 and head in tps:
-        steps.append(f"int8 activations {tps[a8] / tps[head]:.2f}x eager"
-                     + (f", {tps[a8 + ', compiled'] / tps[comp]:.2f}x compiled" if comp and a8 + ", compiled" in tps else ""))
+    if a8 and a8.removesuffix(", int8 activations") in tps:
+        base = a8.removesuffix(", int8 activations")
+        steps.append(f"int8 activations {tps[a8] / tps[base]:.2f}x eager"
+                     + (f", {tps[a8 + ', compiled'] / tps[base + ', compiled']:.2f}x compiled"
+                        if a8 + ", compiled" in tps and base + ", compiled" in tps else ""))
     if steps:
         lines += ["", "What each step bought in this run: " + "; ".join(steps) + "."]
     build = f"; llama.cpp built for {p['llamacpp_build']}" if p.get("llamacpp_build") else ""
