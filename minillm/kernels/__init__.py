@@ -346,12 +346,16 @@ def quantize_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.T
     return q.to(torch.int8).reshape(x.shape), d
 
 
+def round_q8(x: torch.Tensor) -> torch.Tensor:
+    """x as ``int4_a8_linear`` sees it: ``quantize_q8``'s codes times their block's scale, in x's dtype."""
+    q, d = quantize_q8(x.float())
+    return (q.float().reshape(*d.shape, -1) * d[..., None]).reshape(x.shape).to(x.dtype)
+
+
 def int4_a8_linear_naive(x, codes, scales, zeros, group_size) -> torch.Tensor:
-    """The baseline of ``int4_a8_linear`` (codes (N, K), zeros (K / group_size, N) or None): x quantized by
-    ``quantize_q8`` and dequantized, then ``int4_linear_naive``'s product."""
-    q, d = quantize_q8(x)
-    x_hat = (q.float().reshape(*d.shape, -1) * d[..., None]).reshape(x.shape)
-    return int4_linear_naive(x_hat, codes, scales, zeros, group_size)
+    """The baseline of ``int4_a8_linear`` (codes (N, K), zeros (K / group_size, N) or None): x rounded by
+    ``round_q8``, then ``int4_linear_naive``'s product."""
+    return int4_linear_naive(round_q8(x), codes, scales, zeros, group_size)
 
 
 def int8_panels(codes: torch.Tensor) -> torch.Tensor:

@@ -124,9 +124,8 @@ class QuantLinear(nn.Module):
         (``kernels.quantize_q8``, then back to x's dtype), else x itself."""
         if self.act_bits is None:
             return x
-        q, d = kernels.quantize_q8(x.detach().float())
-        x_hat = (q.float().reshape(*d.shape, -1) * d[..., None]).reshape(x.shape).to(x.dtype)
-        return x + (x_hat - x).detach()  # the rounded value; gradients pass through as if unrounded (straight-through)
+        # the rounded value; gradients pass through as if unrounded (straight-through)
+        return x + (kernels.round_q8(x.detach()) - x).detach()
 
     def prepare_fast(self) -> bool:
         """Build the kernel's tensors if the layout allows it (after ``prepare_compile``, torch's too, for
