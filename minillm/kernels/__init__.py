@@ -142,8 +142,9 @@ def _no_backward(ctx, *grads):
 for _name in ("int4_linear", "int4_a8_linear", "int8_linear", "paged_attention", "f32_linear"):
     torch.library.register_autograd(f"minillm::{_name}", _no_backward, lib=_LIB)  # a backward fails, not a silent None
 
-_int4_op, _int4_a8_op, _int8_op = torch.ops.minillm.int4_linear, torch.ops.minillm.int4_a8_linear, torch.ops.minillm.int8_linear
-_paged_attention_op, _f32_op = torch.ops.minillm.paged_attention, torch.ops.minillm.f32_linear
+_ops = torch.ops.minillm
+_int4_op, _int4_a8_op, _int8_op = _ops.int4_linear, _ops.int4_a8_linear, _ops.int8_linear
+_paged_attention_op, _f32_op = _ops.paged_attention, _ops.f32_linear
 
 
 def int4_linear(x: torch.Tensor, panels: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None,

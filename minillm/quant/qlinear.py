@@ -76,7 +76,8 @@ class QuantLinear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """Which product ``forward`` runs: "minillm-int4", "minillm-int4-a8", "minillm-int8", "torch-int4", "torch-int8" or
+        """Which product ``forward`` runs: "minillm-int4", "minillm-int4-a8", "minillm-int8", "torch-int4",
+        "torch-int8" or
         "reference"."""
         return "reference" if self._kernel is None else self._kernel[0]
 
