@@ -77,8 +77,7 @@ class QuantLinear(nn.Module):
     @property
     def kernel(self) -> str:
         """Which product ``forward`` runs: "minillm-int4", "minillm-int4-a8", "minillm-int8", "torch-int4",
-        "torch-int8" or
-        "reference"."""
+        "torch-int8" or "reference"."""
         return "reference" if self._kernel is None else self._kernel[0]
 
     # ---- storage ------------------------------------------------------------------------------
