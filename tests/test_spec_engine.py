@@ -500,3 +500,31 @@ def test_a_draft_forward_is_costed_by_the_tokens_it_feeds(tiny, draft, monkeypat
     cost = lambda n: 0.1 * n  # noqa: E731
     assert choose_draft_lengths([0.9, 0.9], [1, 1], 2, lambda n: 1.0, cost, first_feed=[1, 1]) == [1, 1]
     assert choose_draft_lengths([0.9, 0.9], [1, 1], 2, lambda n: 1.0, cost, first_feed=[1, 40]) == [1, 0]
+
+
+def test_a_catch_up_is_shared_among_the_steps_left(tiny, draft):
+    """A draft that has not seen a sequence's prompt feeds all of it once, then 1 or 2 tokens a step: "auto"
+    prices a drafting sequence at the steady feed plus its share of the catch-up forward's seconds, shared
+    among the steps the request has left, so a catch-up is cheap early in a long request and whole at its end."""
+    from minillm.paged.spec_auto import PiecewiseCost, choose_draft_lengths
+
+    config = spec("draft_model", "auto", draft, max_num_speculative_tokens=1, step_cost=lambda n: 1.0)
+    engine = LLMEngine(tiny, block_size=4, speculative_config=config)
+    engine.spec.draft.cost = PiecewiseCost([(1, 1e-3), (64, 64e-3)])  # a draft forward of n tokens: n ms
+    engine.add_request("long", {"prompt_token_ids": ids(20, 9)}, greedy(64))
+    engine.add_request("short", {"prompt_token_ids": ids(20, 8)}, greedy(3))
+    engine.step()  # both prefills: nothing drafted, the draft has seen neither
+    seqs = {s.request_id: s for s in engine.scheduler.running}
+    assert engine.spec.draft.feed(seqs["long"]) == engine.spec.draft.feed(seqs["short"]) == 21
+    priced = {r: engine.spec._first_feed(s, engine.requests[r], 0.5, 1) for r, s in seqs.items()}
+    # steady: 1 + 0.5 tokens; the catch-up: 21 - 1.5 ms shared among (64 - 1) / 1.5 or max(1, 2 / 1.5) steps
+    assert priced["long"] == pytest.approx((1.5, 19.5e-3 / 42))
+    assert priced["short"] == pytest.approx((1.5, 19.5e-3 / (2 / 1.5)))
+    # a flat target step of 0.5 s, drafts at 0.9, a draft forward of n tokens n x 20 ms: the long request drafts,
+    # the short one (the same catch-up in its last steps) does not
+    (feed_l, up_l), (feed_s, up_s) = priced["long"], priced["short"]
+    assert choose_draft_lengths([0.9, 0.9], [1, 1], 2, lambda n: 0.5, lambda n: 0.02 * n,
+                                first_feed=[feed_l, feed_s], catch_up=[20 * up_l, 20 * up_s]) == [1, 0]
+    engine.step()  # the long request drafts; from then on its draft feeds 1 or 2 tokens a step, no catch-up
+    assert engine.spec.draft.feed(seqs["long"]) <= 2
+    assert engine.spec._first_feed(seqs["long"], engine.requests["long"], 0.5, 1)[1] < up_l / 30

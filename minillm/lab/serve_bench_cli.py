@@ -179,4 +179,6 @@ def register(sub) -> None:
                    "an int4 file of the target from python -m minillm quantize)")
     s.add_argument("--concurrency", default="1,4,16,64", help="requests kept in flight, comma-separated")
     s.add_argument("--spec-max-tokens", type=at_least(1), default=64, help="output tokens per request (default 64)")
+    s.add_argument("--spec-repeats", type=at_least(1), default=1, help="turns of the plain engine and every k, in "
+                   "that order; each row reports the medians (default 1)")
     p.set_defaults(func=cmd_serve_bench, measures_speed=True)

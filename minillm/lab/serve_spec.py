@@ -79,8 +79,13 @@ def run_at_concurrency(engine: LLMEngine, reqs, concurrency: int) -> dict:
 
 def serve_spec(model, tokenizer, *, spec: str = "ngram", ks=(4,), draft=None, trace: str = "copy",
                concurrency=(1, 4, 16, 64), requests_per_seq: int = 2, min_requests: int = 4, max_tokens: int = 64,
-               passage_tokens: int = 96, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3, progress: bool = True) -> dict:
+               passage_tokens: int = 96, prompt_lookup_min: int = 1, prompt_lookup_max: int = 3, repeats: int = 1,
+               progress: bool = True) -> dict:
     """Plain and speculative engines on the same requests at each concurrency; the report (JSON-ready).
+
+    With ``repeats`` > 1 the plain engine and every k run in turn that many times: each row keeps the run of
+    median tokens/s (``tok_s_runs`` lists all), and its speedup is the median of the ratios to the plain run
+    of the same turn (a turn's runs are seconds apart; the machine's speed drifts over minutes).
 
     Raises:
         ValueError: --spec draft without a draft model; a speculative engine whose tokens differ.
@@ -90,33 +95,48 @@ def serve_spec(model, tokenizer, *, spec: str = "ngram", ks=(4,), draft=None, tr
     rows = []
     for c in concurrency:
         reqs = spec_requests(tokenizer, trace, max(min_requests, requests_per_seq * c), max_tokens, passage_tokens)
-        plain = run_at_concurrency(LLMEngine(model, tokenizer, max_num_seqs=c), reqs, c)
-        row = {"concurrency": c, "requests": len(reqs), "plain": _public(plain), "spec": {}}
-        for k in ks:
-            config = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": prompt_lookup_min,
-                       "prompt_lookup_max": prompt_lookup_max} if spec == "ngram"
-                      else {"method": "draft_model", "model": draft, "num_speculative_tokens": k})
-            res = run_at_concurrency(LLMEngine(model, tokenizer, max_num_seqs=c, speculative_config=config), reqs, c)
-            if res["outputs"] != plain["outputs"]:
-                raise ValueError(f"speculative engine (k={k}, concurrency {c}) emitted other tokens than the plain "
-                                 "engine; this is a bug, please report it")
-            row["spec"][str(k)] = dict(_public(res), speedup=res["tok_s"] / plain["tok_s"])
-            if progress:
-                print(f"  concurrency {c:>3}  k={k!s:<4}  plain {plain['tok_s']:7.1f} tok/s  spec {res['tok_s']:7.1f} "
-                      f"tok/s  x{res['tok_s'] / plain['tok_s']:.2f}  acceptance length {res['acceptance_length']:.2f}",
-                      flush=True)
+        runs = {"plain": [], **{str(k): [] for k in ks}}
+        for turn in range(repeats):
+            plain = run_at_concurrency(LLMEngine(model, tokenizer, max_num_seqs=c), reqs, c)
+            runs["plain"].append(plain)
+            for k in ks:
+                config = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": prompt_lookup_min,
+                           "prompt_lookup_max": prompt_lookup_max} if spec == "ngram"
+                          else {"method": "draft_model", "model": draft, "num_speculative_tokens": k})
+                res = run_at_concurrency(LLMEngine(model, tokenizer, max_num_seqs=c, speculative_config=config), reqs, c)
+                if res["outputs"] != plain["outputs"]:
+                    raise ValueError(f"speculative engine (k={k}, concurrency {c}) emitted other tokens than the "
+                                     "plain engine; this is a bug, please report it")
+                res["speedup"] = res["tok_s"] / plain["tok_s"]
+                runs[str(k)].append(res)
+                if progress:
+                    print(f"  concurrency {c:>3}  k={k!s:<4}  plain {plain['tok_s']:7.1f} tok/s  spec "
+                          f"{res['tok_s']:7.1f} tok/s  x{res['speedup']:.2f}  acceptance length "
+                          f"{res['acceptance_length']:.2f}" + (f"  (turn {turn + 1}/{repeats})" if repeats > 1 else ""),
+                          flush=True)
+        row = {"concurrency": c, "requests": len(reqs), "plain": _median(runs.pop("plain")), "spec": {}}
+        for k, rs in runs.items():
+            row["spec"][k] = dict(_median(rs), speedup=float(np.median([r["speedup"] for r in rs])))
         rows.append(row)
-    return {"spec": spec, "trace": trace, "ks": [str(k) for k in ks], "max_tokens": max_tokens,
+    return {"spec": spec, "trace": trace, "ks": [str(k) for k in ks], "max_tokens": max_tokens, "repeats": repeats,
             "dtype": dtype_name(model.dtype), "machine": machine(), "rows": rows}
 
 
+def _median(rs: list[dict]) -> dict:
+    """The run of median tokens/s (the lower middle of an even count), with every run's tokens/s."""
+    mid = sorted(rs, key=lambda r: r["tok_s"])[(len(rs) - 1) // 2]
+    return dict(_public(mid), tok_s_runs=[r["tok_s"] for r in rs]) if len(rs) > 1 else _public(mid)
+
+
 def _public(res: dict) -> dict:
-    return {k: v for k, v in res.items() if k != "outputs"}
+    return {k: v for k, v in res.items() if k not in ("outputs", "speedup")}
 
 
 def format_spec_report(report: dict) -> str:
+    turns = report.get("repeats", 1)
     lines = [f"serve-bench --spec {report['spec']} --trace {report['trace']} (greedy, {report['max_tokens']} tokens "
-             f"each; {report['machine']})",
+             f"each; {report['machine']})" + (f"; medians of {turns} turns, x the median of each turn's ratio"
+                                               if turns > 1 else ""),
              f"{'conc':>4} {'k':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'x':>5} {'TPOT p50/p99 ms (plain)':>24} "
              f"{'TPOT p50/p99 ms (spec)':>23} {'accept len':>10}"]
     for row in report["rows"]:
@@ -174,7 +194,7 @@ def cmd_serve_spec(args) -> int:
     draft = load_model(args.draft_model, dtype=model.dtype, device=model.device)[0] if args.draft_model else None
     report = serve_spec(model, tokenizer, spec=args.spec, ks=ks, draft=draft, trace=trace, concurrency=concurrency,
                         max_tokens=args.spec_max_tokens, passage_tokens=min(96, model.config.max_seq_len // 8),
-                        progress=not args.json)
+                        repeats=args.spec_repeats, progress=not args.json)
     folder = runs_folder()
     folder.mkdir(parents=True, exist_ok=True)
     plot_speedup(report, folder / f"serve_spec_{args.spec}_{trace}.png")

@@ -25,7 +25,8 @@ from ..sampling import SamplingParams
 
 
 def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int, step_cost,
-                         draft_cost=None, emitted: float | None = None, first_feed: list[int] | None = None) -> list[int]:
+                         draft_cost=None, emitted: float | None = None, first_feed: list[float] | None = None,
+                         catch_up: list[float] | None = None) -> list[int]:
     """Per sequence, the number of drafts (0..most[i]) that maximises the step's expected tokens/s.
 
     Args:
@@ -36,8 +37,9 @@ def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int,
             cost the sum over depths j of draft_cost(tokens fed at depth j): one per sequence from depth 2 on,
             and at depth 1 what the draft has not yet seen of each sequence (``first_feed``).
         emitted: tokens the step emits without drafts (default: one per sequence).
-        first_feed: tokens each sequence's first draft forward feeds (default 1): its pending token plus
-            those the last step accepted, or a whole stretch after the draft sat out.
+        first_feed: tokens each sequence's first draft forward feeds in steady state (default 1).
+        catch_up: seconds each sequence adds to the step if it drafts (default 0): its share of a
+            catch-up forward over a prompt, or a stretch the draft sat out.
     Returns: the draft length of each sequence.
     """
     base = float(len(alphas) if emitted is None else emitted)
@@ -52,6 +54,7 @@ def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int,
         if draft_cost is not None:
             n, fed = at_depth.get(j, 0), first_feed[i] if first_feed is not None and j == 1 else 1
             drafting += draft_cost(n + fed) - (draft_cost(n) if n else 0.0)
+            drafting += catch_up[i] if catch_up is not None and j == 1 else 0.0
             at_depth[j] = n + fed
         rate = total / (step_cost(step_tokens + m) + drafting)
         if rate > best:
@@ -96,10 +99,11 @@ class PiecewiseCost:
 
 
 @torch.inference_mode()
-def measure_step_cost(model, max_tokens: int, repeats: int = 3) -> PiecewiseCost:
-    """c(N): the fastest of ``repeats`` forwards of N tokens (logits at every token, as a decode step
-    with drafts computes them), at N = 1, 2, 4, ... up to ``max_tokens`` or the model's context if shorter
-    (the curve extrapolates past it); about a second for SmolLM2."""
+def measure_step_cost(model, max_tokens: int, repeats: int = 3, every_logit: bool = True) -> PiecewiseCost:
+    """c(N): the fastest of ``repeats`` forwards of N tokens, at N = 1, 2, 4, ... up to ``max_tokens`` or the
+    model's context if shorter (the curve extrapolates past it); about a second for SmolLM2. Logits at every
+    token, as a verifying step computes them, or (``every_logit=False``) at the last only, as a draft forward
+    computes one per sequence: the output layer is a fifth of SmolLM2's weights."""
     max_tokens = min(max_tokens, model.config.max_seq_len)
     sizes = sorted({1 << i for i in range(max(1, max_tokens).bit_length())} | {max(1, max_tokens)})
     points = []
@@ -109,7 +113,7 @@ def measure_step_cost(model, max_tokens: int, repeats: int = 3) -> PiecewiseCost
         best = float("inf")
         for _ in range(repeats):
             t0 = time.perf_counter()
-            model(tokens, pos)
+            model(tokens, pos, logits_indices=None if every_logit else torch.tensor([n - 1], device=model.device))
             best = min(best, time.perf_counter() - t0)
         points.append((n, best))
     return PiecewiseCost(points if len(points) > 1 else points + [(points[0][0] + 1, points[0][1])])

@@ -209,18 +209,27 @@ class SpecDecoder:
         own = sum(min(s.num_tokens - s.num_computed_tokens, self.engine.scheduler.max_num_batched_tokens)
                   for s in running if s.num_tokens > s.num_computed_tokens)
         alphas = [self.alpha(seq.seq_id) for seq, _, _ in seqs]
-        feeds = None
+        feeds = catch_up = None
         if self.draft is not None:
-            # what the draft's first forward feeds: in steady state the pending token and the drafts the last step
-            # accepted; a prompt, or a stretch the draft sat out, is a catch-up that serves every later draft of the
-            # sequence, so it is priced as a steady step's feed (1 + the drafts expected to be accepted)
-            feeds = [min(self.draft.feed(seq), 1 + sum(a ** j for j in range(1, m + 1)))
-                     for (seq, _, _), a, m in zip(seqs, alphas, most)]
-        ks = choose_draft_lengths(alphas, most, own, self.step_cost,
-                                  self.draft.forward_cost if self.draft is not None else None, first_feed=feeds)
+            feeds, catch_up = zip(*[self._first_feed(seq, req, a, m) for (seq, req, _), a, m in zip(seqs, alphas, most)])
+        ks = choose_draft_lengths(alphas, most, own, self.step_cost, self.draft.forward_cost if self.draft else None,
+                                  first_feed=feeds, catch_up=catch_up)
         for (seq, _, _), k in zip(seqs, ks):
             del seq.spec_token_ids[k:]
         return [(seq, req, k) for (seq, req, _), k in zip(seqs, ks) if k > 0]
+
+    def _first_feed(self, seq, req, alpha: float, most: int) -> tuple[float, float]:
+        """(tokens, seconds): what a sequence's first draft forward is priced at. In steady state the draft has
+        read every draft it wrote but the last, so it feeds the target's token after the accepted run, plus the
+        last draft when all were accepted: 1 + alpha^most tokens. A prompt, or a stretch the draft sat out, is a
+        catch-up that serves every later step of the sequence: its seconds (a forward over the whole stretch)
+        are shared among the steps left, about (max_tokens - output) / (1 + alpha + ... + alpha^most)."""
+        steady = 1 + alpha ** most
+        feed = self.draft.feed(seq)
+        if feed <= steady:
+            return feed, 0.0
+        left = max(1.0, (req.params.max_new_tokens - seq.num_output_tokens) / sum(alpha ** j for j in range(most + 1)))
+        return steady, (self.draft.forward_cost(feed) - self.draft.forward_cost(steady)) / left
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A step's forward of num_tokens took ``seconds``: "auto"'s measured costs follow (not given ones)."""

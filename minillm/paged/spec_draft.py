@@ -39,7 +39,8 @@ class DraftRunner:
         self._saved: dict = {}
         # the start's curve reaches a step's token budget (or the draft's context, if shorter): a first forward
         # feeds a whole prompt, which a curve measured only up to the seats would extrapolate flat
-        self.cost = measure_step_cost(model, engine.scheduler.max_num_batched_tokens, repeats=2) if auto else None
+        self.cost = measure_step_cost(model, engine.scheduler.max_num_batched_tokens, repeats=2,
+                                      every_logit=False) if auto else None
         self.seconds: dict[int, float] = {}  # tokens fed -> seconds of one draft forward of that many, as run
 
     def forward_cost(self, n: int) -> float:
