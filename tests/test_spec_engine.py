@@ -472,7 +472,13 @@ def test_observed_forwards_move_the_measured_cost():
     for _ in range(50):
         cost.observe(16, 8.0)  # the machine got 4x slower at 16 tokens
         cost.observe(15, 7.5)
-    assert cost(16) == pytest.approx(8.0, rel=0.05) and cost(1) == 1.0
+    assert cost(16) == pytest.approx(8.0, rel=0.05)
+    assert cost(1) == pytest.approx(4.0, rel=0.05)  # not run near yet: the level of the nearest point run (16)
+    cost = PiecewiseCost([(1, 1.0), (3, 1.0), (16, 2.0)])
+    cost.observe(16, 8.0)  # the first forward near a point sets it
+    cost.observe(1, 1.5)
+    assert cost(16) == 8.0 and cost(1) == 1.5
+    assert cost(3) == 1.5  # nearer 1 than 16 (in log n): 1's level, 1.5x its start
 
 
 def test_a_draft_forward_is_costed_by_the_tokens_it_feeds(tiny, draft, monkeypatch):

@@ -67,23 +67,33 @@ def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int,
 
 class PiecewiseCost:
     """Seconds of a forward of N tokens, linear between measured points (and beyond the last, never falling);
-    ``observe`` folds in the forwards the engine runs, so that the costs follow the machine's load."""
+    ``observe`` folds in the forwards the engine runs, so that the costs follow the machine's load. A point the
+    engine has not run near yet keeps the level of the nearest one it has (the start's points are the fastest
+    of a few forwards, a step as run is slower: drafts priced at the start's level would look cheap)."""
 
     def __init__(self, points: list[tuple[int, float]]):
         self.measured = dict(points)
         self.points = sorted(points)
+        self.seen: set[int] = set()
+        self._levelled = self.points
 
     def observe(self, n: int, seconds: float, weight: float = 0.2) -> None:
         """A forward of n tokens took ``seconds``: the nearest measured point (in log n) moves towards it by
-        ``weight``, scaled from n to that point along the measured curve."""
+        ``weight``, scaled from n to that point along the measured curve (set to it the first time)."""
         base = sorted(self.measured.items())
         near = min(self.measured, key=lambda m: abs(math.log(m / n)))
         points = dict(self.points)
-        points[near] = (1 - weight) * points[near] + weight * seconds * self._at(near, base) / self._at(n, base)
+        w = weight if near in self.seen else 1.0
+        points[near] = (1 - w) * points[near] + w * seconds * self._at(near, base) / self._at(n, base)
         self.points = sorted(points.items())
+        self.seen.add(near)
+        now = dict(self.points)
+        level = {m: now[m] / self.measured[m] for m in self.seen}
+        self._levelled = [(m, c if m in self.seen else c * level[min(self.seen, key=lambda q: abs(math.log(q / m)))])
+                          for m, c in self.points]
 
     def __call__(self, n: int) -> float:
-        return self._at(n, self.points)
+        return self._at(n, self._levelled)
 
     @staticmethod
     def _at(n: int, pts) -> float:
