@@ -30,11 +30,18 @@ def _cpu_vendor() -> str:
         return ""
 
 
-# the most rows ``kernels.f32_linear`` takes (more go to oneDNN): up to where it is ahead of oneDNN over a forward's
-# layers (``bench products``, docs/decode.md). On the Intel Xeon that is 96 rows in AVX-512's 16 lanes; in AVX2's 8
-# lanes it is bound by its arithmetic sooner (ahead up to 4 rows). On the AMD EPYC with AVX-512 (Zen 4, whose units
-# are 256 bits wide) oneDNN is ahead from a few rows on and the engine ran 4-11% faster with 4 than with 96
-FEW_ROWS = 96 if torch.backends.cpu.get_cpu_capability() == "AVX512" and _cpu_vendor() == "GenuineIntel" else 4
+def _few_rows() -> int:
+    """The most rows ``kernels.f32_linear`` takes (more go to oneDNN; 0: none, one row through ``torch.bmm``): up
+    to where it is ahead over a forward's layers (``bench products``, docs/decode.md). On the Intel Xeon that is 96
+    rows in AVX-512's 16 lanes; in AVX2's 8 lanes it is bound by its arithmetic sooner (ahead up to 4 rows). On the
+    AMD EPYC with AVX-512 (Zen 4, whose units are 256 bits wide) it is ahead nowhere: one row streams fastest
+    through the column blocks' ``torch.bmm`` and two or more through oneDNN."""
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        return 4
+    return {"GenuineIntel": 96, "AuthenticAMD": 0}.get(_cpu_vendor(), 4)
+
+
+FEW_ROWS = _few_rows()
 
 
 class Linear(nn.Module):

@@ -67,14 +67,26 @@ def test_linear_takes_the_few_row_kernel_up_to_its_limit(monkeypatch, rows):
     assert torch.allclose(y, linear_naive(x, layer), atol=1e-5)
 
 
+@pytest.mark.parametrize("capability, vendor, few", [("AVX512", "GenuineIntel", 96), ("AVX512", "AuthenticAMD", 0),
+                                                      ("AVX2", "GenuineIntel", 4), ("AVX2", "AuthenticAMD", 4),
+                                                      ("AVX512", "", 4)])
+def test_few_rows_follows_the_cpu(monkeypatch, capability, vendor, few):
+    """Where the few-row kernel was measured ahead (docs/decode.md): 96 rows on Intel's AVX-512, none on AMD's
+    (one row through bmm, more through oneDNN), 4 with AVX2 or an unknown vendor."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
+    assert linear._few_rows() == few
+
+
 def test_linear_keeps_torch_for_gradients_and_odd_widths(monkeypatch):
     monkeypatch.setattr(kernels, "f32_linear", lambda *a: pytest.fail("the kernel ran"))
     layer = Linear(torch.randn(96, 16), n_shards=2)  # 48 columns per shard: not a multiple of 32
     layer(torch.randn(2, 16))
+    torch.manual_seed(0)
     layer = Linear(torch.randn(64, 16))
     x = torch.randn(2, 16, requires_grad=True)
     layer(x).sum().backward()
-    assert torch.allclose(x.grad, layer.weight.sum(0).expand(2, -1))
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(2, -1))  # float32's tolerances: sums differ in order
 
 
 def test_bench_products_times_only_paths_that_compute_the_product(monkeypatch):

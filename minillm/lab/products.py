@@ -109,7 +109,9 @@ def format_products(report: dict) -> str:
         for row in report["rows"]:
             cells = [f"{1e3 * s:8.1f} ({nbytes / s / 1e9:5.1f} GB/s)" for s in row[name].values()]
             lines.append(f"{row['rows']:>4}  " + "  ".join(f"{c:>26}" for c in cells))
-    lines.append(f"Linear takes the few-row kernel up to {report['few_rows']} rows; {report['machine']}")
+    few = (f"Linear takes the few-row kernel up to {report['few_rows']} rows" if report["few_rows"]
+           else "Linear takes one row through bmm, more through oneDNN")
+    lines.append(f"{few}; {report['machine']}")
     return "\n".join(lines)
 
 
