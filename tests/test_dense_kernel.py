@@ -52,7 +52,7 @@ def test_f32_linear_refusals_name_the_problem():
     assert kernels.f32_linear(torch.randn(0, 16), w).shape == (0, 64)
 
 
-@pytest.mark.parametrize("rows", [1, 3, linear.FEW_ROWS, linear.FEW_ROWS + 1])
+@pytest.mark.parametrize("rows", sorted({1, 3, 5, linear.FEW_ROWS, linear.FEW_ROWS + 1}))
 def test_linear_takes_the_few_row_kernel_up_to_its_limit(monkeypatch, rows):
     torch.manual_seed(rows)
     layer = Linear(torch.randn(192, 64), torch.randn(192), n_shards=2)

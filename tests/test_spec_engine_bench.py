@@ -40,6 +40,24 @@ def test_serve_spec_reports_each_concurrency(tiny_path):
     assert len(copy) == 2 and all(n == 8 for _, n in copy)
 
 
+def test_serve_spec_turns_report_medians(tiny_path, monkeypatch):
+    """--spec-repeats 3: plain and every k run in turn three times; a row keeps the run of median tokens/s and the
+    median of each turn's ratio (here the machine is faked: turn t's plain runs at 10 + t, k = 2 at 20 - 5t)."""
+    from minillm.lab import serve_spec as lab
+
+    model, tok = load_model(tiny_path)
+    speeds = iter([10, 20, 11, 15, 12, 10])  # plain, k=2; turn by turn
+    real = lab.run_at_concurrency
+    monkeypatch.setattr(lab, "run_at_concurrency", lambda *a: {**real(*a), "tok_s": float(next(speeds))})
+    report = lab.serve_spec(model, tok, ks=[2], trace="copy", concurrency=[1], max_tokens=4, passage_tokens=16,
+                            repeats=3, progress=False)
+    row = report["rows"][0]
+    assert report["repeats"] == 3 and row["plain"]["tok_s_runs"] == [10, 11, 12] and row["plain"]["tok_s"] == 11
+    assert row["spec"]["2"]["tok_s_runs"] == [20, 15, 10] and row["spec"]["2"]["tok_s"] == 15
+    assert row["spec"]["2"]["speedup"] == pytest.approx(15 / 11)  # the ratios 2.0, 15/11, 10/12: their median
+    assert "medians of 3 turns" in lab.format_spec_report(report)
+
+
 def test_the_command_prints_json_and_refuses_by_name(tiny_path, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MINILLM_FIGURES", str(tmp_path))
     args = command(["--model", str(tiny_path), "--spec", "ngram", "--trace", "copy", "--concurrency", "1",

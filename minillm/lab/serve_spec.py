@@ -103,7 +103,8 @@ def serve_spec(model, tokenizer, *, spec: str = "ngram", ks=(4,), draft=None, tr
                 config = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": prompt_lookup_min,
                            "prompt_lookup_max": prompt_lookup_max} if spec == "ngram"
                           else {"method": "draft_model", "model": draft, "num_speculative_tokens": k})
-                res = run_at_concurrency(LLMEngine(model, tokenizer, max_num_seqs=c, speculative_config=config), reqs, c)
+                engine = LLMEngine(model, tokenizer, max_num_seqs=c, speculative_config=config)
+                res = run_at_concurrency(engine, reqs, c)
                 if res["outputs"] != plain["outputs"]:
                     raise ValueError(f"speculative engine (k={k}, concurrency {c}) emitted other tokens than the "
                                      "plain engine; this is a bug, please report it")

@@ -15,9 +15,11 @@ tried (a sequence that never drafts never learns its rate).
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 
+import numpy as np
 import torch
 
 from ..generation import generate_cached
@@ -68,8 +70,9 @@ def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int,
 class PiecewiseCost:
     """Seconds of a forward of N tokens, linear between measured points (and beyond the last, never falling);
     ``observe`` folds in the forwards the engine runs, so that the costs follow the machine's load. A point the
-    engine has not run near yet keeps the level of the nearest one it has (the start's points are the fastest
-    of a few forwards, a step as run is slower: drafts priced at the start's level would look cheap)."""
+    engine has not run near yet takes the level (as run / at start) of the points it has, interpolated in log N
+    (the start's points are the fastest of a few forwards, a step as run is slower: drafts priced at the start's
+    level would look cheap)."""
 
     def __init__(self, points: list[tuple[int, float]]):
         self.measured = dict(points)
@@ -79,7 +82,8 @@ class PiecewiseCost:
 
     def observe(self, n: int, seconds: float, weight: float = 0.2) -> None:
         """A forward of n tokens took ``seconds``: the nearest measured point (in log n) moves towards it by
-        ``weight``, scaled from n to that point along the measured curve (set to it the first time)."""
+        ``weight``, scaled from n to that point along the measured curve (set to it the first time, so that
+        the run's level replaces the start's at once; one slow forward then weighs until the next ones)."""
         base = sorted(self.measured.items())
         near = min(self.measured, key=lambda m: abs(math.log(m / n)))
         points = dict(self.points)
@@ -88,9 +92,12 @@ class PiecewiseCost:
         self.points = sorted(points.items())
         self.seen.add(near)
         now = dict(self.points)
-        level = {m: now[m] / self.measured[m] for m in self.seen}
-        self._levelled = [(m, c if m in self.seen else c * level[min(self.seen, key=lambda q: abs(math.log(q / m)))])
-                          for m, c in self.points]
+        seen = sorted(self.seen)
+        logs, levels = [math.log(m) for m in seen], [now[m] / self.measured[m] for m in seen]
+        levelled = [c if m in self.seen else c * float(np.interp(math.log(m), logs, levels)) for m, c in self.points]
+        # never falling with the tokens: levels differ between points (a prefill's against a decode step's), and a
+        # cost that fell would make drafts look cheaper than free
+        self._levelled = list(zip([m for m, _ in self.points], itertools.accumulate(levelled, max)))
 
     def __call__(self, n: int) -> float:
         return self._at(n, self._levelled)

@@ -211,7 +211,8 @@ class SpecDecoder:
         alphas = [self.alpha(seq.seq_id) for seq, _, _ in seqs]
         feeds = catch_up = None
         if self.draft is not None:
-            feeds, catch_up = zip(*[self._first_feed(seq, req, a, m) for (seq, req, _), a, m in zip(seqs, alphas, most)])
+            priced = [self._first_feed(seq, req, a, m) for (seq, req, _), a, m in zip(seqs, alphas, most)]
+            feeds, catch_up = [f for f, _ in priced], [c for _, c in priced]
         ks = choose_draft_lengths(alphas, most, own, self.step_cost, self.draft.forward_cost if self.draft else None,
                                   first_feed=feeds, catch_up=catch_up)
         for (seq, _, _), k in zip(seqs, ks):
@@ -223,13 +224,16 @@ class SpecDecoder:
         read every draft it wrote but the last, so it feeds the target's token after the accepted run, plus the
         last draft when all were accepted: 1 + alpha^most tokens. A prompt, or a stretch the draft sat out, is a
         catch-up that serves every later step of the sequence: its seconds (a forward over the whole stretch)
-        are shared among the steps left, about (max_tokens - output) / (1 + alpha + ... + alpha^most)."""
+        are shared among the steps left, about its room (max_tokens - output, or the context left) over
+        1 + alpha + ... + alpha^most."""
         steady = 1 + alpha ** most
         feed = self.draft.feed(seq)
         if feed <= steady:
             return feed, 0.0
-        left = max(1.0, (req.params.max_new_tokens - seq.num_output_tokens) / sum(alpha ** j for j in range(most + 1)))
-        return steady, (self.draft.forward_cost(feed) - self.draft.forward_cost(steady)) / left
+        room = min(req.params.max_new_tokens - seq.num_output_tokens, self.engine.max_seq_len - seq.num_tokens + 1)
+        left = max(1.0, room / sum(alpha ** j for j in range(most + 1)))
+        # two estimates (one as run, one from the start's curve) can be ordered wrongly for close token counts
+        return steady, max(0.0, self.draft.forward_cost(feed) - self.draft.forward_cost(steady)) / left
 
     def observe(self, num_tokens: int, seconds: float) -> None:
         """A step's forward of num_tokens took ``seconds``: "auto"'s measured costs follow (not given ones)."""
