@@ -75,32 +75,27 @@ class PiecewiseCost:
     level would look cheap)."""
 
     def __init__(self, points: list[tuple[int, float]]):
-        self.measured = dict(points)
-        self.points = sorted(points)
-        self.seen: set[int] = set()
-        self._levelled = self.points
+        self.measured = sorted(points)  # the start's (N, seconds)
+        self.level: dict[int, float] = {}  # a point run near -> its seconds as run / at start
+        self.points = self.measured  # the curve in use
 
     def observe(self, n: int, seconds: float, weight: float = 0.2) -> None:
-        """A forward of n tokens took ``seconds``: the nearest measured point (in log n) moves towards it by
-        ``weight``, scaled from n to that point along the measured curve (set to it the first time, so that
-        the run's level replaces the start's at once; one slow forward then weighs until the next ones)."""
-        base = sorted(self.measured.items())
-        near = min(self.measured, key=lambda m: abs(math.log(m / n)))
-        points = dict(self.points)
-        w = weight if near in self.seen else 1.0
-        points[near] = (1 - w) * points[near] + w * seconds * self._at(near, base) / self._at(n, base)
-        self.points = sorted(points.items())
-        self.seen.add(near)
-        now = dict(self.points)
-        seen = sorted(self.seen)
-        logs, levels = [math.log(m) for m in seen], [now[m] / self.measured[m] for m in seen]
-        levelled = [c if m in self.seen else c * float(np.interp(math.log(m), logs, levels)) for m, c in self.points]
+        """A forward of n tokens took ``seconds``: the level of the nearest measured point (in log n) moves
+        towards it by ``weight``, scaled from n to that point along the measured curve (set to it the first
+        time, so that the run's level replaces the start's at once; one slow forward then weighs until the next)."""
+        near, at_start = min(self.measured, key=lambda p: abs(math.log(p[0] / n)))
+        ratio = seconds * self._at(near, self.measured) / self._at(n, self.measured) / at_start
+        self.level[near] = (1 - weight) * self.level[near] + weight * ratio if near in self.level else ratio
+        seen = sorted(self.level)
+        levels = np.interp([math.log(m) for m, _ in self.measured], [math.log(m) for m in seen],
+                           [self.level[m] for m in seen])
         # never falling with the tokens: levels differ between points (a prefill's against a decode step's), and a
         # cost that fell would make drafts look cheaper than free
-        self._levelled = list(zip([m for m, _ in self.points], itertools.accumulate(levelled, max)))
+        costs = itertools.accumulate((c * float(x) for (_, c), x in zip(self.measured, levels)), max)
+        self.points = list(zip([m for m, _ in self.measured], costs))
 
     def __call__(self, n: int) -> float:
-        return self._at(n, self._levelled)
+        return self._at(n, self.points)
 
     @staticmethod
     def _at(n: int, pts) -> float:

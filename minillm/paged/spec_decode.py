@@ -191,7 +191,7 @@ class SpecDecoder:
             req = self.engine.requests.get(seq.request_id)
             if req is None or req.is_beam_search or seq.num_tokens - seq.num_computed_tokens != 1:
                 continue
-            room = min(req.params.max_new_tokens - seq.num_output_tokens, self.engine.max_seq_len - seq.num_tokens + 1)
+            room = self._room(seq, req)
             if room > 1:  # at most room - 1 drafts: the step emits at most room tokens
                 seqs.append((seq, req, min(self.config.k, room - 1)))
         if self.draft is not None:
@@ -219,6 +219,10 @@ class SpecDecoder:
             del seq.spec_token_ids[k:]
         return [(seq, req, k) for (seq, req, _), k in zip(seqs, ks) if k > 0]
 
+    def _room(self, seq, req) -> int:
+        """Tokens the sequence may still emit: its max_tokens, or its context, whichever ends first."""
+        return min(req.params.max_new_tokens - seq.num_output_tokens, self.engine.max_seq_len - seq.num_tokens + 1)
+
     def _first_feed(self, seq, req, alpha: float, most: int) -> tuple[float, float]:
         """(tokens, seconds): what a sequence's first draft forward is priced at. In steady state the draft has
         read every draft it wrote but the last, so it feeds the target's token after the accepted run, plus the
@@ -230,8 +234,7 @@ class SpecDecoder:
         feed = self.draft.feed(seq)
         if feed <= steady:
             return feed, 0.0
-        room = min(req.params.max_new_tokens - seq.num_output_tokens, self.engine.max_seq_len - seq.num_tokens + 1)
-        left = max(1.0, room / sum(alpha ** j for j in range(most + 1)))
+        left = max(1.0, self._room(seq, req) / sum(alpha ** j for j in range(most + 1)))
         # two estimates (one as run, one from the start's curve) can be ordered wrongly for close token counts
         return steady, max(0.0, self.draft.forward_cost(feed) - self.draft.forward_cost(steady)) / left
 
