@@ -25,6 +25,7 @@ from .lab import spec as bench_spec_cli
 from .lab import products as bench_products_cli
 from .lab import stack as bench_stack_cli
 from .lab import tour as tour_cli
+from .lab.background import background_load, check_load
 from .lab.decode import bench_decode, format_bench
 from .lab.llamacpp import bench_decode_llamacpp, format_bench_llamacpp
 from .lab.peers import LLAMACPP_INSTALL, llamacpp_available
@@ -134,6 +135,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_bench_decode(args) -> int:
+    check_load(args.background_load)
     if args.peer == "llamacpp":
         return _bench_decode_llamacpp(args)
     peer = not args.no_peer
@@ -142,8 +144,10 @@ def cmd_bench_decode(args) -> int:
               "(pass --no-peer to skip it silently)", file=sys.stderr)
         peer = False
     model, tokenizer = load(args)
-    report = bench_decode(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
-                          peer=peer, model_path=args.model, progress=not args.json)
+    with background_load(args.background_load):  # stopped when the runs end, also on an error or Ctrl-C
+        report = bench_decode(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
+                              peer=peer, model_path=args.model, progress=not args.json)
+    report["background_load"] = args.background_load
     print_json(report) if args.json else print(format_bench(report))
     return 0
 
@@ -158,9 +162,11 @@ def _bench_decode_llamacpp(args) -> int:
     if args.dtype != "float32":
         raise ValueError(f"dtype: --peer llamacpp quantizes the float32 model; drop --dtype {args.dtype}")
     model, tokenizer = load(args)
-    report = bench_decode_llamacpp(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
-                                   model_path=args.model, quant_head=args.quant_head, compile=not args.no_compile,
-                                   int8_activations=not args.no_int8_activations, progress=not args.json)
+    with background_load(args.background_load):
+        report = bench_decode_llamacpp(model, tokenizer, new_tokens=args.new_tokens, repeats=args.repeats,
+                                       model_path=args.model, quant_head=args.quant_head, compile=not args.no_compile,
+                                       int8_activations=not args.no_int8_activations, progress=not args.json)
+    report["background_load"] = args.background_load
     print_json(report) if args.json else print(format_bench_llamacpp(report))
     return 0
 
@@ -205,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--no-compile", action="store_true", help="--peer llamacpp: leave out the compiled 4-bit path")
     bd.add_argument("--no-int8-activations", action="store_true", help="--peer llamacpp: leave out the paths whose "
                     "4-bit layers take int8 activations (llama.cpp's recipe: integer dot products, x rounded per 32)")
+    bd.add_argument("--background-load", type=at_least(0), default=0, metavar="N", help="run N CPU-bound processes "
+                    "beside the benchmark (started and stopped by the command, at most 30 minutes): decode on a machine "
+                    "that other programs share (default 0)")
     add_model_args(bd)
     bd.set_defaults(func=cmd_bench_decode, measures_speed=True)
 

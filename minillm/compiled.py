@@ -50,20 +50,20 @@ RECOMPILE_LIMIT = 64
 def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     """Make ``model``'s one-token forwards run through ``torch.compile``; returns the same model.
 
-    The first decode step compiles (minutes on the 2-core CPU; inductor's on-disk cache speeds up later
-    processes), the second once more with the cached length as a symbolic size; then steps reuse the code
-    until the batch size changes (up to ``RECOMPILE_LIMIT`` versions, then it raises rather than run eager).
-    Logits agree with eager to float32 rounding. The weights are frozen into the code (as much memory
-    again): compile after the last change to them (``quantize_model`` drops a compiled decode). Forwards
-    with gradients stay eager; quantized layers compile too (docs/quant_methods.md).
+    The first decode step compiles (minutes on a CPU, docs/roofline.md; inductor's disk cache speeds up later processes),
+    the second again with the cached length as a symbolic size; later steps reuse the code until the batch size changes
+    (at most ``RECOMPILE_LIMIT`` versions, then a step raises rather than run eager). The weights are frozen into the
+    code (as much memory again): compile after their last change (``quantize_model`` drops a compiled decode).
 
     Args:
-        model: a ``Decoder`` whose linear layers are ``minillm.linear.Linear`` or declare ``compilable``.
+        model: a ``Decoder`` whose linear layers are ``minillm.linear.Linear`` or declare ``compilable``
+            (``QuantLinear`` does: quantized layers compile too, docs/quant_methods.md).
         options: inductor options (default ``COMPILE_OPTIONS``; ``CUDA_COMPILE_OPTIONS`` for a model
             on a GPU).
 
     Returns:
-        ``model``, whose ``forward`` now calls the compiled ``forward_layers`` when T == 1.
+        ``model``, whose ``forward`` now calls the compiled ``forward_layers`` for one-token forwards without
+        gradients (those with gradients stay eager); logits agree with eager to float32 rounding.
 
     Raises:
         TypeError: ``model`` is not a ``Decoder``.

@@ -30,7 +30,7 @@ from .timing import synchronize
 class GenerationResult:
     """What a generation produced and how long it took.
 
-    Fields:
+    Attributes:
         prompt_tokens: the prompt's ids.
         tokens: the new ids (the stop token included; a stop string's tokens included).
         text: decoded new text, without the stop token, cut before a stop string ("" without a tokenizer).

@@ -33,7 +33,7 @@ ARCHITECTURES = ("llama", "gpt2")
 class ModelConfig:
     """Hyper-parameters of a decoder, read from the model file (never hard-coded).
 
-    Fields:
+    Attributes:
         arch: "llama" (RMSNorm, RoPE, SwiGLU) or "gpt2" (LayerNorm, learned positions, GELU).
         n_layers, dim (C), n_heads (H), n_kv_heads (Hkv), head_dim (D), ffn_dim: sizes.
         vocab_size (V): rows of the token embedding.
@@ -214,11 +214,16 @@ def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     """One query per row, no mask (a decode step): softmax(q k^T / sqrt(D)) v as broadcast products
     and sums, each query head beside its KV head's group (GQA without repeating K and V).
 
-    q: (B, H, 1, D); k, v: (B, Hkv, S, D). Returns (B, H, 1, D), as ``attention_naive``.
-
     Written for ``torch.compile`` (``minillm.compiled``): inductor turns the two sums into short loops
     fused with the softmax, where SDPA's fused kernel sets up a parallel region and buffers for each
     of the layers' one-row products (docs/roofline.md times the compiled step both ways).
+
+    Args:
+        q: (B, H, 1, D).
+        k, v: (B, Hkv, S, D).
+
+    Returns:
+        (B, H, 1, D), as ``attention_naive``.
     """
     B, H, _, D = q.shape
     Hkv = k.shape[1]

@@ -20,7 +20,11 @@ GREEDY_BELOW = torch.finfo(torch.float32).tiny  # temperatures under this cannot
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    Fields:
+    The names are vLLM's (``vllm.SamplingParams``), so ``SamplingParams(n=2, max_tokens=32, seed=0,
+    stop_token_ids=[2], top_k=-1)`` means the same on both. vLLM's other fields (penalties, logprobs,
+    min_p, ...) are not implemented and raise TypeError, as any unknown argument does.
+
+    Attributes:
         temperature: 0 means greedy (argmax); otherwise logits are divided by it. >= 0. A temperature
             below float32's smallest normal number (``GREEDY_BELOW``, ~1.2e-38) also means greedy:
             logits are divided in float32, where it would round to 0 and every probability to NaN.
@@ -40,10 +44,6 @@ class SamplingParams:
             share the prompt's KV blocks); >= 1. The single-sequence paths (``generate*``) produce one.
         best_of: vLLM's "draw best_of samples, return the n most likely". minillm does not rank extra
             samples, so only None (the default) or a value equal to n is accepted, and stored as None.
-
-    The names are vLLM's (``vllm.SamplingParams``), so ``SamplingParams(n=2, max_tokens=32, seed=0,
-    stop_token_ids=[2], top_k=-1)`` means the same on both. vLLM's other fields (penalties, logprobs,
-    min_p, ...) are not implemented and raise TypeError, as any unknown argument does.
 
     Raises:
         ValueError: naming the field, for any value outside its range.

@@ -130,3 +130,72 @@ def test_the_command_runs_beside_the_load_and_stops_it(capsys, tmp_path, monkeyp
     report = json.loads(capsys.readouterr().out)
     assert report["background_load"] == 2 and len(started) == 2
     assert not any(_alive(p) for p in started)
+
+
+def test_peer_repeats_needs_the_peer():
+    with pytest.raises(ValueError, match="--peer-repeats: 3 turns .* need --peer"):
+        serve_bench_kwargs(_args("--peer-repeats", "3"))
+
+
+def test_peer_turns_report_medians(tmp_path, monkeypatch):
+    """--peer --peer-repeats 3: the engine and transformers run three turns; each mode keeps its run of median
+    tokens/s, and the goal is the median of the turns' ratios (the machine is faked: the engine runs at 30, 20, 40
+    and the peer at 5, 10, 20 tokens/s: the ratios 6, 2, 2 have the median 2, the medians' ratio would be 3)."""
+    from minillm import load_model
+    from minillm.lab import serve_bench as lab
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    model, tok = load_model(path)
+    engine_speeds, peer_speeds = iter([30.0, 20.0, 40.0]), iter([5.0, 10.0, 20.0])
+    real_engine = lab.run_engine
+
+    def fake_engine(*a, **k):
+        run = real_engine(*a, **k)
+        return run if k.get("speculative_config") else dict(run, output_tokens_per_s=next(engine_speeds))
+
+    monkeypatch.setattr(lab, "run_engine", fake_engine)
+    monkeypatch.setattr(lab, "load_transformers_peer", lambda **k: "peer")
+    monkeypatch.setattr(lab, "run_transformers", lambda hf, reqs, n, kv_tokens: dict(
+        lab.run_sequential(model, reqs), output_tokens_per_s=next(peer_speeds)))
+    report = lab.serve_bench(model, tok, num_requests=2, scale=1 / 16, peer=True, peer_repeats=3, progress=False,
+                             memory_requests=0, sharing_requests=0)
+    assert report["turns"] == [{"engine": 30.0, "transformers": 5.0}, {"engine": 20.0, "transformers": 10.0},
+                               {"engine": 40.0, "transformers": 20.0}]
+    assert report["modes"]["engine"]["output_tokens_per_s"] == 30.0
+    assert report["modes"]["engine"]["output_tokens_per_s_runs"] == [30.0, 20.0, 40.0]
+    assert report["modes"]["transformers"]["output_tokens_per_s"] == 10.0
+    assert report["goals"]["engine_vs_transformers"]["measured"] == 2.0
+    assert "3 turns of engine / transformers" in lab.format_report(report)
+
+
+def test_bench_decode_runs_beside_the_load_and_stops_it(capsys, tmp_path, monkeypatch):
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path)
+    started = []
+    real = background.background_load
+
+    class Spy:
+        def __init__(self, n, limit_s=background.LIMIT_S):
+            self.cm = real(n, limit_s)
+
+        def __enter__(self):
+            pids = self.cm.__enter__()
+            started.extend(pids)
+            assert all(_alive(p) for p in pids)
+            return pids
+
+        def __exit__(self, *exc):
+            return self.cm.__exit__(*exc)
+
+    monkeypatch.setattr("minillm.cli.background_load", Spy)
+    assert main(["bench", "decode", "--model", str(path), "--no-peer", "--new-tokens", "2", "--repeats", "1",
+                 "--json", "--background-load", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["background_load"] == 1 and len(started) == 1
+    assert not any(_alive(p) for p in started)
+    try:
+        code = main(["bench", "decode", "--background-load", "65"])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2 and "--background-load" in capsys.readouterr().err

@@ -123,7 +123,7 @@ class Report:
 class Exercise:
     """One function a student writes.
 
-    Fields:
+    Attributes:
         name: the function's name (what ``check`` is called with).
         signature: ``name(args) -> result``, with shapes, as the notebook states it.
         notebook: the solution notebook's file name (the student notebook has the same name).

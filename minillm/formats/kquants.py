@@ -72,12 +72,15 @@ def make_qkx2_quants(x: torch.Tensor, weights: torch.Tensor, nmax: int, rmin: fl
                      nstep: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The affine search for each sub-block: codes 0..nmax with ``x ~ scale * L - the_min``.
 
-    x, weights: (M, n) float32 (M sub-blocks). Candidates: ``iscale = (nmax + rmin + rdelta * k) /
-    (max - min)`` for k = 0..nstep, each followed by the weighted least-squares scale and min of the
-    codes it gives (the min kept <= 0); the lowest weighted squared error wins. Later candidates use
-    the range of the best fit so far, as the reference does.
+    Candidates: ``iscale = (nmax + rmin + rdelta * k) / (max - min)`` for k = 0..nstep, each followed by the
+    weighted least-squares scale and min of the codes it gives (the min kept <= 0); the lowest weighted squared
+    error wins. Later candidates use the range of the best fit so far, as the reference does.
 
-    Returns (scale (M,), the_min (M,) >= 0, L (M, n) int32 codes).
+    Args:
+        x, weights: (M, n) float32 (M sub-blocks).
+
+    Returns:
+        (scale (M,), the_min (M,) >= 0, L (M, n) int32 codes).
     """
     mn = x.amin(1).clamp(max=0.0)  # the range always includes 0
     mx = x.amax(1)
@@ -164,11 +167,15 @@ def quantize_q4_k(x: torch.Tensor) -> np.ndarray:
 def make_qx_quants(x: torch.Tensor, nmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The symmetric search for each sub-block: codes -nmax..nmax-1 with ``x ~ scale * l``.
 
-    x: (M, n) float32. ``iscale = -nmax / x[argmax |x|]`` and 18 neighbours ``-(nmax + 0.1 k) / max``
-    (k = -9..9, k != 0); each candidate's codes get the least-squares scale weighted by x^2, and the
-    one that explains the most weighted energy (``sumlx^2 / suml2``) wins (ggml's rmse_type 1).
+    Candidates: ``iscale = -nmax / x[argmax |x|]`` and 18 neighbours ``-(nmax + 0.1 k) / max`` (k = -9..9,
+    k != 0); each candidate's codes get the least-squares scale weighted by x^2, and the one that explains
+    the most weighted energy (``sumlx^2 / suml2``) wins (ggml's rmse_type 1).
 
-    Returns (scale (M,), L (M, n) int32 codes l + nmax, 0..2 nmax - 1).
+    Args:
+        x: (M, n) float32 (M sub-blocks).
+
+    Returns:
+        (scale (M,), L (M, n) int32 codes l + nmax, 0..2 nmax - 1).
     """
     imax = x.abs().argmax(1, keepdim=True)  # the first largest |x|, as the C's strict >
     mx = x.gather(1, imax)[:, 0]

@@ -1,7 +1,6 @@
 """minillm's own CPU kernels (C++, AVX2 + FMA, 16 lanes where the CPU has AVX-512): weight-only int4 and int8
-products (``cpu.cpp``), the int4 product with int8 activations (``w4a8.cpp``), float32 products of a few dozen
-rows (``dense.cpp``), PagedAttention over the pool of KV blocks (``paged_attention.cpp``) and a layer's small
-operations (``layer.cpp``).
+products (``cpu.cpp``), the int4 product with int8 activations (``w4a8.cpp``), float32 products of a few dozen rows
+(``dense.cpp``), PagedAttention over the KV block pool (``paged_attention.cpp``) and a layer's small ops (``layer.cpp``).
 
 Why: a decode step should cost what its bytes cost. The products stream each weight (or code, turned into float32
 in registers as the reference dequantizes: ``s (q - z)``) once per call, in order, with several rows' sums in
@@ -183,11 +182,17 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                     query_start: torch.Tensor, query_len: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
     """Attention over keys and values where they lie in the pool of blocks (PagedAttention), per segment.
 
-    q: (N, H, D) float32; k_pool, v_pool: (num_blocks, block_size, Hkv, D) float32, one layer; block_tables:
-    (R, W) int64. Segment r (each of query_start, query_len, seq_lens is (R,) int64) is queries
-    ``query_start[r]`` onwards, the last ``query_len[r]`` positions of a sequence holding ``seq_lens[r]``
-    tokens (vLLM's attention metadata); each sees its sequence's keys up to its own position. Returns
-    (N, H, D), 0 for queries in no segment.
+    Segment r is queries ``query_start[r]`` onwards, the last ``query_len[r]`` positions of a sequence holding
+    ``seq_lens[r]`` tokens (vLLM's attention metadata); each sees its sequence's keys up to its own position.
+
+    Args:
+        q: (N, H, D) float32.
+        k_pool, v_pool: (num_blocks, block_size, Hkv, D) float32, one layer.
+        block_tables: (R, W) int64, row r the pool blocks of segment r's sequence in order.
+        query_start, query_len, seq_lens: (R,) int64 each.
+
+    Returns:
+        (N, H, D), 0 for queries in no segment.
     """
     if torch.compiler.is_compiling():
         return _paged_attention_op(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens)

@@ -26,6 +26,11 @@ while time.monotonic() < end and os.getppid() == parent:
 """
 
 
+def busy_note(n: int) -> str:
+    """What a report's machine line adds when ``n`` background processes ran beside it ("" for none)."""
+    return f"; {n} CPU-bound background process{'es' * (n != 1)} ran beside it" if n else ""
+
+
 def check_load(n: int, limit_s: float = LIMIT_S) -> None:
     """Raises ValueError (naming the field) unless 0 <= n <= 64 and limit_s > 0."""
     if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 64:

@@ -26,6 +26,7 @@ from ..quant.qlinear import QuantLinear
 from ..sampling import SamplingParams
 from ..threads import torch_default_threads
 from ..timing import dtype_name, instruction_set, machine, synchronize, time_median
+from .background import busy_note
 from .peers import load_transformers_peer
 
 
@@ -130,7 +131,7 @@ def bench_decode(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_tokens: in
 
 
 def format_bench(report: dict) -> str:
-    lines = [f"machine: {report['machine']}",
+    lines = [f"machine: {report['machine']}" + busy_note(report.get("background_load", 0)),
              f"device {report['device']}, dtype {report['dtype']}, batch {report['batch_size']}, "
              f"prompt {report['prompt_tokens']} tokens, {report['new_tokens']} new tokens, greedy, "
              f"median of {report['repeats']} runs after a warm-up; weights read per token "

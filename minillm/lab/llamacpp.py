@@ -26,6 +26,7 @@ from ..quant.head import quantize_output
 from ..roofline.ceilings import measure
 from ..sampling import SamplingParams
 from ..timing import instruction_set, machine
+from .background import busy_note
 from .decode import decode_bytes_per_token, run_ours
 from .peers import llamacpp_build, load_llamacpp_peer
 
@@ -155,7 +156,8 @@ def bench_decode_llamacpp(model, tokenizer, *, prompt: str = BENCH_PROMPT, new_t
 def format_bench_llamacpp(report: dict) -> str:
     bw = report["bandwidth"]
     lines = [f"machine: {report['machine']}" + (f"; llama.cpp built for {report['llamacpp_build']}"
-                                                 if report.get("llamacpp_build") else ""),
+                                                 if report.get("llamacpp_build") else "")
+             + busy_note(report.get("background_load", 0)),
              f"{report['threads']} threads, batch 1, prompt {report['prompt_tokens']} tokens, "
              f"{report['new_tokens']} new "
              f"tokens, greedy; median of {report['repeats']} interleaved runs after a warm-up each; bandwidth bound "

@@ -48,8 +48,11 @@ def serve_bench_kwargs(args) -> tuple[dict, list[tuple[int, int]]]:
     kwargs.update({k: v for k, v in (("num_requests", args.requests), ("scale", args.scale)) if v is not None})
     kwargs.update(trace=args.trace, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  peer=args.peer, progress=not args.json,
+                  peer=args.peer, peer_repeats=args.peer_repeats, progress=not args.json,
                   speculative_config=None if args.no_spec_row else SPEC_ROW)
+    if args.peer_repeats > 1 and not args.peer:
+        raise ValueError(f"--peer-repeats: {args.peer_repeats} turns of the engine against transformers need --peer; "
+                         "add --peer, or drop --peer-repeats")
     if args.block_size > MAX_SEQ_LEN:
         # the memory run replays the traces' full lengths with this block size, and no sequence is longer
         raise ValueError(f"--block-size: {args.block_size} tokens per block is more than the longest sequence "
@@ -148,6 +151,9 @@ def register(sub) -> None:
     p.add_argument("--max-num-batched-tokens", type=at_least(1), default=256, help="tokens per engine step")
     p.add_argument("--peer", action="store_true", help="also run transformers' continuous batching "
                    "(generate_batch's manager, attn_implementation='paged|sdpa')")
+    p.add_argument("--peer-repeats", type=at_least(1), default=1, help="--peer: turns of the engine and transformers, "
+                   "one after the other; each mode keeps its run of median tokens/s and the goal is the median of the "
+                   "turns' ratios (default 1)")
     p.add_argument("--no-spec-row", action="store_true", help="leave out the row engine+spec (the engine with "
                    "prompt-lookup speculation, draft length auto: the same greedy tokens, fewer steps)")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: chosen from the "

@@ -3,18 +3,16 @@
     rtn.py        round-to-nearest (the baseline every method is compared with)
     gptq.py       GPTQ (Frantar et al., ICLR 2023): error feedback through the inverse Hessian
     awq.py        AWQ (Lin et al., MLSys 2024): activation-aware per-channel scales, then clipping
-    pack.py       int2/3/4/8 codes packed into int32 words
+    pack.py       int2/3/4/8 codes packed into int32 words; cli.py: ``python -m minillm perplexity | quantize``
     qlinear.py    ``QuantLinear``: packed weights + scales + zeros, a reference and a fast forward
     recipe.py     ``Recipe``: a run's options in one frozen dataclass; GPTQ's presets ``PAPER`` and ``BEST``
     pipeline.py   ``quantize_model(model, recipe, calib)``: block by block, in execution order, on calibration text
     checkpoint.py save / load a quantized model (safetensors); head.py: the output layer in int8 or int4
     activations.py  int8 activations for the 4-bit layers (llama.cpp's Q8 blocks, integer dot products)
     bitrate.py    variable bitrate as ExLlamaV2 does it (bitrate_cli.py: ``quantize --bpw``; sensitivity.py: KL costs)
-    cli.py        ``python -m minillm perplexity | quantize``
 
-Conventions (GPTQ / AutoGPTQ / vLLM's): W is (out_features, in_features); ``codes`` are unsigned in
-[0, 2^bits - 1]; ``scales`` and ``zeros`` are (out_features, n_groups); input column j is in group
-``g_idx[j]``; the dequantized weight is ``scales[:, g_idx] * (codes - zeros[:, g_idx])``.
+Conventions (GPTQ / AutoGPTQ / vLLM's; shapes in ``QuantizedWeight``): W is (out_features, in_features), input column
+j is in group ``g_idx[j]``, and the dequantized weight is ``scales[:, g_idx] * (codes - zeros[:, g_idx])``.
 """
 
 from ..formats.gguf_quant import write_gguf  # re-exported from its old place (it moved to formats/)

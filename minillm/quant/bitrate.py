@@ -210,13 +210,20 @@ def _result(table: dict, picks: list[int], weights: int, power: float, bpw: floa
 def optimize(table: dict, bpw: float, *, power: float | None = None, resolution: int = 4000,
              relative_to: str = "update") -> dict:
     """One option per layer minimising ``sum err^power`` with total bits <= ``bpw`` x weights, err being
-    each layer's measured block error relative to ``relative_to`` (``layer_errors``). ``power`` None: the
-    table's own (``setup["power"]``: 1 for the end-to-end KL costs of ``sensitivity.measure_logits``, which
-    add), else 2 (block errors as independent noises, which add in power).
+    each layer's measured block error relative to ``relative_to`` (``layer_errors``).
 
     Dynamic programming over the budget in units of ``max(1, budget / resolution)`` bits (O(layers x
     options x resolution)); the answer is read back from the largest unit budget whose true total fits,
     so it always fits, and is optimal when costs are whole units.
+
+    Args:
+        table: a measurement (``measure``, ``merge_tables`` or ``sensitivity.measure_logits``).
+        bpw: the budget, in bits per weight.
+        power: the exponent; None: the table's own (``setup["power"]``: 1 for the end-to-end KL costs of
+            ``sensitivity.measure_logits``, which add), else 2 (block errors as independent noises, which
+            add in power).
+        resolution: the most units the budget is cut into.
+        relative_to: "update" or "output" (``layer_errors``); end-to-end costs are taken as they are.
 
     Returns:
         {"target_bpw", "bpw" (achieved), "total_bits", "objective", "power", "choice": {layer name:

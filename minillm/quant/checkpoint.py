@@ -25,12 +25,11 @@ from .rtn import QuantConfig
 
 
 def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str | None = None) -> Path:
-    """Write ``model`` (quantized by ``quantize_model``) to one ``.safetensors`` file, written beside
-    ``path`` and renamed into place when complete (``minillm.files``). It holds the packed ``QuantLinear``
-    buffers (``layers.{i}.attn.wqkv.qweight`` / ``qzeros`` / ``scales`` (float16, as GPTQ and AWQ
-    checkpoints) / ``g_idx``), the norms, and the token embedding as GGUF Q8_0 blocks
-    (``tok_embeddings.q8_0``) where that is lossless (the embedded model's is Q8_0: 30 MB, not 113 MB),
-    else float32; its metadata holds the model config, the quantization config with every layer's
+    """Write ``model`` (quantized by ``quantize_model``) to one ``.safetensors`` file, written beside ``path`` and
+    renamed into place when complete (``minillm.files``): each ``QuantLinear``'s packed buffers (``qweight``, ``qzeros``,
+    ``scales`` in float16 as in GPTQ and AWQ checkpoints, ``g_idx``: ``layers.{i}.attn.wqkv.qweight``, ...), the norms,
+    and the token embedding as GGUF Q8_0 blocks (``tok_embeddings.q8_0``) where that is lossless (the shipped model's
+    is Q8_0), else float32. The metadata holds the model config, the quantization config with every layer's
     [bits, group_size] (``layer_configs``) and ``tokenizer_source`` (the GGUF of the tokenizer).
 
     Returns:

@@ -3,17 +3,16 @@
 The loop follows GPTQ's sequential scheme (paper Sec. 4, "Step 3"; AWQ's code does the same): the
 calibration tokens are embedded once, then for each block in order
 
-1. (AWQ) the float block runs on its inputs X; scales for q/k/v, gate/up and down are searched and
-   folded in (``awq.py``);
-2. its linear layers are quantized **in execution order** (qkv, o, gate/up, down), each calibrated on
-   inputs computed with the layers before it already quantized ("true sequential"; with
-   ``Recipe.true_sequential=False`` all four calibrate on one pass of the float block, as the paper did);
+1. (AWQ) the float block runs on its inputs X; scales for q/k/v, gate/up and down are searched, folded in (``awq.py``);
+2. its linear layers are quantized **in execution order** (qkv, o, gate/up, down), each calibrated on inputs computed
+   with the layers before it already quantized ("true sequential"; with ``Recipe.true_sequential=False`` all four
+   calibrate on one pass of the float block, as in the paper);
 3. the quantized block's outputs become the next block's X.
 
-So every layer sees the activations the quantized model will give it. With ``v2`` (GPTQv2) a float copy
-of the activations runs beside them and each layer is fitted to the float model's outputs. The embedding
-and the (tied) output layer stay unquantized, as in GPTQ and AWQ; the calibration text is a play
-disjoint from the evaluation play (``minillm.data``).
+So every layer sees the activations the quantized model will give it. With ``v2`` (GPTQv2) a float copy of the
+activations runs beside them and each layer is fitted to the float model's outputs. The embedding and the (tied)
+output layer stay unquantized, as in GPTQ and AWQ; the calibration text is a play disjoint from the evaluation play
+(``minillm.data``).
 """
 
 from __future__ import annotations

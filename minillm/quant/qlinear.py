@@ -2,18 +2,17 @@
 
 Two forwards with the same signature:
 
-* ``forward_reference`` (the baseline): unpack, dequantize ``scales[:, g_idx] * (codes - zeros)`` to
-  float32, then ``F.linear``. Exact: it computes with the very weight the quantizer chose.
-* ``forward`` (the fast path): a kernel that reads the packed codes (about 1/7 of float32's bytes) and
-  dequantizes in registers. On a CPU with AVX2, minillm's own (``minillm.kernels``: float32 throughout,
-  so within float32 rounding of the reference); elsewhere, or where it cannot be built, torch's int4
-  weight-only kernels on bfloat16 activations, scales and zeros (within bfloat16 rounding; tested).
-  8-bit per-channel codes take the int8 kernel of the same pair; other layouts fall back to the
-  reference path (``fast`` says which, ``kernel`` names it).
+* ``forward_reference`` (the baseline): unpack, dequantize ``scales[:, g_idx] * (codes - zeros)`` to float32, then
+  ``F.linear``. Exact: it computes with the very weight the quantizer chose.
+* ``forward`` (the fast path): a kernel that reads the packed codes (about 1/7 of float32's bytes) and dequantizes in
+  registers. On a CPU with AVX2, minillm's own (``minillm.kernels``: float32 throughout, so within float32 rounding of
+  the reference); elsewhere, or where it cannot be built, torch's int4 weight-only kernels on bfloat16 activations,
+  scales and zeros (within bfloat16 rounding; tested). 8-bit per-channel codes take the int8 kernel of the same pair;
+  other layouts fall back to the reference path (``fast`` says which, ``kernel`` names it).
 
-``rows(index)`` dequantizes only some output rows: the lookup of a tied embedding whose output layer
-is quantized (``minillm.quant.head``). docs/quant_methods.md says which layouts the kernels take and how
-act-order and zero points are mapped onto them.
+``rows(index)`` dequantizes only some output rows: the lookup of a tied embedding whose output layer is quantized
+(``minillm.quant.head``). docs/quant_methods.md says which layouts the kernels take and how act-order and zero points
+are mapped onto them.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ class Recipe:
     """How ``quantize_model`` quantizes a model. The defaults are plain: RTN's and AWQ's settings, and GPTQ's
     column loop as the paper has it; a GPTQ run starts from ``PAPER`` or ``BEST``.
 
-    Fields:
+    Attributes:
         method: "rtn", "gptq", "awq" (AWQ's scales and clip, then RTN) or "awq+gptq" (AWQ's scales, then GPTQ).
         bits, group_size, sym: the grid (``QuantConfig``; group_size -1: per channel).
         mse: search each group's range instead of its min / max (``QuantConfig.mse``, the GPTQ reference

@@ -7,10 +7,9 @@ zero point from the group's min and max (asymmetric) or max |w| (symmetric):
     symmetric:  scale = 2 max|w| / (2^b - 1),       zero = 2^(b-1)   (the middle code)
     codes = clamp(round(w / scale) + zero, 0, 2^b - 1),   w_hat = scale * (codes - zero)
 
-The range always includes 0, as in the GPTQ reference code, so that a zero weight stays zero. Scales
-are rounded to float16 before the zero point and codes follow from them, so the error a quantizer
-measures is that of the weight a GPTQ / AWQ checkpoint holds. A group size that does not divide
-in_features leaves a shorter last group; ``group_size=-1`` is one group per row (per-channel).
+The range always includes 0, as in the GPTQ reference code, so a zero weight stays zero. Scales are rounded to float16
+before the zero point and codes follow from them: a quantizer measures the error of the weight a GPTQ / AWQ checkpoint
+holds. A group size that does not divide in_features leaves a shorter last group; ``group_size=-1`` is per channel.
 
 Sources: Frantar et al. 2023 (GPTQ), Sec. 2 and the quantizer of its reference implementation;
 Jacob et al. 2018 (integer-arithmetic-only inference) for the affine scheme.
@@ -27,7 +26,7 @@ import torch
 class QuantConfig:
     """How to quantize a weight.
 
-    Fields:
+    Attributes:
         bits: 2..8.
         group_size: input columns per (scale, zero) pair; -1 = per output channel.
         sym: symmetric (zero fixed at the middle code) instead of asymmetric.
@@ -76,7 +75,7 @@ class QuantConfig:
 class QuantizedWeight:
     """A quantized (out_features, in_features) weight.
 
-    Fields:
+    Attributes:
         codes: (O, I) int32 in [0, 2^bits - 1].
         scales: (O, G) float32 holding float16 values (``find_params`` rounds them), G = number of groups.
         zeros: (O, G) int32 zero points (codes).

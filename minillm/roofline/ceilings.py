@@ -96,16 +96,21 @@ def measure_weight_read(model, repeats: int = 7) -> dict:
 
 @torch.inference_mode()
 def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict[str, float]:
-    """Seconds to run every linear layer of one decode step (B rows) in four weight layouts:
+    """Seconds to run every linear layer of one decode step (B rows) in each weight layout and through minillm's
+    ``Linear`` itself. The same bytes are read in each; the difference is the kernel.
 
-    * ``F.linear(x, W)`` with W (out, in) contiguous: PyTorch's default (``nn.Linear``, MKL);
-    * ``x @ W^T`` with W^T (in, out) contiguous;
-    * W^T split into one column block per core, one ``torch.bmm`` (minillm's ``Linear`` for one row);
-    * oneDNN's ``linear`` on W reordered into its blocked layout (minillm's ``Linear`` for many rows);
-    * minillm's few-row kernel over the column blocks (``kernels.f32_linear``: W streamed once, in order;
-      minillm's ``Linear`` for up to ``linear.FEW_ROWS`` rows), where it is built;
+    Returns:
+        {layout: seconds}, the layouts being
 
-    and minillm's ``Linear`` itself. The same bytes are read in each; the difference is the kernel.
+        * ``F.linear(x, W)`` with W (out, in) contiguous: PyTorch's default (``nn.Linear``, MKL);
+        * ``x @ W^T`` with W^T (in, out) contiguous;
+        * W^T split into one column block per core, one ``torch.bmm`` (minillm's ``Linear`` for one row);
+        * oneDNN's ``linear`` on W reordered into its blocked layout (minillm's ``Linear`` for many rows), float32 on
+          a CPU;
+        * minillm's few-row kernel over the column blocks (``kernels.f32_linear``: W streamed once, in order;
+          minillm's ``Linear`` for up to ``linear.FEW_ROWS`` rows), float32 on a CPU where it is built;
+
+        and "minillm Linear".
     """
     layers = [m for m in model.modules() if isinstance(m, Linear)]
     device = model.device
@@ -136,10 +141,12 @@ def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), cont
     """Predicted and measured time per forward for the model as loaded (its dtype and device).
 
     Rows: decode at each batch size (one token per row after ``context`` positions) and prefill at
-    each prompt length (batch 1). Each row: kind, dtype, compiled (decode through
-    ``minillm.compiled.compile_decode``; prefill is never compiled), batch_size, tokens, flops, bytes, intensity,
-    bound, predicted_s, measured_s, predicted_tokens_per_s, measured_tokens_per_s,
-    measured/predicted ratio and achieved FLOP/s and bytes/s.
+    each prompt length (batch 1).
+
+    Returns:
+        One dict per row: kind, dtype, compiled (decode through ``minillm.compiled.compile_decode``; prefill is
+        never compiled), batch_size, tokens, flops, bytes, intensity, bound, predicted_s, measured_s,
+        predicted_tokens_per_s, measured_tokens_per_s, measured/predicted ratio and achieved FLOP/s and bytes/s.
 
     Raises:
         ValueError: no matmul peak in ``ceilings`` for the model's dtype, a batch size < 1, or

@@ -6,9 +6,8 @@ takes at least ``max(F / peak_flops, M / bandwidth)``. Its arithmetic intensity 
 For a decoder (Pope et al. 2023, "Efficiently Scaling Transformer Inference", Sec. 2-3):
 
 * every forward reads every weight once, whatever the number of tokens B x T it processes;
-* linear layers do 2 FLOPs per weight per token, so their intensity is about
-  ``2 x B x T / bytes_per_weight``: decode (T = 1, small B) is far below the ridge point
-  (bandwidth-bound), prefill (T in the hundreds) is above it (compute-bound);
+* linear layers do 2 FLOPs per weight per token, so their intensity is about ``2 x B x T / bytes_per_weight``: decode
+  (T = 1, small B) is far below the ridge point (bandwidth-bound), prefill (T in the hundreds) above it (compute-bound);
 * attention reads the KV cache: ``2 x B x S x n_layers x Hkv x D x bytes`` (``kv_cache.kv_cache_bytes``),
   and does ``4 x B x T x S x H x D`` FLOPs per layer (Q K^T and scores V).
 
