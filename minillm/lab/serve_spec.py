@@ -140,13 +140,17 @@ def format_spec_report(report: dict) -> str:
              f"each; {report['machine']})" + (f"; medians of {turns} turns, x the median of each turn's ratio"
                                                if turns > 1 else ""),
              f"{'conc':>4} {'k':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'x':>5} {'TPOT p50/p99 ms (plain)':>24} "
-             f"{'TPOT p50/p99 ms (spec)':>23} {'accept len':>10}"]
+             f"{'TPOT p50/p99 ms (spec)':>23} {'accept len':>10} {'fewer steps':>11} {'step cost':>9}"]
     for row in report["rows"]:
         p = row["plain"]
         for k, s in row["spec"].items():
+            fewer = p["steps"] / s["steps"]  # x = fewer steps / what a speculative step costs against a plain one
             lines.append(f"{row['concurrency']:>4} {k:>5} {p['tok_s']:>11.1f} {s['tok_s']:>10.1f} {s['speedup']:>5.2f} "
                          f"{p['tpot_p50_ms']:>11.1f}/{p['tpot_p99_ms']:<11.1f} {s['tpot_p50_ms']:>11.1f}/"
-                         f"{s['tpot_p99_ms']:<10.1f} {s['acceptance_length']:>10.2f}")
+                         f"{s['tpot_p99_ms']:<10.1f} {s['acceptance_length']:>10.2f} {fewer:>10.2f}x "
+                         f"{fewer / s['speedup']:>8.2f}x")
+    lines.append("fewer steps: the plain engine's steps over the speculative one's (the speedup if a step with drafts "
+                 "cost a plain one); step cost: what a step with drafts and draft forwards costs against a plain one")
     return "\n".join(lines)
 
 
