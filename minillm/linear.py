@@ -44,6 +44,17 @@ def _few_rows() -> int:
 FEW_ROWS = _few_rows()
 
 
+def _onednn_padding() -> dict[int, int]:
+    """Row counts ``Linear`` pads with zero rows before a oneDNN product (rows -> padded rows; cut off after). On the
+    AMD EPYC with AVX-512 oneDNN's kernels for two rows are slower than its kernels for four: a forward's layers took
+    28.9 ms at two rows and 24.4 padded to four, while three rows gained nothing from padding (docs/decode.md).
+    Elsewhere oneDNN sees more than ``FEW_ROWS`` rows where minillm's kernels are built; no padding is measured."""
+    return {2: 4} if FEW_ROWS == 0 else {}
+
+
+ONEDNN_PADDING = _onednn_padding()
+
+
 class Linear(nn.Module):
     """``y = x W^T + b``, with W stored as ``n_shards`` column blocks, one per CPU core, and (on a
     CPU in float32, for products of several rows) a second copy packed in oneDNN's blocked layout.
@@ -123,7 +134,14 @@ class Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def forward_onednn(self, x: torch.Tensor) -> torch.Tensor:
-        """The product through the packed oneDNN copy (CPU, float32)."""
+        """The product through the packed oneDNN copy (CPU, float32); a row count in ``ONEDNN_PADDING`` is padded with
+        zero rows, which oneDNN's kernels for more rows stream faster (the padding is cut off)."""
+        rows = x.numel() // self.in_features
+        if rows in ONEDNN_PADDING:
+            pad = x.new_zeros(ONEDNN_PADDING[rows] - rows, self.in_features)
+            y = torch.ops.mkldnn._linear_pointwise(torch.cat([x.reshape(rows, self.in_features), pad]),
+                                                   self.packed_weight(), self.bias, "none", [], "")
+            return y[:rows].reshape(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
 
     def forward_shards(self, x: torch.Tensor) -> torch.Tensor:

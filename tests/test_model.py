@@ -56,6 +56,32 @@ def test_sharded_linear_equals_f_linear(n_shards, rows):
     assert torch.equal(layer.rows(idx), w[idx])
 
 
+@pytest.mark.skipif(not minillm.model._ONEDNN, reason="torch without oneDNN's packed linear")
+@pytest.mark.parametrize("shape", [(2, 40), (1, 2, 40), (2, 1, 40), (3, 40)])
+def test_onednn_pads_the_rows_it_is_told_to(monkeypatch, shape):
+    """A row count in ONEDNN_PADDING reaches oneDNN with zero rows below it (2 -> 4 here); the rows asked for come
+    back, equal to the naive product, and no padding leaks into the output's shape."""
+    monkeypatch.setattr(linear, "ONEDNN_PADDING", {2: 4})
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(x.shape) or real(x, *a))
+    g = torch.Generator().manual_seed(2)
+    layer, x = Linear(torch.randn(96, 40, generator=g), torch.randn(96, generator=g)), torch.randn(*shape, generator=g)
+    with torch.inference_mode():
+        y = layer.forward_onednn(x)
+    assert y.shape == (*shape[:-1], 96)
+    assert seen == [(4, 40)] if x.numel() == 80 else seen == [x.shape]
+    torch.testing.assert_close(y, linear_naive(x, layer), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("few, padding", [(0, {2: 4}), (4, {}), (96, {})])
+def test_onednn_padding_follows_the_cpu(monkeypatch, few, padding):
+    """Padding where it was measured to help: the AMD EPYC with AVX-512, where oneDNN takes every product of two
+    rows and more (docs/decode.md)."""
+    monkeypatch.setattr(linear, "FEW_ROWS", few)
+    assert linear._onednn_padding() == padding
+
+
 def test_linear_packed_copy_follows_the_weight():
     g = torch.Generator().manual_seed(1)
     layer, x = Linear(torch.randn(24, 16, generator=g)), torch.randn(3, 16, generator=g)
