@@ -4,6 +4,7 @@ before the model loads."""
 
 import argparse
 import json
+import re
 
 import pytest
 from helpers import CHATML, TINY, write_tiny_gguf
@@ -35,7 +36,11 @@ def test_serve_spec_reports_each_concurrency(tiny_path):
         assert set(row["spec"]) == {"2", "auto"}
         for s in row["spec"].values():
             assert {"tok_s", "tpot_p50_ms", "tpot_p99_ms", "acceptance_length", "speedup"} <= set(s)
-    assert "accept len" in format_spec_report(report)
+    text = format_spec_report(report)
+    assert "accept len" in text and "fewer steps" in text and "step cost" in text
+    row = report["rows"][0]
+    fewer = row["plain"]["steps"] / row["spec"]["2"]["steps"]  # the plain engine's steps over the drafting one's
+    assert f"{fewer:.2f}x {fewer / row['spec']['2']['speedup']:.2f}x" in re.sub(r" +", " ", text)
     copy = spec_requests(tok, "copy", 2, 8, passage_tokens=16)
     assert len(copy) == 2 and all(n == 8 for _, n in copy)
 
