@@ -67,7 +67,8 @@ class Linear(nn.Module):
     result does not depend on the other rows) where it is built, else as one batched matmul. Larger products
     (a prefill, a large batch) go through oneDNN's ``linear`` with W reordered once (``packed_weight``: as much
     memory again as W, rebuilt when ``weight_shards`` is replaced or written through the Parameter), the
-    kernel ``torch.compile`` uses for frozen float32 linears. Why: the kernel decides how close to the memory
+    kernel ``torch.compile`` uses for frozen float32 linears (a row count oneDNN runs slowly is padded first:
+    ``ONEDNN_PADDING``). Why: the kernel decides how close to the memory
     bandwidth the same bytes stream, and which wins moves with the rows and the machine (docs/decode.md;
     notebook 01's ``roofline.measure_linear_layouts``). Gradients, other devices and dtypes use the shards;
     ``minillm.threads`` chooses the threads. ``linear_naive`` is the baseline the tests compare with.
@@ -133,11 +134,11 @@ class Linear(nn.Module):
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
-    def forward_onednn(self, x: torch.Tensor) -> torch.Tensor:
-        """The product through the packed oneDNN copy (CPU, float32); a row count in ``ONEDNN_PADDING`` is padded with
-        zero rows, which oneDNN's kernels for more rows stream faster (the padding is cut off)."""
+    def forward_onednn(self, x: torch.Tensor, pad: bool = True) -> torch.Tensor:
+        """The product through the packed oneDNN copy (CPU, float32); with ``pad`` a row count in ``ONEDNN_PADDING`` is
+        padded with zero rows, which oneDNN's kernels for more rows stream faster (the padding is cut off)."""
         rows = x.numel() // self.in_features
-        if rows in ONEDNN_PADDING:
+        if pad and rows in ONEDNN_PADDING:
             pad = x.new_zeros(ONEDNN_PADDING[rows] - rows, self.in_features)
             y = torch.ops.mkldnn._linear_pointwise(torch.cat([x.reshape(rows, self.in_features), pad]),
                                                    self.packed_weight(), self.bias, "none", [], "")

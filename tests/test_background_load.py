@@ -132,9 +132,12 @@ def test_the_command_runs_beside_the_load_and_stops_it(capsys, tmp_path, monkeyp
     assert not any(_alive(p) for p in started)
 
 
-def test_peer_repeats_needs_the_peer():
-    with pytest.raises(ValueError, match="--peer-repeats: 3 turns .* need --peer"):
-        serve_bench_kwargs(_args("--peer-repeats", "3"))
+@pytest.mark.parametrize("argv, hint", [([], "add --peer"), (["--peer", "--spec", "ngram"], "--spec-repeats"),
+                                        (["--peer", "--online"], "not --online")])
+def test_peer_repeats_is_for_the_offline_run_with_the_peer(argv, hint):
+    args = _args("--peer-repeats", "3", "--model", "/nonexistent", *argv)
+    with pytest.raises(ValueError, match=f"--peer-repeats: 3 turns .*{hint}"):
+        args.func(args)
 
 
 def test_peer_turns_report_medians(tmp_path, monkeypatch):
@@ -148,11 +151,14 @@ def test_peer_turns_report_medians(tmp_path, monkeypatch):
     write_tiny_gguf(path)
     model, tok = load_model(path)
     engine_speeds, peer_speeds = iter([30.0, 20.0, 40.0]), iter([5.0, 10.0, 20.0])
-    real_engine = lab.run_engine
+    real_engine, engines = lab.run_engine, []
 
     def fake_engine(*a, **k):
         run = real_engine(*a, **k)
-        return run if k.get("speculative_config") else dict(run, output_tokens_per_s=next(engine_speeds))
+        if k.get("speculative_config"):
+            return run
+        engines.append(run["engine"])
+        return dict(run, output_tokens_per_s=next(engine_speeds))
 
     monkeypatch.setattr(lab, "run_engine", fake_engine)
     monkeypatch.setattr(lab, "load_transformers_peer", lambda **k: "peer")
@@ -167,6 +173,12 @@ def test_peer_turns_report_medians(tmp_path, monkeypatch):
     assert report["modes"]["transformers"]["output_tokens_per_s"] == 10.0
     assert report["goals"]["engine_vs_transformers"]["measured"] == 2.0
     assert "3 turns of engine / transformers" in lab.format_report(report)
+    assert len(engines) == 3 and report["_engine"] is engines[0]  # the notebook's timeline: the first run's engine
+    engine_speeds, peer_speeds = iter([30.0]), iter([5.0])
+    once = lab.serve_bench(model, tok, num_requests=2, scale=1 / 16, peer=True, progress=False, memory_requests=0,
+                           sharing_requests=0)
+    assert "turns" not in once and "output_tokens_per_s_runs" not in once["modes"]["engine"]
+    assert once["goals"]["engine_vs_transformers"]["measured"] == 6.0 and list(once["modes"])[-1] == "transformers"
 
 
 def test_bench_decode_runs_beside_the_load_and_stops_it(capsys, tmp_path, monkeypatch):

@@ -74,12 +74,32 @@ def test_onednn_pads_the_rows_it_is_told_to(monkeypatch, shape):
     torch.testing.assert_close(y, linear_naive(x, layer), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("few, padding", [(0, {2: 4}), (4, {}), (96, {})])
-def test_onednn_padding_follows_the_cpu(monkeypatch, few, padding):
+@pytest.mark.parametrize("capability, vendor, padding", [("AVX512", "AuthenticAMD", {2: 4}), ("AVX512", "GenuineIntel", {}),
+                                                           ("AVX2", "AuthenticAMD", {}), ("AVX512", "", {})])
+def test_onednn_padding_follows_the_cpu(monkeypatch, capability, vendor, padding):
     """Padding where it was measured to help: the AMD EPYC with AVX-512, where oneDNN takes every product of two
     rows and more (docs/decode.md)."""
-    monkeypatch.setattr(linear, "FEW_ROWS", few)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
+    monkeypatch.setattr(linear, "FEW_ROWS", linear._few_rows())
     assert linear._onednn_padding() == padding
+
+
+@pytest.mark.skipif(not minillm.model._ONEDNN, reason="torch without oneDNN's packed linear")
+def test_linear_sends_two_rows_padded_where_told(monkeypatch):
+    """Through ``Linear.forward`` with no few-row kernel and the EPYC's padding: one row takes the shards, two reach
+    oneDNN as four, three as three."""
+    monkeypatch.setattr(linear, "FEW_ROWS", 0)
+    monkeypatch.setattr(linear, "ONEDNN_PADDING", {2: 4})
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    layer = Linear(torch.randn(96, 40), torch.randn(96), n_shards=2)
+    with torch.inference_mode():
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, 40)
+            torch.testing.assert_close(layer(x), linear_naive(x, layer), rtol=1e-5, atol=1e-5)
+    assert seen == [4, 3]
 
 
 def test_linear_packed_copy_follows_the_weight():

@@ -38,9 +38,10 @@ def test_serve_spec_reports_each_concurrency(tiny_path):
             assert {"tok_s", "tpot_p50_ms", "tpot_p99_ms", "acceptance_length", "speedup"} <= set(s)
     text = format_spec_report(report)
     assert "accept len" in text and "fewer steps" in text and "step cost" in text
-    row = report["rows"][0]
-    fewer = row["plain"]["steps"] / row["spec"]["2"]["steps"]  # the plain engine's steps over the drafting one's
-    assert f"{fewer:.2f}x {fewer / row['spec']['2']['speedup']:.2f}x" in re.sub(r" +", " ", text)
+    made = {"spec": "ngram", "trace": "copy", "max_tokens": 4, "machine": "m", "rows": [{"concurrency": 1, "plain": {
+        "tok_s": 10.0, "tpot_p50_ms": 1, "tpot_p99_ms": 1, "steps": 20}, "spec": {"4": {
+            "tok_s": 16.0, "tpot_p50_ms": 1, "tpot_p99_ms": 1, "acceptance_length": 2.5, "steps": 10, "speedup": 1.6}}}]}
+    assert "2.50 2.00x 1.25x" in re.sub(r" +", " ", format_spec_report(made))  # half the steps, each 1.25x the cost
     copy = spec_requests(tok, "copy", 2, 8, passage_tokens=16)
     assert len(copy) == 2 and all(n == 8 for _, n in copy)
 

@@ -31,7 +31,7 @@ def _float_paths(layers: list[Linear]) -> dict:
     """name -> fn(layer, x) for the float32 layers, those this machine and these widths allow."""
     paths = {"shards, bmm": lambda m, x: m.forward_shards(x)}
     if _ONEDNN:
-        paths["oneDNN, packed"] = lambda m, x: m.forward_onednn(x)
+        paths["oneDNN, packed"] = lambda m, x: m.forward_onednn(x, pad=False)  # Linear's choice pads (ONEDNN_PADDING)
     if kernels.available() and all(m.weight_shards.shape[2] % kernels.TILE == 0 for m in layers):
         for lanes in ([16, 8] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [8]):
             paths[f"few-row kernel, {lanes} lanes"] = lambda m, x, n=lanes: _biased(

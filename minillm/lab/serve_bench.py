@@ -322,11 +322,13 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
     modes = {}
     names = (["engine"] + (["engine+spec"] if speculative_config else []) + ["static", "sequential"]
              + (["transformers"] if peer else []))
+    # transformers runs right after the engine, so that each turn's two runs are minutes apart at most
+    order = ["engine"] + (["transformers"] if peer else []) + [n for n in names if n not in ("engine", "transformers")]
     turns = [("engine", "transformers")] * (peer_repeats - 1 if peer else 0)  # the later turns
     runs = {"engine": [], "transformers": []}
     hf = None
     with tqdm(total=(len(names) + 2 * len(turns)) * len(reqs), desc="serve-bench", disable=not progress) as bar:
-        for name in names + [n for turn in turns for n in turn]:
+        for name in order + [n for turn in turns for n in turn]:
             bar.set_postfix_str(name)
             if name in ("engine", "engine+spec"):
                 run = run_engine(model, reqs, block_size=block_size, num_blocks=num_blocks,
@@ -337,7 +339,8 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
             elif name == "static":
                 run = run_static(model, reqs, max_num_seqs)
             else:
-                hf = hf or load_transformers_peer(dtype=model.dtype, attn_implementation="paged|sdpa")
+                if hf is None:
+                    hf = load_transformers_peer(dtype=model.dtype, attn_implementation="paged|sdpa")
                 run = run_transformers(hf, reqs, max_num_seqs, kv_tokens=runs["engine"][0]["num_blocks"] * block_size)
             if runs.get(name):  # a later turn: its engine (and KV pool) is not kept
                 run.pop("engine", None)
@@ -345,7 +348,7 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
             if name not in ("engine", "engine+spec"):
                 bar.update(len(reqs))
     for name in names:
-        modes[name] = _median_run(runs[name])
+        modes[name] = median_run(runs[name], "output_tokens_per_s")
     engine = runs["engine"][0]["engine"]
     ref = modes["sequential"]["tokens"]
     for m in modes.values():
@@ -368,10 +371,13 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
     return report
 
 
-def _median_run(runs: list[dict]) -> dict:
-    """The run of median output tokens/s (the lower middle of an even count), with every run's tokens/s."""
-    mid = sorted(runs, key=lambda r: r["output_tokens_per_s"])[(len(runs) - 1) // 2]
-    return dict(mid, output_tokens_per_s_runs=[r["output_tokens_per_s"] for r in runs]) if len(runs) > 1 else mid
+def median_run(runs: list[dict], key: str) -> dict:
+    """The run of median ``key`` (the lower middle of an even count) with every run's value as ``key + "_runs"``;
+    a single run as it is."""
+    if len(runs) == 1:
+        return runs[0]
+    mid = sorted(runs, key=lambda r: r[key])[(len(runs) - 1) // 2]
+    return dict(mid, **{f"{key}_runs": [r[key] for r in runs]})
 
 
 def goals(report: dict) -> dict:

@@ -50,9 +50,6 @@ def serve_bench_kwargs(args) -> tuple[dict, list[tuple[int, int]]]:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   peer=args.peer, peer_repeats=args.peer_repeats, progress=not args.json,
                   speculative_config=None if args.no_spec_row else SPEC_ROW)
-    if args.peer_repeats > 1 and not args.peer:
-        raise ValueError(f"--peer-repeats: {args.peer_repeats} turns of the engine against transformers need --peer; "
-                         "add --peer, or drop --peer-repeats")
     if args.block_size > MAX_SEQ_LEN:
         # the memory run replays the traces' full lengths with this block size, and no sequence is longer
         raise ValueError(f"--block-size: {args.block_size} tokens per block is more than the longest sequence "
@@ -104,6 +101,10 @@ def check_against_model(args, model, tokenizer, lengths: list[tuple[int, int]]) 
 
 def cmd_serve_bench(args) -> int:
     """Run the modes, print the table (``--json``: one line of strict JSON); returns the exit code (0)."""
+    if args.peer_repeats > 1 and (args.spec or args.online or not args.peer):
+        raise ValueError(f"--peer-repeats: {args.peer_repeats} turns of the engine against transformers are for the "
+                         "offline run with --peer" + ("; with --spec the turns are --spec-repeats" if args.spec else
+                                                       ", not --online" if args.online else "; add --peer"))
     if args.spec:  # plain vs speculative engine (minillm.lab.serve_spec)
         return cmd_serve_spec(args)
     if args.trace in SPEC_TRACES:
@@ -153,7 +154,7 @@ def register(sub) -> None:
                    "(generate_batch's manager, attn_implementation='paged|sdpa')")
     p.add_argument("--peer-repeats", type=at_least(1), default=1, help="--peer: turns of the engine and transformers, "
                    "one after the other; each mode keeps its run of median tokens/s and the goal is the median of the "
-                   "turns' ratios (default 1)")
+                   "turns' ratios (an odd N makes it one turn's; default 1)")
     p.add_argument("--no-spec-row", action="store_true", help="leave out the row engine+spec (the engine with "
                    "prompt-lookup speculation, draft length auto: the same greedy tokens, fewer steps)")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: chosen from the "

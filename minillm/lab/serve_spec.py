@@ -21,6 +21,7 @@ from ..options import load, print_json
 from ..paged.engine import LLMEngine
 from ..sampling import SamplingParams
 from ..timing import dtype_name, machine
+from .serve_bench import median_run
 
 SPEC_TRACES = ("copy", "chat", "mixed")
 COPY_ASKS = ["Rewrite the following passage in modern English, keeping every line:",
@@ -126,8 +127,7 @@ def serve_spec(model, tokenizer, *, spec: str = "ngram", ks=(4,), draft=None, tr
 
 def _median(rs: list[dict]) -> dict:
     """The run of median tokens/s (the lower middle of an even count), with every run's tokens/s."""
-    mid = sorted(rs, key=lambda r: r["tok_s"])[(len(rs) - 1) // 2]
-    return dict(_public(mid), tok_s_runs=[r["tok_s"] for r in rs]) if len(rs) > 1 else _public(mid)
+    return _public(median_run(rs, "tok_s"))
 
 
 def _public(res: dict) -> dict:
@@ -150,7 +150,8 @@ def format_spec_report(report: dict) -> str:
                          f"{s['tpot_p99_ms']:<10.1f} {s['acceptance_length']:>10.2f} {fewer:>10.2f}x "
                          f"{fewer / s['speedup']:>8.2f}x")
     lines.append("fewer steps: the plain engine's steps over the speculative one's (the speedup if a step with drafts "
-                 "cost a plain one); step cost: what a step with drafts and draft forwards costs against a plain one")
+                 "cost a plain one); step cost: what a step with drafts and draft forwards costs against a plain one"
+                 + (" (the steps of each row's run of median tokens/s)" if turns > 1 else ""))
     return "\n".join(lines)
 
 

@@ -127,7 +127,7 @@ def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict
         lambda: [m.forward_shards(xs[m.in_features]) for m in layers], device, repeats)
     if device.type == "cpu" and model.dtype == torch.float32 and _ONEDNN:
         out["oneDNN linear, W packed (blocked)"] = time_median(
-            lambda: [m.forward_onednn(xs[m.in_features]) for m in layers], device, repeats)
+            lambda: [m.forward_onednn(xs[m.in_features], pad=False) for m in layers], device, repeats)
     if (device.type == "cpu" and model.dtype == torch.float32 and kernels.available()
             and all(m.weight_shards.shape[2] % kernels.TILE == 0 for m in layers)):
         out[f"W^T in {layers[0].n_shards} column shards, few-row kernel"] = time_median(
