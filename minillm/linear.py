@@ -138,12 +138,11 @@ class Linear(nn.Module):
         """The product through the packed oneDNN copy (CPU, float32); with ``pad`` a row count in ``ONEDNN_PADDING`` is
         padded with zero rows, which oneDNN's kernels for more rows stream faster (the padding is cut off)."""
         rows = x.numel() // self.in_features
-        if pad and rows in ONEDNN_PADDING:
-            pad = x.new_zeros(ONEDNN_PADDING[rows] - rows, self.in_features)
-            y = torch.ops.mkldnn._linear_pointwise(torch.cat([x.reshape(rows, self.in_features), pad]),
-                                                   self.packed_weight(), self.bias, "none", [], "")
-            return y[:rows].reshape(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight(), self.bias, "none", [], "")
+        padded = ONEDNN_PADDING.get(rows, rows) if pad else rows
+        x2 = x if padded == rows else torch.cat([x.reshape(rows, self.in_features),
+                                                 x.new_zeros(padded - rows, self.in_features)])
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed_weight(), self.bias, "none", [], "")
+        return y if padded == rows else y[:rows].reshape(*x.shape[:-1], self.out_features)
 
     def forward_shards(self, x: torch.Tensor) -> torch.Tensor:
         """The product through the column shards (one ``torch.bmm``)."""
