@@ -292,14 +292,14 @@ def test_serve_bench_modes_agree_and_the_command_prints_json(tiny_with_tokenizer
 def test_linear_floor_sums_each_steps_tokens_and_sampled_rows(tiny, monkeypatch):
     """The linear-layer floor of serve-bench: each step's blocks at its token count and the output layer
     at its sampled rows, interpolated between timed row counts (timings replaced by known ones here)."""
-    from minillm.lab import serve_bench
+    from minillm.lab import engine_costs
 
     engine = LLMEngine(tiny, max_num_batched_tokens=16)
     run(engine, [(str(i), p, greedy(n)) for i, (p, n) in enumerate(zip(prompts(), OUT_LENS))])
     records = engine.stats.records
     assert sum(r.sampled for r in records) == sum(OUT_LENS)  # one sampled row per output token (greedy, n = 1)
-    monkeypatch.setattr(serve_bench, "linear_seconds", lambda model, rows: {m: (2.0 * m, 0.5 * m) for m in rows})
-    floor = serve_bench.linear_floor(tiny, records)
+    monkeypatch.setattr(engine_costs, "linear_seconds", lambda model, rows: {m: (2.0 * m, 0.5 * m) for m in rows})
+    floor = engine_costs.linear_floor(tiny, records)
     tokens = sum(n for r in records for _, _, n, _ in r.runs)
     assert floor["linear_s"] == pytest.approx(2.0 * tokens + 0.5 * sum(OUT_LENS))  # linear in M: exact
     assert max(floor["grid"]) == max(max(sum(n for _, _, n, _ in r.runs) for r in records), 1)

@@ -1,8 +1,9 @@
 """What the engine's choices cost, measured apart from it: each way of reading keys and values for one
 decode query (``measure_attention_paths``: contiguous SDPA, an indexed gather then SDPA, and the block-wise
 ``paged_attention``) and the two constants of ``minillm.paged.batching``'s row cost model
-(``measure_row_costs``: c_token and c_key); and what a step is made of (``profile_ops``: operations per step
-and where the time goes, torch.profiler). Benchmarks, not tests; docs/paged.md and docs/decode.md give the numbers."""
+(``measure_row_costs``: c_token and c_key); what a step is made of (``profile_ops``: operations per step
+and where the time goes, torch.profiler); and what a run's steps take in the linear layers alone
+(``linear_floor``). Benchmarks, not tests; docs/paged.md and docs/decode.md give the numbers."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import collections
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -106,3 +108,45 @@ def profile_ops(step, steps: int = 5, top: int = 12) -> dict:
             micros[e.name] += e.cpu_time_total
     return {"ops_per_step": sum(count.values()) / steps, "ms_per_step": sum(micros.values()) / steps / 1e3,
             "top": [(name, n / steps, micros[name] / steps / 1e3) for name, n in count.most_common(top)]}
+
+
+#: rows at which ``linear_seconds`` times the linear layers; other counts are interpolated
+LINEAR_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@torch.inference_mode()
+def linear_seconds(model, rows, repeats: int = 3) -> dict[int, tuple[float, float]]:
+    """{M: (blocks, head)}: median seconds of one pass through every block's linear layers (wqkv, wo,
+    w_gate_up, w_down, through their own forward, the path a step takes) and of the output layer, on M
+    rows of random activations, for each M in ``rows``."""
+    blocks = [m for layer in model.layers for m in layer.modules() if hasattr(m, "in_features")]  # Linear, QuantLinear
+    gen = torch.Generator(device=model.device).manual_seed(0)
+
+    def median(layers, M):
+        xs = {n: torch.randn(1, M, n, generator=gen, device=model.device, dtype=model.dtype)
+              for n in {m.in_features for m in layers}}
+        times = []
+        for _ in range(repeats + 1):  # the first pass warms up (and packs oneDNN's copies)
+            t0 = time.perf_counter()
+            for m in layers:
+                m(xs[m.in_features])
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times[1:]))
+
+    return {M: (median(blocks, M), median([model.output], M)) for M in rows}
+
+
+def linear_floor(model, records) -> dict:
+    """What the engine's steps would take in the linear layers alone: for each step (``StepRecord``),
+    the blocks' linear layers on its tokens and the output layer on its sampled rows, timed at
+    ``LINEAR_GRID`` row counts (``linear_seconds``) and interpolated. The rest of a step (attention,
+    norms, RoPE, the scheduler, sampling) is what a faster engine could still cut; the linear layers'
+    time is what it cannot, with these kernels. Returns {"linear_s", "grid": {M: [blocks_s, head_s]}}."""
+    tokens = [sum(r[2] for r in rec.runs) for rec in records]
+    sampled = [rec.sampled for rec in records]
+    top = max(tokens + sampled, default=1)
+    grid = sorted({m for m in LINEAR_GRID if m < top} | {top})
+    t = linear_seconds(model, grid)
+    blocks = np.interp(tokens, grid, [t[m][0] for m in grid])
+    head = np.interp(sampled, grid, [t[m][1] for m in grid]) * (np.array(sampled) > 0)
+    return {"linear_s": float(blocks.sum() + head.sum()), "grid": {m: list(t[m]) for m in grid}}

@@ -32,6 +32,7 @@ from ..sampling import SamplingParams
 from ..threads import torch_default_threads
 from ..timing import dtype_name, machine
 from .background import busy_note
+from .engine_costs import linear_floor
 from .peers import load_transformers_peer
 
 PAPER = {"throughput_vs_orca": "2-4x (Sec. 6.2)", "parallel_sampling_saved": "6.1-30.5% (Sec. 6.3)",
@@ -184,48 +185,6 @@ def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blo
     return report
 
 
-#: rows at which ``linear_seconds`` times the linear layers; other counts are interpolated
-LINEAR_GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-
-
-@torch.inference_mode()
-def linear_seconds(model, rows, repeats: int = 3) -> dict[int, tuple[float, float]]:
-    """{M: (blocks, head)}: median seconds of one pass through every block's linear layers (wqkv, wo,
-    w_gate_up, w_down, through their own forward, the path a step takes) and of the output layer, on M
-    rows of random activations, for each M in ``rows``."""
-    blocks = [m for layer in model.layers for m in layer.modules() if hasattr(m, "in_features")]  # Linear, QuantLinear
-    gen = torch.Generator(device=model.device).manual_seed(0)
-
-    def median(layers, M):
-        xs = {n: torch.randn(1, M, n, generator=gen, device=model.device, dtype=model.dtype)
-              for n in {m.in_features for m in layers}}
-        times = []
-        for _ in range(repeats + 1):  # the first pass warms up (and packs oneDNN's copies)
-            t0 = time.perf_counter()
-            for m in layers:
-                m(xs[m.in_features])
-            times.append(time.perf_counter() - t0)
-        return float(np.median(times[1:]))
-
-    return {M: (median(blocks, M), median([model.output], M)) for M in rows}
-
-
-def linear_floor(model, records) -> dict:
-    """What the engine's steps would take in the linear layers alone: for each step (``StepRecord``),
-    the blocks' linear layers on its tokens and the output layer on its sampled rows, timed at
-    ``LINEAR_GRID`` row counts (``linear_seconds``) and interpolated. The rest of a step (attention,
-    norms, RoPE, the scheduler, sampling) is what a faster engine could still cut; the linear layers'
-    time is what it cannot, with these kernels. Returns {"linear_s", "grid": {M: [blocks_s, head_s]}}."""
-    tokens = [sum(r[2] for r in rec.runs) for rec in records]
-    sampled = [rec.sampled for rec in records]
-    top = max(tokens + sampled, default=1)
-    grid = sorted({m for m in LINEAR_GRID if m < top} | {top})
-    t = linear_seconds(model, grid)
-    blocks = np.interp(tokens, grid, [t[m][0] for m in grid])
-    head = np.interp(sampled, grid, [t[m][1] for m in grid]) * (np.array(sampled) > 0)
-    return {"linear_s": float(blocks.sum() + head.sum()), "grid": {m: list(t[m]) for m in grid}}
-
-
 def run_transformers(hf, reqs: list[BenchRequest], max_num_seqs: int = 64, kv_tokens: int | None = None) -> dict:
     """transformers' continuous batching (``ContinuousBatchingManager``, paged|sdpa attention on the CPU),
     each request with its own max_new_tokens, EOS never ending one (eos_token_id -1), greedy, with torch's
@@ -324,11 +283,11 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
              + (["transformers"] if peer else []))
     # transformers runs right after the engine, so that each turn's two runs are minutes apart at most
     order = ["engine"] + (["transformers"] if peer else []) + [n for n in names if n not in ("engine", "transformers")]
-    turns = [("engine", "transformers")] * (peer_repeats - 1 if peer else 0)  # the later turns
-    runs = {"engine": [], "transformers": []}
+    later = ["engine", "transformers"] * (peer_repeats - 1 if peer else 0)  # the later turns
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     hf = None
-    with tqdm(total=(len(names) + 2 * len(turns)) * len(reqs), desc="serve-bench", disable=not progress) as bar:
-        for name in order + [n for turn in turns for n in turn]:
+    with tqdm(total=len(order + later) * len(reqs), desc="serve-bench", disable=not progress) as bar:
+        for name in order + later:
             bar.set_postfix_str(name)
             if name in ("engine", "engine+spec"):
                 run = run_engine(model, reqs, block_size=block_size, num_blocks=num_blocks,
@@ -342,9 +301,9 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
                 if hf is None:
                     hf = load_transformers_peer(dtype=model.dtype, attn_implementation="paged|sdpa")
                 run = run_transformers(hf, reqs, max_num_seqs, kv_tokens=runs["engine"][0]["num_blocks"] * block_size)
-            if runs.get(name):  # a later turn: its engine (and KV pool) is not kept
+            if runs[name]:  # a later turn: its engine (and KV pool) is not kept
                 run.pop("engine", None)
-            runs.setdefault(name, []).append(run)
+            runs[name].append(run)
             if name not in ("engine", "engine+spec"):
                 bar.update(len(reqs))
     for name in names:
@@ -363,7 +322,7 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
         report["memory"] = memory_run(trace, memory_requests, block_size, max_num_seqs)
     if sharing_requests:
         report["sharing"] = sharing_run(model, reqs[:sharing_requests], block_size)
-    if turns:
+    if later:
         report["turns"] = [{"engine": e["output_tokens_per_s"], "transformers": t["output_tokens_per_s"]}
                            for e, t in zip(runs["engine"], runs["transformers"])]
     report["goals"] = goals(report)

@@ -36,7 +36,8 @@ from ..quant.qlinear import QuantLinear
 from ..roofline.cost import decode_cost, forward_cost
 from ..sampling import SamplingParams
 from ..timing import dtype_name, machine
-from .serve_bench import drive_engine, linear_seconds
+from .engine_costs import linear_seconds
+from .serve_bench import drive_engine
 
 SYSTEM = ("You are a patient teaching assistant for a class on Shakespeare. Answer in plain English, in a few "
           "sentences, and when a student asks you to copy a passage, copy it exactly as written, line by line, "
