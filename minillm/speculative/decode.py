@@ -179,21 +179,12 @@ def speculative_generate(target, proposer, prompt_tokens: list[int], params: Sam
 
 def replay_greedy(proposer, prompt_tokens: list[int], answer: list[int], params: SamplingParams = SamplingParams(), *,
                   num_speculative_tokens: int = 4) -> SpeculativeStats:
-    """The target passes greedy speculative decoding takes to emit a known greedy ``answer``, found
-    without running the target: at temperature 0 a draft is accepted exactly when it equals the target's
-    argmax, which is the answer's next token (Leviathan et al. 2023, Sec. 2.3 with one-hot target_probs).
-
-    What a proposer or a gamma would give on an answer can so be asked in milliseconds, for instance
-    the most tokens per pass that prompt lookup can reach on an answer written in the model's own
-    words. The passes follow ``speculative_generate``'s: k <= min(gamma, tokens still to emit - 1)
-    drafts, accepted up to the first mismatch, plus one token.
-
-    Exact for an answer cut by ``max_new_tokens``. For an answer that ended with EOS or a stop string,
-    a live run may also draft, and even accept, tokens past the answer's end in the passes whose
-    window reaches it (what the target would say after EOS is unknown here); the replay drafts only
-    up to the end. The number of passes and the tokens emitted by each (so ``tokens_per_target_pass``)
-    are still the live run's; ``drafted``, ``accepted`` and ``alpha`` can differ in those passes. Both
-    hold for proposers whose shorter drafts are prefixes of their longer ones (both built-in ones).
+    """The target passes greedy speculative decoding takes to emit a known greedy ``answer``, without running
+    the target: at temperature 0 a draft is accepted exactly when it equals the answer's next token (Leviathan
+    et al. 2023, Sec. 2.3, a one-hot target). The passes are ``speculative_generate``'s: up to min(gamma, tokens
+    left - 1) drafts, accepted up to the first mismatch, plus one token. Exact for an answer cut by max_new_tokens;
+    for one ended by EOS or a stop string the passes are the live run's, while ``drafted``, ``accepted`` and
+    ``alpha`` can differ in the last passes (docs/speculative.md, "The draft model and the replay").
 
     Args:
         proposer: a deterministic proposer (prompt lookup; a draft model at temperature 0).
