@@ -1,7 +1,7 @@
 """How far a reader walks: the files and calls between an entry point and the function that does the work.
 
 ``python -m tools.walk generate`` follows ``LLM().generate`` down to the first attention over the KV blocks
-(``paged/attention.py``); ``python -m tools.walk quantize`` follows ``python -m minillm quantize --recipe paper``
+(``paged/attention.py``, or the fused kernel's entry ``kernels.paged_attention`` that it runs for short rows); ``python -m tools.walk quantize`` follows ``python -m minillm quantize --recipe paper``
 down to GPTQ's column loop (``gptq_quantize``). It prints the call stack at the first such call, keeping the
 frames in the package (the frames a student reads), and counts their files and calls.
 """
@@ -19,13 +19,15 @@ class Found(Exception):
     pass
 
 
-def stack_at(target_file: str, target_names: set[str], run) -> list[tuple[str, str]]:
-    """Run ``run()`` until a function named in ``target_names`` of ``target_file`` is called; return the
+def stack_at(targets: dict[str, set[str]], run) -> list[tuple[str, str]]:
+    """Run ``run()`` until a function named in ``targets[file]`` of one of its files is called; return the
     (file, function) frames from the outermost package frame down to it."""
     seen: list[tuple[str, str]] = []
 
     def profile(frame, event, arg):
-        if event == "call" and frame.f_code.co_name in target_names and frame.f_code.co_filename.endswith(target_file):
+        code = frame.f_code
+        if event == "call" and any(code.co_filename.endswith(file) and code.co_name in names
+                                   for file, names in targets.items()):
             f = frame
             while f is not None:
                 path = Path(f.f_code.co_filename)
@@ -48,7 +50,8 @@ def walk_generate():
     from minillm import LLM, SamplingParams
 
     llm = LLM(max_num_seqs=2)
-    return stack_at("paged/attention.py", {"paged_attention", "attend_groups", "attend_blockwise", "gather_padded"},
+    return stack_at({"paged/attention.py": {"paged_attention", "attend_groups", "attend_blockwise", "gather_padded"},
+                     "kernels/__init__.py": {"paged_attention", "paged_attention_naive"}},
                     lambda: llm.generate(["The history of"], SamplingParams(max_tokens=2), use_tqdm=False))
 
 
@@ -58,7 +61,7 @@ def walk_quantize():
     from minillm.cli import main
 
     out = Path(tempfile.mkdtemp()) / "paper.safetensors"
-    return stack_at("quant/gptq.py", {"gptq_quantize"},
+    return stack_at({"quant/gptq.py": {"gptq_quantize"}},
                     lambda: main(["quantize", "--quant", "gptq", "--recipe", "paper", "--out", str(out)]))
 
 
