@@ -52,7 +52,9 @@ def machine() -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    s = f"{cpu} ({instruction_set()}), {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    s = (f"{cpu} ({instruction_set()}), {os.cpu_count()} cores, torch {torch.__version__} "
+         f"({threads} thread{'' if threads == 1 else 's'})")
     if torch.cuda.is_available():
         s += f", GPU {torch.cuda.get_device_name()}"
     return s

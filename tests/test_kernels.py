@@ -145,6 +145,24 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch):
     assert QuantLinear(rtn_quantize(torch.randn(64, 128), QuantConfig(4, 64))).kernel == "torch-int4"
 
 
+def test_two_checkouts_of_the_same_sources_build_apart(monkeypatch):
+    here = kernels.build_name()
+    assert here == kernels.build_name()  # the same checkout finds its build again
+    monkeypatch.setattr(kernels, "__file__", "/another/checkout/minillm/kernels/__init__.py")
+    assert kernels.build_name() != here  # torch's build file holds absolute source paths: one folder each
+
+
+def test_a_first_build_is_announced_and_a_built_one_is_not(monkeypatch, tmp_path, capsys):
+    import torch.utils.cpp_extension as ext
+
+    monkeypatch.setattr(ext, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    kernels._announce_build("minillm_cpu_kernels_x")
+    assert "building its CPU kernels" in capsys.readouterr().err
+    (tmp_path / "minillm_cpu_kernels_x.so").write_bytes(b"")
+    kernels._announce_build("minillm_cpu_kernels_x")
+    assert capsys.readouterr().err == ""
+
+
 def test_the_build_command_make_setup_runs_says_what_it_did():
     import subprocess
     import sys

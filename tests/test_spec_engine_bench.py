@@ -74,6 +74,9 @@ def test_the_command_prints_json_and_refuses_by_name(tiny_path, tmp_path, monkey
     with pytest.raises(ValueError, match="--draft-model"):
         args = command(["--model", "/nonexistent", "--spec", "draft"])
         args.func(args)
+    with pytest.raises(ValueError, match="no such file or folder \\(--draft-model\\)"):  # before any model loads
+        args = command(["--model", "/nonexistent", "--spec", "draft", "--draft-model", "/nope"])
+        args.func(args)
     with pytest.raises(ValueError, match="--trace"):
         args = command(["--model", "/nonexistent", "--trace", "chat"])
         args.func(args)

@@ -9,7 +9,7 @@ registers, so a decode step or a speculative verification costs about one pass o
 gathering them; ``rms_norm``, ``add_rms_norm``, ``silu_mul`` and ``rope_write`` do in one pass what takes torch
 two to ten operators, which on a CPU step of short rows cost more than the math.
 
-The C++ builds once, on first use, with torch's extension builder (a compiler and ninja; about a minute). Where
+The C++ builds once per checkout, on first use, with torch's extension builder (a compiler and ninja; 1-2 minutes). Where
 it cannot (no compiler, no AVX2, or ``MINILLM_KERNELS=0``), ``available()`` is False and every caller keeps torch's
 operators. Under ``torch.compile`` the products and the attention are ``torch.library`` custom ops; the small
 operations are left to inductor, which fuses them itself (``fused_ok``). The ``*_naive`` functions are the baselines.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -52,11 +53,27 @@ def why_unavailable() -> str | None:
 
 
 def build_name() -> str:
-    """The extension's name, which is also its build folder's: named by its sources and flags, so two checkouts
-    (or versions) on one machine keep a build each instead of rebuilding over each other on first use."""
+    """The extension's name, which is also its build folder's: named by its sources, its flags and the folder they
+    lie in (torch's build file names each source by its absolute path, so two checkouts of the same sources would
+    share a folder and rebuild over each other, a minute or two each time, whenever the other one had built)."""
     sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode()).hexdigest()[:12]
+    where = str(Path(__file__).resolve().parent).encode()
+    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode() + where).hexdigest()[:12]
     return f"minillm_cpu_kernels_{digest}"
+
+
+def _announce_build(name: str) -> None:
+    """Say on stderr that the kernels are about to be built, where they are not yet (a first run would otherwise
+    sit silent for a minute or two)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        built = any(Path(_get_build_directory(name, verbose=False)).glob(f"{name}*.so"))
+    except Exception:  # a private helper of torch's: where it moved, say nothing
+        return
+    if not built:
+        print("minillm: building its CPU kernels for this checkout, once (1-2 minutes; later runs load them)",
+              file=sys.stderr, flush=True)
 
 
 def load():
@@ -70,6 +87,7 @@ def load():
             if reason is None:
                 try:
                     from torch.utils.cpp_extension import load as build
+                    _announce_build(build_name())
                     ext = build(build_name(), [str(path) for path in SOURCES],
                                 extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"])
                 except Exception as e:  # a failed build leaves torch's kernels in charge

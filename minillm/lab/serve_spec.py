@@ -17,7 +17,7 @@ import numpy as np
 from ..data import HELD_OUT_PLAY, play_text
 from ..files import runs_folder
 from ..loading import load_model
-from ..options import load, print_json
+from ..options import check_model_path, load, print_json
 from ..paged.engine import LLMEngine
 from ..sampling import SamplingParams
 from ..timing import dtype_name, machine
@@ -197,6 +197,7 @@ def cmd_serve_spec(args) -> int:
     if args.spec == "draft" and not args.draft_model:
         raise ValueError("--draft-model: --spec draft needs a draft model (any file load_model takes, e.g. the int4 "
                          "file of python -m minillm quantize)")
+    check_model_path(args.draft_model, "--draft-model")  # before the target is loaded
     model, tokenizer = load(args)
     draft = load_model(args.draft_model, dtype=model.dtype, device=model.device)[0] if args.draft_model else None
     report = serve_spec(model, tokenizer, spec=args.spec, ks=ks, draft=draft, trace=trace, concurrency=concurrency,
