@@ -130,6 +130,21 @@ def test_n_greater_than_one_speculates_per_sample(tiny):
     assert_all_free(engine)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_n_samples_fork_before_any_draft_when_the_prompt_ends_in_a_one_token_chunk(tiny, draft, method):
+    """A prompt whose last chunk is one token has one token left to compute, like a decoding sequence; a draft
+    there would be drawn before the request forks into its n samples, and the samples would share it."""
+    params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=3, ignore_eos=True)
+    prompt = LOOP * 3 + [LOOP[0]]  # 19 tokens: a budget of 6 leaves a last chunk of one
+    outs = {budget: run(LLMEngine(tiny, block_size=4, max_num_batched_tokens=budget,
+                                  speculative_config=spec(method, 3, draft)), [("a", prompt, params)])["a"]
+            for budget in (6, 256)}
+    assert len(outs[6]) == 3 and len({tuple(s) for s in outs[6]}) == 3
+    assert [s[0] for s in outs[6]] == [s[0] for s in outs[256]]  # each sample drew its own first token
+    if method == "ngram":  # prompt lookup's tokens depend on the seed and the logits only (keyed_run)
+        assert outs[6] == outs[256]
+
+
 def test_rollback_leaves_the_sequence_as_if_it_never_speculated(tiny):
     """After a step with k drafts and a accepted: a + 1 more tokens, computed count, block table and slot
     mapping equal to a sequence that never speculated (the same block ids, since the pool hands out the

@@ -189,7 +189,10 @@ class SpecDecoder:
         for seq in running:
             seq.spec_token_ids = []
             req = self.engine.requests.get(seq.request_id)
-            if req is None or req.is_beam_search or seq.num_tokens - seq.num_computed_tokens != 1:
+            # one token left to compute, and not the prompt's last: at the first draw a request with n > 1 forks,
+            # and each of its samples draws its own first token
+            if (req is None or req.is_beam_search or seq.num_tokens - seq.num_computed_tokens != 1
+                    or seq.num_output_tokens == 0):
                 continue
             room = self._room(seq, req)
             if room > 1:  # at most room - 1 drafts: the step emits at most room tokens
