@@ -284,6 +284,96 @@ def test_a_failed_step_with_speculation_changes_nothing_or_aborts(tiny, draft, p
     assert_all_free(engine)
 
 
+class _Boom(RuntimeError):
+    pass
+
+
+def _raising_once(model, at):
+    """The model, but its call number ``at`` raises (the step fails in the target's forward)."""
+    calls = [0]
+
+    class Raising(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == at:
+                raise _Boom(f"call {at}")
+            return self.inner(*args, **kwargs)
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(self.inner, name)
+    return Raising()
+
+
+DRAFT_FAILURES = {  # (engine settings, requests): a seeded sampled request beside others, a draft model
+    "tight draft pool": (dict(block_size=1, num_blocks=40, max_num_seqs=4, eos_ids={23}),
+                         [("r0", [245, 17, 245, 17, 245, 17, 166, 169, 168, 2, 298],
+                           SamplingParams(max_tokens=26, temperature=0.8, seed=78, ignore_eos=True)),
+                          ("r1", [73, 179, 8], SamplingParams(max_tokens=27, n=3))]),
+    "a step that drafts nothing": (dict(block_size=4, num_blocks=6, max_num_batched_tokens=64),
+                                   [("B", [214, 23, 84, 228, 32, 132, 80, 228, 270, 249, 287, 0], greedy(3)),
+                                    ("A", [7, 8, 9, 7, 8, 9],
+                                     SamplingParams(max_tokens=11, temperature=0.8, seed=11, ignore_eos=True))]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DRAFT_FAILURES))
+def test_a_failed_step_leaves_the_draft_model_as_it_found_it(tiny, draft, case):
+    """A target forward that raises: the draft's KV goes back to what the step did not write and its drafts are
+    keyed by position, so the retry drafts as the failed step did and a seeded request's tokens are those of the
+    run without the failure. A preemption the failed step made stands (the victim's blocks may be written over):
+    the retry may then leave a sampled request drafts of another length, and other tokens from the same law."""
+    settings_, reqs = DRAFT_FAILURES[case]
+    config = spec("draft_model", 4 if case == "tight draft pool" else 3, draft)
+
+    def drive(at=None):
+        engine = LLMEngine(tiny, speculative_config=config, **settings_)
+        if at is not None:
+            engine.model = _raising_once(engine.model, at)
+        for rid, prompt, params in reqs:
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        done, preempted = {}, None
+        while engine.has_unfinished_requests():
+            running = {s.seq_id for s in engine.scheduler.running}
+            try:
+                outs = engine.step()
+            except _Boom:
+                preempted = running - {s.seq_id for s in engine.scheduler.running}
+                continue
+            done.update({o.request_id: [c.token_ids for c in o.outputs] for o in outs if o.finished})
+        return done, preempted, engine
+
+    clean, _, _ = drive()
+    exact = 0
+    for at in range(1, 9):
+        done, preempted, engine = drive(at)
+        assert preempted is not None, f"the forward raised at call {at} but no step failed"
+        for rid, _, params in reqs:
+            if params.greedy or not preempted:
+                assert done[rid] == clean[rid], f"{rid}: the forward raised at call {at}"
+        exact += not preempted
+        assert_all_free(engine)
+    assert exact >= 4  # most failures preempt nothing: there every token is checked
+
+
+def test_a_seeded_draft_is_the_same_in_every_process():
+    """The draft's generator is seeded from ints only (Python salts a string's hash per process)."""
+    import subprocess
+    import sys
+    code = ("import torch; from minillm.paged.spec_draft import DraftRunner; from types import SimpleNamespace as N; "
+            "r = DraftRunner.__new__(DraftRunner); r._seeds = {}; "
+            "g = r._generator(N(request_id='x', params=N(seed=7)), 0, 12); print(torch.rand(3, generator=g).tolist())")
+    outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           env={**__import__("os").environ, "PYTHONHASHSEED": seed}).stdout for seed in ("0", "1")}
+    assert len(outs) == 1, outs
+
+
 SMALL_V = 5
 
 

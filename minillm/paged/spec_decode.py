@@ -198,6 +198,7 @@ class SpecDecoder:
             if room > 1:  # at most room - 1 drafts: the step emits at most room tokens
                 seqs.append((seq, req, min(self.config.k, room - 1)))
         if self.draft is not None:
+            self.draft.begin()
             self.draft.release(running)
             if seqs:  # "auto" cuts a draft model's lengths before it drafts, prompt lookup's after
                 self.draft.propose(self._auto(seqs, running, [k for _, _, k in seqs]) if self.config.auto else seqs)

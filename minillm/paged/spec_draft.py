@@ -35,8 +35,11 @@ class DraftRunner:
         self.max_seq_len = model.config.max_seq_len
         self.fed: dict[int, list[int]] = {}  # seq_id -> the tokens whose K/V the draft's pool holds
         self._q: dict[int, torch.Tensor] = {}  # seq_id -> (d, V) the distributions its drafts came from
-        self._generators: dict[tuple[str, int], torch.Generator] = {}
-        self._saved: dict = {}
+        self._seeds: dict[tuple[str, int], int] = {}  # (request, sample) -> the seed its drafts are keyed by
+        # what a step changes, so that a failed one is undone (``begin``, ``restore``): the sequences it gave draft
+        # blocks to, and the prefix of the others' draft KV it kept
+        self._new: set[int] = set()
+        self._kept: dict[int, int] = {}
         # the start's curve reaches a step's token budget (or the draft's context, if shorter): a first forward
         # feeds a whole prompt, which a curve measured only up to the seats would extrapolate flat
         self.cost = measure_step_cost(model, engine.scheduler.max_num_batched_tokens, repeats=2,
@@ -63,6 +66,10 @@ class DraftRunner:
         keep = n if fed[:n] == known[:n] else next(i for i in range(n) if fed[i] != known[i])
         return len(known) - keep
 
+    def begin(self) -> None:
+        """A step starts: what ``restore`` returns to if it fails."""
+        self._new, self._kept = set(), {}
+
     @torch.inference_mode()
     def propose(self, seqs) -> None:
         """Draft up to k tokens for each (sequence, request, k); sets ``spec_token_ids`` (and q)."""
@@ -74,10 +81,11 @@ class DraftRunner:
             if not self.manager.holds(seq.seq_id):
                 self.manager.allocate(seq.seq_id)
                 self.fed[seq.seq_id] = []
+                self._new.add(seq.seq_id)
             keep = seq.num_tokens - self.feed(seq)
-            del self.fed[seq.seq_id][keep:]
+            self._cut(seq.seq_id, keep)  # rejected drafts leave now: their blocks count as free for this step
+            self._kept.setdefault(seq.seq_id, keep)
             work.append([seq, req, k, seq.token_ids[keep:]])
-        self._saved = {key: g.get_state() for key, g in self._generators.items()}
         try:
             self._draft(work)
         except NoFreeBlocksError:  # the pool is short (forks hold their own copies): no drafts this step
@@ -107,7 +115,7 @@ class DraftRunner:
                     token = greedy[i]
                 else:
                     q = logits_to_probs(logits[i:i + 1], req.params)[0].cpu()
-                    token = draw(q, self._generator(req, seq.index))
+                    token = draw(q, self._generator(req, seq.index, seq.num_tokens + len(seq.spec_token_ids)))
                     self._q[seq.seq_id].append(q)
                 seq.spec_token_ids.append(token)
                 work[i][3] = [token]
@@ -123,22 +131,33 @@ class DraftRunner:
         onehot[torch.arange(d), torch.tensor(seq.spec_token_ids)] = 1.0
         return onehot
 
-    def _generator(self, req, index: int) -> torch.Generator:
+    def _generator(self, req, index: int, position: int) -> torch.Generator:
+        """The random numbers of the draft at ``position``, keyed by the request's seed (a random one if it has
+        none), the sample and the position, as ``keyed_run`` keys the target's: a draft drawn again at the same
+        place (after a failed step, a preemption) is the same draft, so a seeded request's drafts do not depend on
+        its batch. Still exact: a position's draft is verified once, with the request's own random numbers."""
         key = (req.request_id, index)
-        if key not in self._generators:
+        if key not in self._seeds:
             seed = req.params.seed
-            g = torch.Generator()
-            g.manual_seed(hash((seed, index, "draft")) % 2 ** 63) if seed is not None else g.seed()
-            self._generators[key] = g
-        return self._generators[key]
+            self._seeds[key] = seed if seed is not None else int(torch.randint(2 ** 62, ()))
+        # ints only: Python salts a string's hash per process, and a seed must give the same drafts in each
+        return torch.Generator().manual_seed(hash((self._seeds[key], index, position)) % 2 ** 63)
+
+    def _cut(self, seq_id: int, n: int) -> None:
+        """Keep the first n tokens of the sequence's draft KV (and their blocks)."""
+        del self.fed[seq_id][n:]
+        if self.manager.num_tokens(seq_id) > n:
+            self.manager.truncate(seq_id, n)
 
     def restore(self) -> None:
-        """A failed step: the draft generators go back to where the step found them."""
-        for key in list(self._generators):
-            if key in self._saved:
-                self._generators[key].set_state(self._saved[key])
-            else:  # made by the failed step: made again from its seed
-                del self._generators[key]
+        """A failed step: the sequences it gave draft blocks to give them back, and the others keep the prefix it
+        did not write over (its tokens were known, so the next step feeds from there, as the failed one did)."""
+        for seq_id, keep in self._kept.items():
+            if seq_id in self._new:
+                self.free(seq_id)
+            elif self.manager.holds(seq_id):
+                self._cut(seq_id, keep)
+        self._new, self._kept = set(), {}
 
     def release(self, running) -> None:
         """Free the draft KV of sequences that no longer run (preempted ones recompute it)."""
@@ -154,6 +173,6 @@ class DraftRunner:
         self._q.pop(seq_id, None)
 
     def forget(self, seq) -> None:
-        """A finished or aborted sequence: its blocks and its generator go."""
+        """A finished or aborted sequence: its blocks and its seed go."""
         self.free(seq.seq_id)
-        self._generators.pop((seq.request_id, seq.index), None)
+        self._seeds.pop((seq.request_id, seq.index), None)
