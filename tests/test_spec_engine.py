@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from helpers import random_decoder
-from test_engine import run  # add (id, prompt ids, params), step to the end: {id: [tokens per sample]}
+from test_engine import recompute_logits, run  # add (id, prompt ids, params), step to the end: {id: [tokens per sample]}
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -145,6 +145,18 @@ def test_n_samples_fork_before_any_draft_when_the_prompt_ends_in_a_one_token_chu
         assert outs[6] == outs[256]
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_recorded_logits_give_one_row_per_token_with_speculation(tiny, draft, method):
+    engine = LLMEngine(tiny, block_size=4, record_logits=True, speculative_config=spec(method, 3, draft))
+    done = run(engine, REQS[:3])
+    assert engine.spec.stats.num_accepted_tokens > 0
+    for rid, prompt, params in REQS[:3]:
+        rows = engine.logits[(rid, 0)]
+        assert [int(r.argmax()) for r in rows] == done[rid][0]  # greedy: each token is its row's argmax
+        ref = recompute_logits(tiny, prompt + done[rid][0])[len(prompt) - 1:-1]  # what each token was drawn from
+        torch.testing.assert_close(torch.stack(rows), ref, atol=1e-4, rtol=0)
+
+
 def test_rollback_leaves_the_sequence_as_if_it_never_speculated(tiny):
     """After a step with k drafts and a accepted: a + 1 more tokens, computed count, block table and slot
     mapping equal to a sequence that never speculated (the same block ids, since the pool hands out the
@@ -200,6 +212,10 @@ def test_drafts_shrink_before_anyone_is_preempted(tiny):
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "'model'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": 5}, "model must be a path"),
+    ({"method": "ngram", "num_speculative_tokens": 10 ** 6}, "num_speculative_tokens is 1000000, at most 64"),
+    ({"method": "ngram", "num_speculative_tokens": "auto", "max_num_speculative_tokens": 65},
+     "max_num_speculative_tokens is 65"),
     ("ngram", "must be a dict"),
 ])
 def test_config_is_refused_by_field(tiny, config, field):

@@ -88,9 +88,10 @@ class RequestTracker:
             for seq in ready:
                 self.beams.drop(seq.seq_id)
             raise
-        if self.record_logits:
+        if self.record_logits:  # the rows of every token drawn (a run cut by a stop keeps its dropped tokens' rows)
             for i, seq in enumerate(ready):
-                self.logits.setdefault((seq.request_id, seq.index), []).append(last[i].float().cpu())
+                rows = self.spec.emitted_rows(logits, i, draws[i]) if self.spec is not None else last[i:i + 1]
+                self.logits.setdefault((seq.request_id, seq.index), []).extend(rows.float().cpu())
         return draws
 
     def append(self, ready: list[Sequence], draws, outputs: list[RequestOutput], append) -> None:

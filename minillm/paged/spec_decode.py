@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import numbers
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,9 @@ METHODS = ("ngram", "draft_model")
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
         "max_num_speculative_tokens", "step_cost"}
 AUTO_MAX = 5  # the longest draft "auto" considers, unless max_num_speculative_tokens says otherwise
+# the longest draft a step may carry: every draft token holds a slot (and a draft model's pool one per seat), and
+# a draft of 64 is accepted in full only where alpha is near 1, which a draft that long never sees
+MAX_DRAFT = 64
 # acceptance drifts along a text (a copy begins after a preamble whose drafts fail): with each committed step
 # a sequence's counts of accepted and examined drafts keep this share, so old failures fade and a sequence
 # that stopped drafting tries again once its rate is back near the prior
@@ -57,9 +61,12 @@ class SpeculativeConfig:
         return self.max_num_speculative_tokens if self.auto else self.num_speculative_tokens
 
 
-def _positive(name, value) -> int:
+def _positive(name, value, most: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+    if most is not None and value > most:
+        raise ValueError(f"speculative_config: {name} is {value}, at most {most} (every draft token holds a KV slot; "
+                         "a draft that long is never accepted in full)")
     return int(value)
 
 
@@ -85,8 +92,8 @@ def check_speculative_config(config, target, load=None) -> SpeculativeConfig | N
     if method not in METHODS:
         raise ValueError(f"speculative_config: method must be one of {METHODS}, got {method!r}")
     k = config.get("num_speculative_tokens")
-    k = k if k == "auto" else _positive("num_speculative_tokens", k)
-    most = _positive("max_num_speculative_tokens", config.get("max_num_speculative_tokens", AUTO_MAX))
+    k = k if k == "auto" else _positive("num_speculative_tokens", k, MAX_DRAFT)
+    most = _positive("max_num_speculative_tokens", config.get("max_num_speculative_tokens", AUTO_MAX), MAX_DRAFT)
     lo = _positive("prompt_lookup_min", config.get("prompt_lookup_min", 1))
     hi = _positive("prompt_lookup_max", config.get("prompt_lookup_max", max(3, lo)))
     if lo > hi:
@@ -98,6 +105,9 @@ def check_speculative_config(config, target, load=None) -> SpeculativeConfig | N
     if method == "draft_model":
         if draft is None:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (a path or a Decoder)")
+        if not isinstance(draft, (torch.nn.Module, str, os.PathLike)):
+            raise ValueError(f"speculative_config: model must be a path load_model takes or a Decoder, got "
+                             f"{type(draft).__name__}")
         if not isinstance(draft, torch.nn.Module):
             draft = load(draft)
         if draft.config.vocab_size != target.config.vocab_size:
@@ -283,6 +293,14 @@ class SpecDecoder:
         if len(self._counts) == logits.shape[0]:
             return logits
         return logits[torch.tensor(list(itertools.accumulate(self._counts)), device=logits.device) - 1]
+
+    def emitted_rows(self, logits: torch.Tensor, i: int, drawn) -> torch.Tensor:
+        """The logits rows the i-th ready sequence's drawn tokens come from: a ``Run``'s from its pending token on
+        (one per verified token), else its last row."""
+        end = sum(self._counts[:i + 1])
+        if isinstance(drawn, Run):
+            return logits[end - self._counts[i]:end - self._counts[i] + len(drawn)]
+        return logits[end - 1:end]
 
     def draw(self, logits: torch.Tensor, plans: list, ready) -> list:
         """What each ready sequence draws: a ``Run`` (verification) for a drafted one, else one token per sample
