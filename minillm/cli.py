@@ -176,20 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text from a prompt (streams as it goes)")
-    g.add_argument("--prompt", required=True)
+    g.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template (ChatML)")
-    g.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    g.add_argument("--max-new-tokens", type=at_least(1), default=64, help="tokens to generate at most (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches this (default 1.0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="seed for sampling (default: none, a new draw each run)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--cache", default="contiguous", choices=["none", "dynamic", "contiguous"],
                    help="none: recompute the sequence every step (the naive baseline); dynamic: a cache "
                         "grown by concatenation; contiguous: one preallocated buffer per layer (default)")
     g.add_argument("--kv-dtype", default=None, choices=["int8"], help="store the contiguous cache in int8")
     g.add_argument("--draft", default=None, help="speculative decoding: 'ngram' (prompt lookup) or a draft model path")
-    g.add_argument("--num-speculative-tokens", type=at_least(1), default=4, help="drafts per target pass (gamma)")
+    g.add_argument("--num-speculative-tokens", type=at_least(1), default=4,
+                   help="drafts per target pass (gamma; default 4)")
     g.add_argument("--max-seq-len", type=at_least(2), default=None, help="context to use (default: the model's)")
     add_model_args(g)
     g.set_defaults(func=cmd_generate)

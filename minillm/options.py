@@ -50,7 +50,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model, --dtype, --device, --shards, --json: the options of every command that loads a model."""
     p.add_argument("--model", default=None, help="a .gguf file, a Hugging Face checkpoint folder, or a "
                    ".safetensors file written by `quantize` (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"],
+                   help="weights and activations (default float32)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--shards", type=at_least(1), default=None,
                    help="weight column blocks per matmul (default: one per CPU thread; use 1 on a busy machine)")

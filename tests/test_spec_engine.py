@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 from helpers import random_decoder
-from test_engine import recompute_logits, run  # add (id, prompt ids, params), step to the end: {id: [tokens per sample]}
+from test_engine import recompute_logits, run  # run: add (id, prompt ids, params), step to the end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

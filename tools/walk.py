@@ -1,9 +1,10 @@
 """How far a reader walks: the files and calls between an entry point and the function that does the work.
 
 ``python -m tools.walk generate`` follows ``LLM().generate`` down to the first attention over the KV blocks
-(``paged/attention.py``, or the fused kernel's entry ``kernels.paged_attention`` that it runs for short rows); ``python -m tools.walk quantize`` follows ``python -m minillm quantize --recipe paper``
-down to GPTQ's column loop (``gptq_quantize``). It prints the call stack at the first such call, keeping the
-frames in the package (the frames a student reads), and counts their files and calls.
+(``paged/attention.py``, or ``kernels.paged_attention``, the fused kernel's entry, which short rows take); ``python
+-m tools.walk quantize`` follows ``python -m minillm quantize --recipe paper`` down to GPTQ's column loop
+(``gptq_quantize``). It prints the call stack at the first such call, keeping the frames in the package (the frames
+a student reads), and counts their files and calls.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ registers, so a decode step or a speculative verification costs about one pass o
 gathering them; ``rms_norm``, ``add_rms_norm``, ``silu_mul`` and ``rope_write`` do in one pass what takes torch
 two to ten operators, which on a CPU step of short rows cost more than the math.
 
-The C++ builds once per checkout, on first use, with torch's extension builder (a compiler and ninja; 1-2 minutes). Where
-it cannot (no compiler, no AVX2, or ``MINILLM_KERNELS=0``), ``available()`` is False and every caller keeps torch's
-operators. Under ``torch.compile`` the products and the attention are ``torch.library`` custom ops; the small
-operations are left to inductor, which fuses them itself (``fused_ok``). The ``*_naive`` functions are the baselines.
+The C++ builds once per checkout, on first use, with torch's extension builder (a compiler and ninja; 1-2 minutes);
+where it cannot (no compiler, no AVX2, ``MINILLM_KERNELS=0``), ``available()`` is False and callers keep torch's
+operators. Under ``torch.compile`` the products and the attention are ``torch.library`` custom ops and the small
+operations are left to inductor (``fused_ok``). The ``*_naive`` functions are the baselines.
 """
 
 from __future__ import annotations
