@@ -251,6 +251,13 @@ BAD = [  # (path, body, status, the field the message names, code)
     ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs", None),
     ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt", None),  # refused by the engine's add_request
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2000}, 400, "max_tokens", None),  # past the KV pool
+    ("/v1/completions", {"prompt": [5] * 1100}, 400, "prompt", None),  # the prompt alone past the KV pool
+    ("/v1/completions", '{"prompt": "hi \\ud83d"}', 400, "prompt", None),  # valid JSON, a lone surrogate
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", None),
+    ("/v1/completions", {"prompt": "hi", "response_format": {"type": "json_object"}}, 400, "response_format", None),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x"] * 17}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "hi", "stop": ["x" * 1001]}, 400, "stop", None),
 ]
 
 
@@ -275,6 +282,15 @@ def test_bad_requests_get_4xx_naming_the_field_and_disturb_nothing(server):
     assert server.client.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens <= 3
     free, total, _ = server.wait_all_free()
     assert free == total and server.loop.pending == 0
+
+
+def test_null_is_the_default_where_openai_allows_null(server):
+    body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "presence_penalty": None, "frequency_penalty": None,
+            "stream": None, "echo": None, "ignore_eos": None, "suffix": None, "tools": None}
+    r = server.http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == server.client.completions.create(
+        model="tiny", prompt="hi", max_tokens=2, temperature=0).choices[0].text
 
 
 def test_past_the_queue_bound_new_requests_get_503(tiny):
@@ -438,9 +454,18 @@ def test_sigterm_finishes_what_it_can_aborts_the_rest_and_exits_cleanly(tiny_pat
             except httpx.TransportError:
                 got.setdefault(name, []).append("cut")
 
+        whole = {}
+
+        def whole_answer():  # not streamed: the abort is a 500 in OpenAI's shape, not a cancelled handler
+            r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3900, "ignore_eos": True},
+                           timeout=60)
+            whole.update(status=r.status_code, body=r.json())
+
         short = threading.Thread(target=stream, args=("short", 40))
         long = threading.Thread(target=stream, args=("long", 3900))
+        waiting = threading.Thread(target=whole_answer)
         long.start()
+        waiting.start()
         while not got.get("long") and time.monotonic() < deadline:
             time.sleep(0.01)
         short.start()
@@ -448,16 +473,18 @@ def test_sigterm_finishes_what_it_can_aborts_the_rest_and_exits_cleanly(tiny_pat
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        short.join(10)
-        long.join(10)
+        for t in (short, long, waiting):
+            t.join(10)
         assert got["short"][-1] == "[DONE]"  # finished within the shutdown timeout
-        assert got["long"][-1] != "[DONE]" or "error" in got["long"][-2]  # aborted: cut off or told so
+        assert got["long"][-1] == "[DONE]" and "error" in got["long"][-2]  # aborted, and told so
+        assert whole["status"] == 500 and "shutting down" in whole["body"]["error"]["message"]
         with pytest.raises(httpx.TransportError):
             httpx.get(url + "/health", timeout=1)
     finally:
         if proc.poll() is None:
             proc.kill()
-        proc.communicate(timeout=10)
+        _, err = proc.communicate(timeout=10)
+    assert "Traceback" not in err, err[-2000:]
 
 
 # ---- the embedded model -----------------------------------------------------------------------------------

@@ -214,6 +214,39 @@ async def _unless_disconnected(request: Request, work):
     return task.result() if task in finished else None
 
 
+#: seconds uvicorn's own shutdown timeout leaves after the engine's: its abort lands first and every response ends
+#: in OpenAI's shape; uvicorn cancels only a handler that still has not returned by then
+SHUTDOWN_GRACE = 5.0
+
+
+def engine_server(config, loop: EngineLoop, shutdown_timeout: float | None):
+    """uvicorn's server for ``config``, whose graceful shutdown ends the engine's requests itself: ``shutdown_timeout``
+    seconds after Ctrl-C / SIGTERM the engine loop aborts what is still running (a 500 in OpenAI's shape, or a final
+    error event and [DONE] on a stream), before uvicorn's timeout would cancel the handlers (a traceback each, a
+    plain-text 500, a stream cut mid-body). None: wait for every request."""
+    import uvicorn
+
+    class EngineServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            abort = None
+            if shutdown_timeout is not None:
+                abort = asyncio.ensure_future(self._abort_after(shutdown_timeout))
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if abort is not None:
+                    abort.cancel()
+
+        @staticmethod
+        async def _abort_after(seconds: float) -> None:
+            await asyncio.sleep(seconds)
+            await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+
+    if shutdown_timeout is not None:
+        config.timeout_graceful_shutdown = shutdown_timeout + SHUTDOWN_GRACE
+    return EngineServer(config)
+
+
 class ServerThread:
     """uvicorn serving ``app`` on a thread of this process, on a free port (tests and the online benchmark):
     ``with ServerThread(app) as server: httpx.get(server.url + "/health")``. Leaving the block shuts the
@@ -228,8 +261,8 @@ class ServerThread:
         import uvicorn
 
         self.host, self.timeout = host, timeout
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                                                    timeout_graceful_shutdown=shutdown_timeout))
+        self.server = engine_server(uvicorn.Config(app, host=host, port=port, log_level=log_level),
+                                    app.state.loop, shutdown_timeout)
         self.thread = threading.Thread(target=self.server.run, name="minillm-http", daemon=True)
         self.url = None
 

@@ -38,7 +38,7 @@ def cmd_serve(args) -> int:
     """Load the model, start the engine thread and serve until interrupted; returns the exit code (0)."""
     import uvicorn
 
-    from .app import create_app
+    from .app import create_app, engine_server
     from .loop import EngineLoop
 
     if args.threads:
@@ -57,13 +57,12 @@ def cmd_serve(args) -> int:
         print(f"serving {name} at {info['url']} ({engine.num_blocks} KV blocks of {engine.block_size} tokens, "
               f"context {engine.max_seq_len}, {args.max_num_seqs} sequences a step, {args.max_queue} more may "
               "wait); Ctrl-C stops", file=sys.stderr)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it
     # found; this one (and KeyboardInterrupt's) turns that into a clean exit
     previous = signal.signal(signal.SIGTERM, _stopped)
     try:
-        uvicorn.Server(config).run()
+        engine_server(config, loop, args.shutdown_timeout).run()
     except (KeyboardInterrupt, _Stopped):
         pass
     finally:

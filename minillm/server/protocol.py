@@ -53,9 +53,10 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     """The fields both endpoints share. Fields OpenAI has and the engine lacks are accepted at their
-    neutral value only (``UNSUPPORTED``); unknown fields are ignored, as vLLM does."""
+    neutral value only (``UNSUPPORTED``) or not at all (``REFUSED``); other unknown fields are kept aside
+    (``model_extra``) and ignored, as vLLM does."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None  # None: OpenAI's default, 1
@@ -64,14 +65,14 @@ class _Sampling(BaseModel):
     n: int | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = False  # None (JSON null, as OpenAI allows): the default
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False  # vLLM's extension (benchmarks)
+    ignore_eos: bool | None = False  # vLLM's extension (benchmarks)
     stop_token_ids: list[int] | None = None  # vLLM's extension: ids that end a choice as EOS does
     user: str | None = None
     logprobs: bool | int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     logit_bias: dict | None = None
     best_of: int | None = None
 
@@ -81,7 +82,7 @@ class CompletionRequest(_Sampling):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
-    echo: bool = False
+    echo: bool | None = False
     suffix: str | None = None
 
 
@@ -99,11 +100,23 @@ class ChatCompletionRequest(_Sampling):
 
 
 # field -> its neutral value: anything else is refused, naming the field
-UNSUPPORTED = {"logprobs": (None, False, 0), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
-               "logit_bias": (None, {}), "best_of": (None, 1), "echo": (False,), "suffix": (None, "")}
+UNSUPPORTED = {"logprobs": (None, False, 0), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+               "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}
+# fields of OpenAI's API (and vLLM's) that change what is generated, which the engine does not do: refused when set,
+# rather than ignored as unknown fields are (a client asking for tool calls or JSON must not get plain text)
+REFUSED = ("tools", "tool_choice", "functions", "function_call", "response_format", "top_logprobs", "guided_json",
+           "guided_choice", "guided_regex", "guided_grammar", "structured_outputs", "repetition_penalty",
+           "min_tokens", "min_p")
+# stop strings per request (OpenAI allows 4) and characters per string: each is checked against the text's tail at
+# every streamed chunk, on the server's event loop, so their total bounds what one request can stall the others
+MAX_STOP, MAX_STOP_CHARS = 16, 1000
 
 
 def check_supported(req: _Sampling) -> None:
+    extra = req.model_extra or {}
+    for name in REFUSED:
+        if extra.get(name) is not None:
+            raise APIError(400, f"{name}: not supported by minillm's server; leave it out", name)
     for name, neutral in UNSUPPORTED.items():
         value = getattr(req, name, None)
         if name in type(req).model_fields and not any(value == v and type(value) is type(v) for v in neutral):
@@ -121,7 +134,10 @@ def completion_prompt(req: CompletionRequest, tokenizer) -> tuple[str | None, li
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
-        ids = tokenizer.encode(prompt)
+        try:
+            ids = tokenizer.encode(prompt)
+        except ValueError as e:  # text the tokenizer cannot encode (a lone UTF-16 surrogate)
+            raise APIError(400, f"prompt: {e}", "prompt") from None
         text = prompt
     else:
         ids, text = list(prompt), None
@@ -175,6 +191,9 @@ def sampling_params(req: _Sampling, num_prompt_tokens: int, max_seq_len: int, po
         raise APIError(400, f"max_tokens: {max_tokens} tokens after a {num_prompt_tokens}-token prompt exceed the "
                             f"model's context of {max_seq_len} tokens; ask for at most {ctx_left}", "max_tokens",
                        "context_length_exceeded")
+    if num_prompt_tokens >= pool_tokens:
+        raise APIError(400, f"prompt: {num_prompt_tokens} tokens could never fit the KV cache of {pool_tokens} tokens "
+                            "with a token to generate; shorten the prompt", "prompt")
     if max_tokens >= 1 and num_prompt_tokens + max_tokens > pool_tokens:
         raise APIError(400, f"max_tokens: a {num_prompt_tokens}-token prompt and max_tokens {max_tokens} "
                             f"could never fit the KV cache of {pool_tokens} tokens; ask for at most "
@@ -182,10 +201,13 @@ def sampling_params(req: _Sampling, num_prompt_tokens: int, max_seq_len: int, po
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options: only allowed with stream: true", "stream_options")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stop):
+        raise APIError(400, f"stop: at most {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters each (got "
+                            f"{len(stop)}, the longest {max(map(len, stop))} characters)", "stop")
     try:
         return SamplingParams(temperature=_default(req.temperature, 1.0), top_p=_default(req.top_p, 1.0),
                               top_k=_default(req.top_k, 0), max_tokens=max_tokens, seed=req.seed, stop=tuple(stop),
-                              n=_default(req.n, 1), ignore_eos=req.ignore_eos,
+                              n=_default(req.n, 1), ignore_eos=bool(req.ignore_eos),
                               stop_token_ids=tuple(req.stop_token_ids or ()))
     except ValueError as e:
         raise APIError(400, str(e).replace("max_new_tokens", "max_tokens"), param_of(str(e))) from None
