@@ -46,6 +46,9 @@ def check_output_path(path: str | os.PathLike, option: str, *, sources: Iterable
     if not parent.is_dir():
         raise ValueError(f"{option}: the folder {str(parent)!r} does not exist; create it first (mkdir -p) "
                          "or give another path")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{option}: the folder {str(parent)!r} cannot be written (read-only, or not yours); "
+                         "give a path in a folder you can write")
     if folder and p.exists() and not p.is_dir():
         raise ValueError(f"{option}: {str(path)!r} is a file, and a folder is written there; give a new folder name")
     if not folder and p.is_dir():

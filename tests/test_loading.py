@@ -120,6 +120,42 @@ def test_shape_disagrees_with_metadata(tmp_path):
         load_model(path)
 
 
+def test_a_damaged_layer_count_is_refused_at_once(tmp_path):
+    path = tmp_path / "layers.gguf"
+    write_tiny_gguf(path, metadata_overrides={"block_count": 16_711_682})  # one flipped byte
+    with pytest.raises(ModelFileError, match="block_count says 16711682 layers, but the file holds only"):
+        load_model(path)
+
+
+def test_a_damaged_quantized_file_names_itself(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from minillm.quant import QuantConfig
+    from minillm.quant.checkpoint import load_quantized, save_quantized
+    from minillm.quant.pipeline import quantize_model
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+    model, _ = load_model(src)
+    tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    good = save_quantized(model, tmp_path / "q.safetensors", quantize_model(model, "rtn", QuantConfig(4, 32), tokens,
+                                                                            progress=False))
+    from safetensors import safe_open
+    with safe_open(str(good), "pt") as f:
+        meta = f.metadata()
+    state = load_file(str(good))
+    damaged = {
+        "metadata": (state, {**meta, "model_config": meta["model_config"][:-5]}),
+        "scales": ({**state, "layers.0.attn.wqkv.scales": state["layers.0.attn.wqkv.scales"][:1]}, meta),
+        "g_idx": ({**state, "layers.0.attn.wqkv.g_idx": state["layers.0.attn.wqkv.g_idx"] + 1000}, meta),
+    }
+    for what, (tensors, metadata) in damaged.items():
+        path = tmp_path / f"{what}.safetensors"
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+        with pytest.raises(ModelFileError, match=f"{what}.safetensors: "):
+            load_quantized(path)
+
+
 def test_unsupported_tensor_type(tmp_path):
     path = tmp_path / "q8_1.gguf"
     # Q8_1 blocks (32 weights in 40 bytes): neither minillm nor the gguf package dequantizes them

@@ -21,7 +21,7 @@ from minillm.quant.pipeline import awq_scale_block, calibration_tokens, quantize
 from minillm.quant.qlinear import QuantLinear, quant_linear_naive
 from minillm.quant.recipe import AWQ_GPTQ, BEST, PAPER, Recipe
 
-from helpers import write_tiny_gguf
+from helpers import random_decoder, write_tiny_gguf
 
 
 def correlated(n=2048, dim=576, rank=48, seed=0):
@@ -525,6 +525,37 @@ def test_pipeline_quantizes_every_layer_and_round_trips_through_safetensors(tiny
     loaded, meta = load_quantized(path)
     assert meta["quant_config"]["method"] == method
     torch.testing.assert_close(loaded(tokens, torch.arange(40)), after)
+
+
+def test_an_untied_output_layer_round_trips_through_safetensors(tmp_path):
+    """A model with its own output layer (TinyLlama's kind): its float head, reassembled from column shards, is
+    saved and loaded back."""
+    from minillm.model import Decoder
+
+    tied = random_decoder(96)
+    state = {k: v for k, v in _decoder_state(tied).items()}
+    state["output.weight"] = torch.randn(96, tied.config.dim, generator=torch.Generator().manual_seed(3)) / 8
+    model = Decoder(replace(tied.config, tie_embeddings=False), state, n_shards=2).eval()
+    tokens = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
+    report = quantize_model(model, "rtn", QuantConfig(4, 32), tokens, progress=False)
+    loaded, _ = load_quantized(save_quantized(model, tmp_path / "untied.safetensors", report))
+    assert not loaded.config.tie_embeddings
+    torch.testing.assert_close(loaded(tokens, torch.arange(12)), model(tokens, torch.arange(12)))
+
+
+def _decoder_state(model) -> dict:
+    """The float state ``Decoder(config, state)`` takes, read back from a built float model."""
+    state = {"tok_embeddings.weight": model.embedding_weight(), "norm.weight": model.norm.weight}
+    for i, block in enumerate(model.layers):
+        p = f"layers.{i}"
+        D, Hkv = block.attn.head_dim, block.attn.n_kv_heads
+        wq, wk, wv = block.attn.wqkv.weight.split([block.attn.n_heads * D, Hkv * D, Hkv * D])
+        gate, up = block.mlp.w_gate_up.weight.chunk(2)
+        state.update({f"{p}.attn_norm.weight": block.attn_norm.weight, f"{p}.ffn_norm.weight": block.ffn_norm.weight,
+                      f"{p}.attn.wq.weight": wq, f"{p}.attn.wk.weight": wk, f"{p}.attn.wv.weight": wv,
+                      f"{p}.attn.wo.weight": block.attn.wo.weight, f"{p}.mlp.w_gate.weight": gate,
+                      f"{p}.mlp.w_up.weight": up, f"{p}.mlp.w_down.weight": block.mlp.w_down.weight})
+    return {k: v.detach().clone() for k, v in state.items()}
 
 
 def test_awq_clip_default_skips_the_clip_only_before_gptq_with_range_search(tiny):

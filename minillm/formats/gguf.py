@@ -142,6 +142,9 @@ def load_gguf_state(reader, config: ModelConfig, path="<gguf>", progress: bool =
     from tqdm.auto import tqdm
 
     by_name = {t.name: t for t in reader.tensors}
+    if config.n_layers * len(_GGUF_NAMES) > len(by_name):  # before listing them: a damaged count can be in the millions
+        raise ModelFileError(f"{path}: block_count says {config.n_layers} layers, but the file holds only "
+                             f"{len(by_name)} tensors; the file is damaged or not a complete model")
     wanted = {"token_embd.weight": "tok_embeddings.weight", "output_norm.weight": "norm.weight"}
     if not config.tie_embeddings:
         wanted["output.weight"] = "output.weight"

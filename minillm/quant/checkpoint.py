@@ -64,7 +64,7 @@ def save_quantized(model, path: str | Path, report: dict, tokenizer_source: str 
         else:
             state["tok_embeddings.weight"] = emb
     if head is None and not model.config.tie_embeddings:
-        state["output.weight"] = model.output.weight.detach().float()
+        state["output.weight"] = model.output.weight.detach().float().contiguous()  # reassembled from its shards
     meta = {"format": "minillm-quantized-1", "model_config": json.dumps(asdict(model.config)),
             "quant_config": json.dumps({**{k: report[k] for k in ("method", "bits", "group_size", "sym", "mse",
                                                                   "act_order", "static_groups")},
@@ -107,9 +107,13 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
     if meta.get("format") != "minillm-quantized-1":
         raise ModelFileError(f"{path}: not a minillm quantized model (metadata format={meta.get('format')!r}); "
                              "write one with `python -m minillm quantize`")
-    config = ModelConfig(**json.loads(meta["model_config"]))
-    q = json.loads(meta["quant_config"])
-    layer_configs = q.get("layer_configs")  # files before it have one config for every layer
+    try:
+        config = ModelConfig(**json.loads(meta["model_config"]))
+        q = json.loads(meta["quant_config"])
+        layer_configs = q.get("layer_configs")  # files before it have one config for every layer
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ModelFileError(f"{path}: its metadata (model_config / quant_config) is damaged ({type(e).__name__}: "
+                             f"{e}); write the file again with `python -m minillm quantize`") from None
     head = meta.get("quant_head", "none")  # files written before heads were quantized have none
     try:
         if head != "none" and config.tie_embeddings:  # the embedding is the head's rows: a placeholder
@@ -140,4 +144,7 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
             model.output = from_state(state, "output", head_config(head), config.vocab_size, config.dim, fast)
     except KeyError as e:
         raise ModelFileError(f"{path}: missing tensor {e}") from None
+    except (RuntimeError, IndexError, ValueError) as e:  # tensors of other shapes than the config says
+        raise ModelFileError(f"{path}: its tensors do not fit its config ({type(e).__name__}: {str(e)[:200]}); "
+                             "write the file again with `python -m minillm quantize`") from None
     return model.eval(), {**meta, "quant_config": q}

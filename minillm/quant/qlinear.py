@@ -289,10 +289,23 @@ def quant_linear_naive(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:
 
 def from_state(state: dict[str, torch.Tensor], prefix: str, config: QuantConfig, out_features: int,
                in_features: int, fast: bool = True) -> QuantLinear:
-    """Rebuild a ``QuantLinear`` from saved buffers ``{prefix}.qweight`` etc. (``pipeline.load_quantized``)."""
+    """Rebuild a ``QuantLinear`` from saved buffers ``{prefix}.qweight`` etc. (``pipeline.load_quantized``).
+
+    Raises:
+        KeyError: a missing buffer; ValueError: buffers whose shapes or values disagree with each other and with
+            (out_features, in_features, config), as in a damaged file.
+    """
     bits = config.bits
     qw = QuantizedWeight(unpack_weight(state[f"{prefix}.qweight"], bits, in_features), state[f"{prefix}.scales"].t().float(),
                          unpack_zeros(state[f"{prefix}.qzeros"], bits, out_features), state[f"{prefix}.g_idx"], config)
+    groups = qw.scales.shape[1] if qw.scales.dim() == 2 else -1
+    if (tuple(qw.codes.shape) != (out_features, in_features) or tuple(qw.scales.shape) != (out_features, groups)
+            or tuple(qw.zeros.shape) != (out_features, groups) or tuple(qw.g_idx.shape) != (in_features,)
+            or (in_features and not 0 <= int(qw.g_idx.min()) <= int(qw.g_idx.max()) < groups)
+            or not bool(torch.isfinite(qw.scales).all()) or (qw.codes.numel() and int(qw.codes.max()) >= 2 ** bits)):
+        raise ValueError(f"{prefix}: codes {tuple(qw.codes.shape)}, scales {tuple(qw.scales.shape)}, zeros "
+                         f"{tuple(qw.zeros.shape)}, g_idx {tuple(qw.g_idx.shape)} do not make a {bits}-bit "
+                         f"({out_features}, {in_features}) layer with finite scales and groups in range")
     return QuantLinear(qw, state.get(f"{prefix}.bias"), fast=fast)
 
 
