@@ -107,15 +107,16 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
 
 def _load_quantized(path: Path, dtype, device, n_shards):
     """A model written by ``python -m minillm quantize`` (``minillm.quant.pipeline.save_quantized``),
-    with the tokenizer of the GGUF it was made from (or the embedded model's, with a warning naming
-    the recorded file when that has moved)."""
+    with the tokenizer of the GGUF or checkpoint folder it was made from (or the embedded model's, with a
+    warning naming the recorded file when that has moved; none where nothing is recorded and the embedded
+    one has another vocabulary). Raises ModelFileError where the recorded tokenizer has another vocabulary."""
 
     if dtype != torch.float32:
         raise ValueError(f"dtype: a quantized model computes in float32 (its int4 kernel in bfloat16); got {dtype}")
     model, meta = load_quantized(path, n_shards=n_shards if torch.device(device).type == "cpu" else 1)
     recorded = meta.get("tokenizer_source")
     source = Path(recorded) if recorded else default_model_path()
-    if not source.is_file():
+    if not source.exists():
         source = default_model_path()
         tokenizer = Tokenizer.from_gguf(read_gguf(source))
         if tokenizer.vocab_size != model.config.vocab_size:
@@ -126,7 +127,13 @@ def _load_quantized(path: Path, dtype, device, n_shards):
                       f"embedded model's tokenizer ({source}), which has the same vocabulary. If the file was made "
                       "from another model, move that GGUF back or quantize again", stacklevel=3)
         return model.to(device), tokenizer
-    return model.to(device), Tokenizer.from_gguf(read_gguf(source))
+    tokenizer = Tokenizer.from_hf_folder(source) if source.is_dir() else Tokenizer.from_gguf(read_gguf(source))
+    if tokenizer is not None and tokenizer.vocab_size != model.config.vocab_size:
+        if recorded:
+            raise ModelFileError(f"{path}: its tokenizer ({source}) has {tokenizer.vocab_size} ids and the model "
+                                 f"{model.config.vocab_size}: the file records another model's; quantize it again")
+        tokenizer = None  # none recorded and the embedded one does not fit: the model takes token ids
+    return model.to(device), tokenizer
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -156,6 +156,28 @@ def test_a_damaged_quantized_file_names_itself(tmp_path):
             load_quantized(path)
 
 
+def test_a_quantized_file_keeps_its_sources_tokenizer(tmp_path):
+    """quantize records where the tokenizer is: the source GGUF or folder, or what a quantized source recorded;
+    a recorded tokenizer of another vocabulary is refused on load (it was paired silently)."""
+    from minillm.quant import QuantConfig
+    from minillm.quant.checkpoint import save_quantized
+    from minillm.quant.cli import _tokenizer_source
+    from minillm.quant.pipeline import quantize_model
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+    model, _ = load_model(src)
+    tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
+    report = quantize_model(model, "rtn", QuantConfig(4, 32), tokens, progress=False)
+    q = save_quantized(model, tmp_path / "q.safetensors", report, tokenizer_source=_tokenizer_source(str(src)))
+    assert _tokenizer_source(str(q)) == str(src.resolve())  # a quantized source passes its record on
+    assert _tokenizer_source(str(tmp_path)) == str(tmp_path.resolve())  # a checkpoint folder is its own
+    assert load_model(q)[1].vocab_size == 300
+    other = save_quantized(model, tmp_path / "other.safetensors", report, tokenizer_source=str(default_model_path()))
+    with pytest.raises(ModelFileError, match="other.safetensors: its tokenizer .* has 49152 ids and the model 300"):
+        load_model(other)
+
+
 def test_unsupported_tensor_type(tmp_path):
     path = tmp_path / "q8_1.gguf"
     # Q8_1 blocks (32 weights in 40 bytes): neither minillm nor the gguf package dequantizes them

@@ -165,8 +165,7 @@ def cmd_quantize(args) -> int:
             raise ValueError(f"dtype: quantize works on float32 weights (the saved file computes in float32, and its "
                              f"embedding stays in compact Q8_0 blocks only then); drop --dtype {args.dtype}")
         recipe = _recipe(args)
-        # an absolute path: the file is loaded later from any folder
-        src = str(Path(args.model).resolve()) if (args.model or "").endswith(".gguf") else str(default_model_path())
+        src = _tokenizer_source(args.model)
         check_output_path(args.out, "--out", sources=[src] + ([args.model] if args.model else []))
         if args.bpw is not None:  # variable bitrate: bitrate_cli.py measures, chooses and saves
             report = bitrate_cli.cmd_quantize_bpw(args, recipe, load, check_output_path, save_quantized, src)
@@ -203,3 +202,17 @@ def register(sub) -> None:
                    "(q8_0/q4_0/q4_1/q5_0/q4_k_m), in an existing folder; written beside itself and renamed when complete")
     add_model_args(q)
     q.set_defaults(func=cmd_quantize)
+
+
+def _tokenizer_source(model: str | None) -> str:
+    """Where the quantized file's tokenizer is read from when it is loaded: the source GGUF or checkpoint folder,
+    what a quantized source recorded, or the embedded model's GGUF (an absolute path: loaded from any folder)."""
+    if not model:
+        return str(default_model_path())
+    path = Path(model).resolve()
+    if path.suffix == ".safetensors" and path.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            return (f.metadata() or {}).get("tokenizer_source", "")
+    return str(path)
