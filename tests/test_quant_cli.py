@@ -118,6 +118,19 @@ def test_gptq_only_flags_are_refused_for_other_methods():
             cli_quant._recipe(args)
 
 
+def test_llama_cpp_formats_refuse_the_other_methods_options(tmp_path):
+    """q4_0 and the other GGUF formats fix their bits and blocks: --bits 9 or --act-order was ignored, exit 0."""
+    from minillm import cli
+    from minillm.quant import cli as cli_quant
+
+    for flag, name in ((["--bits", "9"], "bits"), (["--act-order"], "act-order"), (["--recipe", "paper"], "recipe"),
+                       (["--calib-samples", "7"], "calib-samples"), (["--bpw", "3"], "bpw")):
+        args = cli.build_parser().parse_args(["quantize", "--quant", "q4_0", *flag, "--out", str(tmp_path / "x.gguf")])
+        with pytest.raises(ValueError, match=f"{name}: q4_0 is one of llama.cpp's block formats.*drop --{name}"):
+            cli_quant.cmd_quantize(args)
+    assert not (tmp_path / "x.gguf").exists()
+
+
 def test_v2_options_that_cannot_apply_are_refused_before_the_model_loads():
     """--v2-percdamp dampens GPTQv2's correction: refused where v2 is off (--no-v2, or awq+gptq's default)
     and outside [0, 1), by _recipe, which runs before the model is loaded; --measure and

@@ -139,6 +139,12 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
+# options of the rtn/gptq/awq methods at their defaults (the GGUF formats refuse any other value)
+GGUF_IGNORES = {"bits": 4, "group_size": 64, "sym": False, "recipe": None, "mse": None, "act_order": None,
+                "static_groups": False, "percdamp": None, "true_sequential": None, "v2": None, "v2_percdamp": None,
+                "awq_clip": None, "calib_samples": pipeline.CALIB_SAMPLES, "calib_seqlen": 512, "bpw": None}
+
+
 def bpw_only(args) -> None:
     """--measure and --measurement belong to --bpw: refused without it rather than ignored."""
     if not args.bpw and (args.measure is not None or args.measurement is not None):
@@ -150,6 +156,12 @@ def cmd_quantize(args) -> int:
     if args.quant in GGUF_TYPES:
         if args.quant_head != "none":
             raise ValueError(f"quant-head: {args.quant} writes llama.cpp's block formats for every tensor; drop --quant-head")
+        # llama.cpp's formats fix their bits, blocks and rounding: an option of the other methods would be ignored
+        given = [name for name, default in GGUF_IGNORES.items() if getattr(args, name, default) != default]
+        if given:
+            raise ValueError(f"{given[0].replace('_', '-')}: {args.quant} is one of llama.cpp's block formats, which "
+                             "fix their own bits, blocks and rounding; drop "
+                             + ", ".join("--" + g.replace("_", "-") for g in given))
         if not args.out.endswith(".gguf"):
             raise ValueError(f"out: {args.quant} writes a GGUF file; give a path ending in .gguf, got {args.out!r}")
         src = args.model or str(default_model_path())
