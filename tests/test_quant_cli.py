@@ -131,6 +131,16 @@ def test_llama_cpp_formats_refuse_the_other_methods_options(tmp_path):
     assert not (tmp_path / "x.gguf").exists()
 
 
+def test_a_quantized_source_is_refused_before_any_work(tmp_path):
+    from minillm import cli
+    from minillm.quant import cli as cli_quant
+
+    args = cli.build_parser().parse_args(["quantize", "--quant", "awq", "--model", str(tmp_path / "q.safetensors"),
+                                          "--out", str(tmp_path / "r.safetensors")])
+    with pytest.raises(ValueError, match="model: .*q.safetensors is already quantized"):
+        cli_quant.cmd_quantize(args)
+
+
 def test_v2_options_that_cannot_apply_are_refused_before_the_model_loads():
     """--v2-percdamp dampens GPTQv2's correction: refused where v2 is off (--no-v2, or awq+gptq's default)
     and outside [0, 1), by _recipe, which runs before the model is loaded; --measure and

@@ -177,6 +177,10 @@ def cmd_quantize(args) -> int:
             raise ValueError(f"dtype: quantize works on float32 weights (the saved file computes in float32, and its "
                              f"embedding stays in compact Q8_0 blocks only then); drop --dtype {args.dtype}")
         recipe = _recipe(args)
+        if (args.model or "").endswith(".safetensors"):
+            raise ValueError(f"model: {args.model} is already quantized (a file quantize wrote); its codes would be "
+                             "quantized again, error on error: quantize the float model it was made from (its .gguf "
+                             "or checkpoint folder)")
         src = _tokenizer_source(args.model)
         check_output_path(args.out, "--out", sources=[src] + ([args.model] if args.model else []))
         if args.bpw is not None:  # variable bitrate: bitrate_cli.py measures, chooses and saves
@@ -217,14 +221,6 @@ def register(sub) -> None:
 
 
 def _tokenizer_source(model: str | None) -> str:
-    """Where the quantized file's tokenizer is read from when it is loaded: the source GGUF or checkpoint folder,
-    what a quantized source recorded, or the embedded model's GGUF (an absolute path: loaded from any folder)."""
-    if not model:
-        return str(default_model_path())
-    path = Path(model).resolve()
-    if path.suffix == ".safetensors" and path.is_file():
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            return (f.metadata() or {}).get("tokenizer_source", "")
-    return str(path)
+    """Where the quantized file's tokenizer is read from when it is loaded: the source GGUF or checkpoint folder, or
+    the embedded model's GGUF (an absolute path: the file is loaded later from any folder)."""
+    return str(Path(model).resolve()) if model else str(default_model_path())
