@@ -286,7 +286,8 @@ def test_bad_requests_get_4xx_naming_the_field_and_disturb_nothing(server):
 
 def test_null_is_the_default_where_openai_allows_null(server):
     body = {"prompt": "hi", "max_tokens": 2, "temperature": 0, "presence_penalty": None, "frequency_penalty": None,
-            "stream": None, "echo": None, "ignore_eos": None, "suffix": None, "tools": None}
+            "stream": None, "echo": None, "ignore_eos": None, "suffix": None, "tools": None, "repetition_penalty": 1.0,
+            "min_p": 0, "response_format": {"type": "text"}}  # neutral values some clients always send
     r = server.http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == server.client.completions.create(

@@ -104,9 +104,11 @@ UNSUPPORTED = {"logprobs": (None, False, 0), "presence_penalty": (None, 0.0), "f
                "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}
 # fields of OpenAI's API (and vLLM's) that change what is generated, which the engine does not do: refused when set,
 # rather than ignored as unknown fields are (a client asking for tool calls or JSON must not get plain text)
-REFUSED = ("tools", "tool_choice", "functions", "function_call", "response_format", "top_logprobs", "guided_json",
-           "guided_choice", "guided_regex", "guided_grammar", "structured_outputs", "repetition_penalty",
-           "min_tokens", "min_p")
+# (field -> the values that change nothing, which pass: some clients send them always)
+REFUSED = {"tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+           "response_format": ({"type": "text"},), "top_logprobs": (0,), "guided_json": (), "guided_choice": (),
+           "guided_regex": (), "guided_grammar": (), "structured_outputs": (), "repetition_penalty": (1,),
+           "min_tokens": (0,), "min_p": (0,)}
 # stop strings per request (OpenAI allows 4) and characters per string: each is checked against the text's tail at
 # every streamed chunk, on the server's event loop, so their total bounds what one request can stall the others
 MAX_STOP, MAX_STOP_CHARS = 16, 1000
@@ -114,8 +116,8 @@ MAX_STOP, MAX_STOP_CHARS = 16, 1000
 
 def check_supported(req: _Sampling) -> None:
     extra = req.model_extra or {}
-    for name in REFUSED:
-        if extra.get(name) is not None:
+    for name, neutral in REFUSED.items():
+        if extra.get(name) is not None and extra[name] not in neutral:
             raise APIError(400, f"{name}: not supported by minillm's server; leave it out", name)
     for name, neutral in UNSUPPORTED.items():
         value = getattr(req, name, None)
