@@ -127,6 +127,24 @@ def test_a_damaged_layer_count_is_refused_at_once(tmp_path):
         load_model(path)
 
 
+@pytest.mark.parametrize("delta,where", [("to 0", "inside the previous tensor"), (4, "off the 32-byte alignment")])
+def test_a_damaged_tensor_offset_is_refused(tmp_path, delta, where):
+    """A moved offset would read another tensor's bytes as this one (llama.cpp refuses it too)."""
+    import gguf
+
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+    t = next(t for t in gguf.GGUFReader(src).tensors if t.name == "output_norm.weight")
+    at = t.field.offset + sum(p.nbytes for p in t.field.parts[:-1])  # its offset: the field's last part, a uint64
+    data = bytearray(src.read_bytes())
+    offset = int.from_bytes(data[at:at + 8], "little")
+    data[at:at + 8] = (0 if delta == "to 0" else offset + delta).to_bytes(8, "little")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(data)
+    with pytest.raises(ModelFileError, match=f"bad.gguf: corrupt GGUF file: tensor output_norm.weight .*{where}"):
+        load_model(bad)
+
+
 def test_a_damaged_quantized_file_names_itself(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -50,6 +50,15 @@ def read_gguf(path: str | Path):
             raise ModelFileError(
                 f"{path}: truncated GGUF file: tensor {t.name} has {t.data.nbytes} of its {t.n_bytes} bytes"
             )
+    # a damaged offset points into another tensor's bytes, which would load as another model: as llama.cpp, refuse
+    # tensors that are not aligned or that overlap
+    alignment = getattr(reader, "alignment", 32)
+    end = reader.data_offset
+    for t in sorted(reader.tensors, key=lambda t: t.data_offset):
+        if (t.data_offset - reader.data_offset) % alignment or t.data_offset < end:
+            where = "inside the previous tensor" if t.data_offset < end else f"off the {alignment}-byte alignment"
+            raise ModelFileError(f"{path}: corrupt GGUF file: tensor {t.name} starts at byte {t.data_offset}, {where}")
+        end = t.data_offset + t.n_bytes
     return reader
 
 
