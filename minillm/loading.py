@@ -116,23 +116,23 @@ def _load_quantized(path: Path, dtype, device, n_shards):
     model, meta = load_quantized(path, n_shards=n_shards if torch.device(device).type == "cpu" else 1)
     recorded = meta.get("tokenizer_source")
     source = Path(recorded) if recorded else default_model_path()
-    if not source.exists():
+    moved = not source.exists()
+    if moved:
         source = default_model_path()
-        tokenizer = Tokenizer.from_gguf(read_gguf(source))
-        if tokenizer.vocab_size != model.config.vocab_size:
+    tokenizer = Tokenizer.from_hf_folder(source) if source.is_dir() else Tokenizer.from_gguf(read_gguf(source))
+    if tokenizer is not None and tokenizer.vocab_size != model.config.vocab_size:
+        if moved:
             raise ModelFileError(f"{path}: its tokenizer was recorded as {recorded}, which no longer exists, and the "
                                  f"embedded model's has another vocabulary ({tokenizer.vocab_size} ids, the model "
                                  f"{model.config.vocab_size}); move that GGUF back, or quantize again")
-        warnings.warn(f"{path}: its tokenizer was recorded as {recorded}, which no longer exists; using the "
-                      f"embedded model's tokenizer ({source}), which has the same vocabulary. If the file was made "
-                      "from another model, move that GGUF back or quantize again", stacklevel=3)
-        return model.to(device), tokenizer
-    tokenizer = Tokenizer.from_hf_folder(source) if source.is_dir() else Tokenizer.from_gguf(read_gguf(source))
-    if tokenizer is not None and tokenizer.vocab_size != model.config.vocab_size:
         if recorded:
             raise ModelFileError(f"{path}: its tokenizer ({source}) has {tokenizer.vocab_size} ids and the model "
                                  f"{model.config.vocab_size}: the file records another model's; quantize it again")
         tokenizer = None  # none recorded and the embedded one does not fit: the model takes token ids
+    elif moved:
+        warnings.warn(f"{path}: its tokenizer was recorded as {recorded}, which no longer exists; using the "
+                      f"embedded model's tokenizer ({source}), which has the same vocabulary. If the file was made "
+                      "from another model, move that GGUF back or quantize again", stacklevel=3)
     return model.to(device), tokenizer
 
 

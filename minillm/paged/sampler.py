@@ -20,6 +20,12 @@ def sample_generator(params: SamplingParams, k: int, device) -> torch.Generator:
     return make_generator(SamplingParams(seed=hash((params.seed, k)) % 2 ** 63), device)
 
 
+def keyed_generator(*key: int) -> torch.Generator:
+    """A CPU generator seeded by a tuple of ints (a seed, a sample, a position): the same key gives the same random
+    numbers in any batch, step or process (ints only: Python salts the hash of a string per process)."""
+    return torch.Generator().manual_seed(hash(key) % 2 ** 63)
+
+
 def draw_tokens(logits: torch.Tensor, plans: list) -> list[list[tuple[int, float]] | None]:
     """The tokens each row of ``logits`` (R, V) draws, with their logprobs (log-softmax of the raw logits,
     as vLLM reports them).

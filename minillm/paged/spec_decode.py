@@ -22,7 +22,7 @@ from ..data import BENCH_PROMPT
 from ..sampling import check_logits, logits_to_probs
 from ..speculative.proposers import NgramProposer
 from ..speculative.rejection import draw, rejection_sample
-from .sampler import draw_tokens
+from .sampler import draw_tokens, keyed_generator
 from .spec_draft import DraftRunner
 from .spec_auto import choose_draft_lengths, measure_acceptance, measure_step_cost
 
@@ -162,7 +162,7 @@ def keyed_run(drafts: list[int], target_probs: torch.Tensor, seed: int, position
     tokens depend on its seed and logits alone, not on how many drafts the batch left it.
     Returns (emitted tokens, drafts accepted)."""
     for j in range(len(drafts) + 1):
-        token = draw(target_probs[j], torch.Generator().manual_seed(hash((seed, position + j)) % 2 ** 63))
+        token = draw(target_probs[j], keyed_generator(seed, position + j))
         if j == len(drafts) or token != drafts[j]:
             return drafts[:j] + [token], j
     raise AssertionError("unreachable")

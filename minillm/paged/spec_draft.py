@@ -18,6 +18,7 @@ from ..speculative.rejection import draw
 from .batching import pack_flat
 from .block_manager import NoFreeBlocksError, blocks_for
 from .cache import PagedKVCache
+from .sampler import keyed_generator
 from .spec_auto import measure_step_cost
 
 
@@ -36,10 +37,9 @@ class DraftRunner:
         self.fed: dict[int, list[int]] = {}  # seq_id -> the tokens whose K/V the draft's pool holds
         self._q: dict[int, torch.Tensor] = {}  # seq_id -> (d, V) the distributions its drafts came from
         self._seeds: dict[tuple[str, int], int] = {}  # (request, sample) -> the seed its drafts are keyed by
-        # what a step changes, so that a failed one is undone (``begin``, ``restore``): the sequences it gave draft
-        # blocks to, and the prefix of the others' draft KV it kept
-        self._new: set[int] = set()
-        self._kept: dict[int, int] = {}
+        # what a step changes, so that a failed one is undone (``begin``, ``restore``): per sequence it drafted for,
+        # the prefix of its draft KV the step kept (None: the step gave it its draft blocks)
+        self._kept: dict[int, int | None] = {}
         # the start's curve reaches a step's token budget (or the draft's context, if shorter): a first forward
         # feeds a whole prompt, which a curve measured only up to the seats would extrapolate flat
         self.cost = measure_step_cost(model, engine.scheduler.max_num_batched_tokens, repeats=2,
@@ -68,7 +68,7 @@ class DraftRunner:
 
     def begin(self) -> None:
         """A step starts: what ``restore`` returns to if it fails."""
-        self._new, self._kept = set(), {}
+        self._kept = {}
 
     @torch.inference_mode()
     def propose(self, seqs) -> None:
@@ -81,10 +81,10 @@ class DraftRunner:
             if not self.manager.holds(seq.seq_id):
                 self.manager.allocate(seq.seq_id)
                 self.fed[seq.seq_id] = []
-                self._new.add(seq.seq_id)
+                self._kept[seq.seq_id] = None
             keep = seq.num_tokens - self.feed(seq)
             self._cut(seq.seq_id, keep)  # rejected drafts leave now: their blocks count as free for this step
-            self._kept.setdefault(seq.seq_id, keep)
+            self._kept.setdefault(seq.seq_id, keep)  # a sequence new this step keeps None
             work.append([seq, req, k, seq.token_ids[keep:]])
         try:
             self._draft(work)
@@ -140,8 +140,7 @@ class DraftRunner:
         if key not in self._seeds:
             seed = req.params.seed
             self._seeds[key] = seed if seed is not None else int(torch.randint(2 ** 62, ()))
-        # ints only: Python salts a string's hash per process, and a seed must give the same drafts in each
-        return torch.Generator().manual_seed(hash((self._seeds[key], index, position)) % 2 ** 63)
+        return keyed_generator(self._seeds[key], index, position)
 
     def _cut(self, seq_id: int, n: int) -> None:
         """Keep the first n tokens of the sequence's draft KV (and their blocks)."""
@@ -153,11 +152,11 @@ class DraftRunner:
         """A failed step: the sequences it gave draft blocks to give them back, and the others keep the prefix it
         did not write over (its tokens were known, so the next step feeds from there, as the failed one did)."""
         for seq_id, keep in self._kept.items():
-            if seq_id in self._new:
+            if keep is None:
                 self.free(seq_id)
             elif self.manager.holds(seq_id):
                 self._cut(seq_id, keep)
-        self._new, self._kept = set(), {}
+        self._kept = {}
 
     def release(self, running) -> None:
         """Free the draft KV of sequences that no longer run (preempted ones recompute it)."""

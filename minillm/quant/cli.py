@@ -139,10 +139,12 @@ def cmd_perplexity(args) -> int:
     return 0
 
 
-# options of the rtn/gptq/awq methods at their defaults (the GGUF formats refuse any other value)
-GGUF_IGNORES = {"bits": 4, "group_size": 64, "sym": False, "recipe": None, "mse": None, "act_order": None,
-                "static_groups": False, "percdamp": None, "true_sequential": None, "v2": None, "v2_percdamp": None,
-                "awq_clip": None, "calib_samples": pipeline.CALIB_SAMPLES, "calib_seqlen": 512, "bpw": None}
+def _method_defaults() -> dict:
+    """The rtn/gptq/awq options (``add_quant_args``, --bpw's) at their defaults, which the GGUF formats leave alone."""
+    p = argparse.ArgumentParser()
+    add_quant_args(p, required=False)
+    bitrate_cli.add_quantize_args(p)
+    return {k: v for k, v in vars(p.parse_args([])).items() if k not in ("quant", "quant_head")}
 
 
 def bpw_only(args) -> None:
@@ -157,7 +159,7 @@ def cmd_quantize(args) -> int:
         if args.quant_head != "none":
             raise ValueError(f"quant-head: {args.quant} writes llama.cpp's block formats for every tensor; drop --quant-head")
         # llama.cpp's formats fix their bits, blocks and rounding: an option of the other methods would be ignored
-        given = [name for name, default in GGUF_IGNORES.items() if getattr(args, name, default) != default]
+        given = [name for name, default in _method_defaults().items() if getattr(args, name, default) != default]
         if given:
             raise ValueError(f"{given[0].replace('_', '-')}: {args.quant} is one of llama.cpp's block formats, which "
                              "fix their own bits, blocks and rounding; drop "

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from .loop import EngineLoop, Overloaded, RequestFailed, RequestRefused
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chat_prompt, chunk, chunk_choice,
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, brief, chat_prompt, chunk, chunk_choice,
                        completion_prompt, completion_response, error_body, new_id, param_of, sampling_params,
                        usage, TextStream)
 
@@ -81,7 +81,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             return JSONResponse(error_body(400, message, None, "invalid_json"), status_code=400)
         param = loc[0] if loc else None
         where = ".".join(loc) if loc else "body"
-        return JSONResponse(error_body(400, f"{where}: {err.get('msg')} (got {_short(err.get('input'))})", param),
+        return JSONResponse(error_body(400, f"{where}: {err.get('msg')} (got {brief(err.get('input'))})", param),
                             status_code=400)
 
     @app.exception_handler(HTTPException)
@@ -182,11 +182,6 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-def _short(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _check_model(name: str | None, served: str) -> None:

@@ -53,8 +53,8 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     """The fields both endpoints share. Fields OpenAI has and the engine lacks are accepted at their
-    neutral value only (``UNSUPPORTED``) or not at all (``REFUSED``); other unknown fields are kept aside
-    (``model_extra``) and ignored, as vLLM does."""
+    neutral value only (``UNSUPPORTED``); other unknown fields are kept aside (``model_extra``) and ignored,
+    as vLLM does."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
@@ -99,30 +99,34 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
 
 
-# field -> its neutral value: anything else is refused, naming the field
+# field -> the values that change nothing (which pass: some clients always send them); any other is refused, naming
+# the field. The first are fields of this server's requests; the others (tools, structured output, vLLM's sampling
+# extensions) are unknown to it, and refused rather than ignored as other unknown fields are: a client asking for
+# tool calls or JSON must not get plain text
 UNSUPPORTED = {"logprobs": (None, False, 0), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-               "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, "")}
-# fields of OpenAI's API (and vLLM's) that change what is generated, which the engine does not do: refused when set,
-# rather than ignored as unknown fields are (a client asking for tool calls or JSON must not get plain text)
-# (field -> the values that change nothing, which pass: some clients send them always)
-REFUSED = {"tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
-           "response_format": ({"type": "text"},), "top_logprobs": (0,), "guided_json": (), "guided_choice": (),
-           "guided_regex": (), "guided_grammar": (), "structured_outputs": (), "repetition_penalty": (1,),
-           "min_tokens": (0,), "min_p": (0,)}
+               "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+               "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+               "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+               "top_logprobs": (None, 0), "guided_json": (None,), "guided_choice": (None,), "guided_regex": (None,),
+               "guided_grammar": (None,), "structured_outputs": (None,), "repetition_penalty": (None, 1, 1.0),
+               "min_tokens": (None, 0), "min_p": (None, 0, 0.0)}
 # stop strings per request (OpenAI allows 4) and characters per string: each is checked against the text's tail at
 # every streamed chunk, on the server's event loop, so their total bounds what one request can stall the others
 MAX_STOP, MAX_STOP_CHARS = 16, 1000
 
 
+def brief(value, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an error message quotes what it refuses)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def check_supported(req: _Sampling) -> None:
-    extra = req.model_extra or {}
-    for name, neutral in REFUSED.items():
-        if extra.get(name) is not None and extra[name] not in neutral:
-            raise APIError(400, f"{name}: not supported by minillm's server; leave it out", name)
+    given = {**(req.model_extra or {}), **{name: getattr(req, name) for name in type(req).model_fields}}
     for name, neutral in UNSUPPORTED.items():
-        value = getattr(req, name, None)
-        if name in type(req).model_fields and not any(value == v and type(value) is type(v) for v in neutral):
-            raise APIError(400, f"{name}: not supported by minillm's server (got {value!r}); leave it out", name)
+        value = given.get(name)
+        if not any(value == v and type(value) is type(v) for v in neutral):
+            raise APIError(400, f"{name}: not supported by minillm's server (got {brief(value)}); leave it out", name)
 
 
 def completion_prompt(req: CompletionRequest, tokenizer) -> tuple[str | None, list[int]]:
