@@ -234,6 +234,40 @@ def test_q4_k_m_recipe_when_256_divides_and_the_output_is_untied():
     assert all(types[f"blk.{i}.attn_q.weight"] == Q.Q4_K for i in range(32))
 
 
+def test_q4_k_m_recipe_falls_back_as_llama_cpp_where_32_does_not_divide():
+    # rows of 48: no 32-weight type holds them, so llama.cpp's last resort, F16 (Q4_K -> Q5_0 -> F16,
+    # Q6_K -> Q8_0 -> F16); rows of 96 take the 32-weight fallbacks
+    tensors = [("token_embd.weight", (300, 48)), ("output_norm.weight", (48,))]
+    tensors += [(f"blk.{i}.{k}.weight", s) for i in range(2)
+                for k, s in (("attn_q", (48, 48)), ("attn_v", (24, 48)), ("ffn_down", (48, 96)))]
+    types = kquants.q4_k_m_types(tensors, 2)
+    assert types["token_embd.weight"] == Q.F16  # the tied output layer: Q8_0, which llama.cpp cannot fall back from
+    assert types["output_norm.weight"] is None
+    assert types["blk.0.attn_q.weight"] == types["blk.1.attn_q.weight"] == Q.F16  # Q4_K -> Q5_0 -> F16
+    assert types["blk.1.attn_v.weight"] == Q.F16  # Q6_K -> Q8_0 -> F16
+    assert types["blk.0.ffn_down.weight"] == Q.Q5_0 and types["blk.1.ffn_down.weight"] == Q.Q8_0  # 96 = 3 x 32
+
+
+def test_quantize_command_writes_q4_k_m_of_a_model_48_wide(tmp_path):
+    import minillm
+    from minillm.cli import main
+
+    cfg = {"n_layers": 2, "dim": 48, "n_heads": 4, "n_kv_heads": 2, "head_dim": 12, "ffn_dim": 96, "vocab": 300,
+           "ctx": 128}
+    src, out = tmp_path / "tiny48-f32.gguf", tmp_path / "tiny48-q4_k_m.gguf"
+    weights = write_tiny_gguf(src, tiny_llama_weights(cfg=cfg), cfg=cfg)
+    assert main(["quantize", "--quant", "q4_k_m", "--model", str(src), "--out", str(out), "--json"]) == 0
+    got = {t.name: t.tensor_type for t in GGUFReader(out).tensors}
+    assert got["token_embd.weight"] == got["blk.0.attn_q.weight"] == got["blk.1.ffn_gate.weight"] == Q.F16
+    assert got["blk.0.ffn_down.weight"] == Q.Q5_0 and got["blk.1.ffn_down.weight"] == Q.Q8_0  # rows of 96
+    assert got["blk.0.attn_norm.weight"] == Q.F32
+    emb = next(t for t in GGUFReader(out).tensors if t.name == "token_embd.weight")
+    assert np.array_equal(np.asarray(emb.data), weights["token_embd.weight"].astype(np.float16))
+    tokens, pos = torch.arange(1, 33)[None], torch.arange(32)
+    logits = [minillm.load_model(p)[0](tokens, pos) for p in (src, out)]
+    assert 0 < rel_err(logits[1], logits[0]) < 0.1  # only the ffn_down tensors are 32-weight blocks
+
+
 # ------------------------------------------------------------------------------------ the writer
 
 

@@ -98,7 +98,14 @@ def quantize_q5_0(x: torch.Tensor) -> np.ndarray:
     return _out(torch.cat([f16_bytes(d), qh, _nibbles(q & 0x0F)], 1), tuple(torch.as_tensor(x).shape))
 
 
+def to_f16(x: torch.Tensor) -> np.ndarray:
+    """x (..., n) float -> float16 (..., n), round to nearest even as ggml's conversion: the Q4_K_M recipe's
+    type for rows that no 32-weight block divides."""
+    return torch.as_tensor(x).half().numpy()
+
+
 QUANTIZERS = {
+    GGMLQuantizationType.F16: to_f16,
     GGMLQuantizationType.Q8_0: quantize_q8_0,
     GGMLQuantizationType.Q4_0: quantize_q4_0,
     GGMLQuantizationType.Q4_1: quantize_q4_1,

@@ -10,7 +10,7 @@ operation for float operation; tests compare the vectorized functions with the p
 
 "Q4_K_M" is a choice of type per tensor (``q4_k_m_types``): Q4_K everywhere, Q6_K for some
 ``attn_v`` / ``ffn_down`` layers and the output layer, 32-weight fallbacks where 256 does not divide a
-row. docs/formats.md gives the search, the scale packing and the recipe in full.
+row (F16 where 32 does not either). docs/formats.md gives the search, the scale packing and the recipe in full.
 """
 
 from __future__ import annotations
@@ -396,7 +396,7 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
 
 
 FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # for rows that 256 does not divide
-BLOCK_WEIGHTS = {Q.Q4_K: QK_K, Q.Q6_K: QK_K, Q.Q5_0: 32, Q.Q8_0: 32}
+BLOCK_WEIGHTS = {Q.Q4_K: QK_K, Q.Q6_K: QK_K, Q.Q5_0: 32, Q.Q8_0: 32, Q.F16: 1}
 
 
 def q4_k_m_types(tensors: list[tuple[str, tuple[int, ...]]], n_layers: int) -> dict[str, Q | None]:
@@ -405,7 +405,10 @@ def q4_k_m_types(tensors: list[tuple[str, tuple[int, ...]]], n_layers: int) -> d
     tensors: (GGUF name, shape in numpy order (rows, row length)) for every tensor, in file order.
     Returns {name: type}, None for tensors kept as they are (1-D norms). Follows
     ``llama_tensor_get_type`` for the llama architecture without an importance matrix: the
-    per-category rule, then the fallback for a row length the block does not divide.
+    per-category rule, then the fallback for a row length the block does not divide
+    (``tensor_type_fallback``: Q4_K -> Q5_0, Q6_K -> Q8_0, and F16 where 32 does not divide the row
+    either). One step goes past llama.cpp: an output layer whose rows 32 does not divide (Q8_0, which
+    has no fallback there, so llama-quantize refuses the model) is F16 here too.
     """
     names = {name for name, _ in tensors}
     tied = "output.weight" not in names
@@ -422,6 +425,8 @@ def q4_k_m_types(tensors: list[tuple[str, tuple[int, ...]]], n_layers: int) -> d
         elif ("attn_v.weight" in name or "ffn_down" in name) and use_more_bits(layer, n_layers):
             qtype = Q.Q6_K
         if row % BLOCK_WEIGHTS[qtype]:
-            qtype = FALLBACK[qtype]
+            qtype = FALLBACK.get(qtype, Q.F16)
+            if row % BLOCK_WEIGHTS[qtype]:
+                qtype = Q.F16  # llama.cpp's last resort: "must use F16 due to unusual shape"
         types[name] = qtype
     return types
