@@ -294,6 +294,68 @@ def test_null_is_the_default_where_openai_allows_null(server):
         model="tiny", prompt="hi", max_tokens=2, temperature=0).choices[0].text
 
 
+def test_wrongly_typed_fields_are_refused_not_coerced(server):
+    """As OpenAI's API: true is not 1, 1.0 not 1, "12" not 12, "yes" not true; an integer is a number though."""
+    wrong = [("/v1/completions", {"n": True}, "n", "integer"), ("/v1/completions", {"n": 1.0}, "n", "integer"),
+             ("/v1/completions", {"max_tokens": "12"}, "max_tokens", "integer"),
+             ("/v1/completions", {"temperature": "0.5"}, "temperature", "number"),
+             ("/v1/completions", {"stream": "yes"}, "stream", "boolean"),
+             ("/v1/completions", {"ignore_eos": 1}, "ignore_eos", "boolean"),
+             ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options",
+              "boolean"),
+             ("/v1/chat/completions", {"max_completion_tokens": "5"}, "max_completion_tokens", "integer"),
+             ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages", "string")]
+    for path, fields, param, kind in wrong:
+        body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+        r = server.http.post(path, json={**body, "max_tokens": 2, **fields})
+        assert r.status_code == 400, (fields, r.text)
+        error = r.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", (fields, error)
+        assert error["message"].startswith(param) and f"valid {kind}" in error["message"], (fields, error)
+    ints = server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0, "top_p": 1,
+                                                      "presence_penalty": 0})
+    floats = server.http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "temperature": 0.0,
+                                                        "top_p": 1.0, "presence_penalty": 0.0})
+    assert ints.status_code == 200, ints.text
+    assert ints.json()["choices"][0]["text"] == floats.json()["choices"][0]["text"]
+
+
+class ThreadRecordingTokenizer:
+    """The real tokenizer, noting the thread that tokenizes each prompt."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.threads = tokenizer, []
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text, allow_special=False):
+        self.threads.append(threading.current_thread())
+        return self.tokenizer.encode(text, allow_special)
+
+    def apply_chat_template(self, messages, add_generation_prompt=True):
+        self.threads.append(threading.current_thread())
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+
+
+def test_prompts_are_tokenized_off_the_event_loop(tiny):
+    """A long prompt takes long to tokenize (20 MB: over a second); on the event loop's thread it would stall
+    every other client's stream meanwhile."""
+    model, tok = tiny
+    recording = ThreadRecordingTokenizer(tok)
+    thread, loop = serve(model, recording)
+    with thread:
+        served = Served(thread, loop)
+        got = served.client.completions.create(model="tiny", prompt="hello there", max_tokens=2)
+        assert got.usage.prompt_tokens == len(tok.encode("hello there"))
+        messages = [{"role": "user", "content": "hi"}]
+        got = served.client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+        assert got.usage.prompt_tokens == len(tok.apply_chat_template(messages))
+        served.http.close()
+    assert len(recording.threads) >= 2
+    assert thread.thread not in recording.threads  # uvicorn runs its event loop on the server's thread
+
+
 def test_past_the_queue_bound_new_requests_get_503(tiny):
     thread, loop = serve(*tiny, max_queue=1, max_num_seqs=2)  # at most 3 unfinished requests
     with thread, httpx.Client(base_url=thread.url, timeout=30) as http:

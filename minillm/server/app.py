@@ -1,11 +1,12 @@
 """The HTTP routes: an OpenAI-compatible server over one engine thread (FastAPI, served by uvicorn).
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or one JSON body),
-``GET /v1/models``, ``/health`` and ``/metrics``. A handler checks and tokenizes the request, hands it
-to the engine thread (``loop.EngineLoop``) and relays what comes back; every connection's requests meet
-in the engine's steps (continuous batching, Kwon et al. 2023, Sec. 4.5). A client that goes away, with
-a stream open or while waiting for a whole response, aborts its request, which frees its blocks before
-the next step. Refusals carry OpenAI's error body with a 4xx (503 when the queue is full).
+``GET /v1/models``, ``/health`` and ``/metrics``. A handler checks the request, tokenizes it on a worker
+thread (never on the event loop, which relays every stream), hands it to the engine thread
+(``loop.EngineLoop``) and relays what comes back; every connection's requests meet in the engine's steps
+(continuous batching, Kwon et al. 2023, Sec. 4.5). A client that goes away, with a stream open or while
+waiting for a whole response, aborts its request, which frees its blocks before the next step. Refusals
+carry OpenAI's error body with a 4xx (503 when the queue is full).
 """
 
 from __future__ import annotations
@@ -107,13 +108,15 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         _check_model(req.model, model_name)
-        text, ids = completion_prompt(req, loop.tokenizer)
+        # tokenizing is work in proportion to the prompt (a 20 MB prompt takes over a second): on a worker thread,
+        # the event loop keeps relaying every other client's stream meanwhile
+        text, ids = await asyncio.to_thread(completion_prompt, req, loop.tokenizer)
         return await _serve(request, req, text, ids, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         _check_model(req.model, model_name)
-        text, ids = chat_prompt(req, loop.tokenizer)
+        text, ids = await asyncio.to_thread(chat_prompt, req, loop.tokenizer)  # off the event loop, as above
         return await _serve(request, req, text, ids, chat=True)
 
     async def _serve(request: Request, req, text, ids, chat: bool):

@@ -1,7 +1,9 @@
 """The OpenAI API's request and response shapes, as far as the engine supports them, and their checks.
 
-Requests are pydantic models (FastAPI parses and documents them); ``sampling_params`` turns one into the
-engine's ``SamplingParams``, whose own checks name the field. Every refusal is an ``APIError`` with
+Requests are strict pydantic models (FastAPI parses and documents them): a value of the wrong JSON type is
+refused, naming the field, as OpenAI refuses it, rather than coerced (``"n": true`` is not 1, ``"max_tokens":
+"12"`` not 12); an integer is still a number where a float is expected. ``sampling_params`` turns one into
+the engine's ``SamplingParams``, whose own checks name the field. Every refusal is an ``APIError`` with
 OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``. Responses are plain dicts in OpenAI's
 field names (``text_completion``, ``chat.completion``, their ``.chunk`` forms, ``usage``).
 ``TextStream`` cuts a streamed choice's text into deltas that never show what may still change: the
@@ -48,6 +50,7 @@ def param_of(message: str) -> str | None:
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
@@ -56,7 +59,9 @@ class _Sampling(BaseModel):
     neutral value only (``UNSUPPORTED``); other unknown fields are kept aside (``model_extra``) and ignored,
     as vLLM does."""
 
-    model_config = ConfigDict(extra="allow")
+    # strict: pydantic's loose mode would read true as 1, 1.0 as 1 and "0.5" as 0.5, and serve what the client
+    # did not mean; a nested model keeps its own config, so StreamOptions and ChatMessage say strict too
+    model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None  # None: OpenAI's default, 1
@@ -87,7 +92,7 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     role: str
     content: str | list[dict] | None = None
 
