@@ -30,26 +30,37 @@ def _cpu_vendor() -> str:
         return ""
 
 
+def _amd_avx512() -> bool:
+    """AMD's AVX-512 (Zen 4, whose vector units are 256 bits wide), where the measured choices differ."""
+    return torch.backends.cpu.get_cpu_capability() == "AVX512" and _cpu_vendor() == "AuthenticAMD"
+
+
 def _few_rows() -> int:
-    """The most rows ``kernels.f32_linear`` takes (more go to oneDNN; 0: none, one row through ``torch.bmm``): up
-    to where it is ahead over a forward's layers (``bench products``, docs/decode.md). On the Intel Xeon that is 96
-    rows in AVX-512's 16 lanes; in AVX2's 8 lanes it is bound by its arithmetic sooner (ahead up to 4 rows). On the
-    AMD EPYC with AVX-512 (Zen 4, whose units are 256 bits wide) it is ahead nowhere: one row streams fastest
-    through the column blocks' ``torch.bmm`` and two or more through oneDNN."""
+    """The most rows ``kernels.f32_linear`` takes (more go to oneDNN): up to where it is ahead over a forward's
+    layers (``bench products``, docs/decode.md). On the Intel Xeon that is 96 rows in AVX-512's 16 lanes; in
+    AVX2's 8 lanes it is bound by its arithmetic sooner (ahead up to 4 rows). On the AMD EPYC with AVX-512 (Zen 4)
+    it is ahead up to 3 rows, reading W in panels (``KERNEL_BLOCK``); from 4 rows oneDNN is."""
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return 4
-    return {"GenuineIntel": 96, "AuthenticAMD": 0}.get(_cpu_vendor(), 4)
+    return 3 if _amd_avx512() else {"GenuineIntel": 96}.get(_cpu_vendor(), 4)
 
 
-FEW_ROWS = _few_rows()
+def _kernel_block() -> int:
+    """Rows of W^T the few-row kernel reads at once across a panel of columns (0: blocks of 48-192 rows, chunk by
+    chunk). On AMD's AVX-512 16 runs of memory stream faster than 48 short ones (docs/decode.md); on Intel's the
+    blocks of 48 were measured best."""
+    return 16 if _amd_avx512() else 0
+
+
+FEW_ROWS, KERNEL_BLOCK = _few_rows(), _kernel_block()
 
 
 def _onednn_padding() -> dict[int, int]:
     """Row counts ``Linear`` pads with zero rows before a oneDNN product (rows -> padded rows; cut off after). On the
     AMD EPYC with AVX-512 oneDNN's kernels for two rows are slower than its kernels for four: a forward's layers took
-    28.9 ms at two rows and 24.4 padded to four, while three rows gained nothing from padding (docs/decode.md).
-    Elsewhere oneDNN sees more than ``FEW_ROWS`` rows where minillm's kernels are built; no padding is measured."""
-    return {2: 4} if FEW_ROWS == 0 else {}
+    28.9 ms at two rows and 24.4 padded to four, while three rows gained nothing from padding (docs/decode.md). Two
+    rows reach oneDNN there only where minillm's kernels are not built. Elsewhere no padding is measured."""
+    return {2: 4} if _amd_avx512() else {}
 
 
 ONEDNN_PADDING = _onednn_padding()
@@ -130,7 +141,7 @@ class Linear(nn.Module):
 
     def forward_few_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The product through minillm's few-row kernel over the shards (CPU, float32)."""
-        y = kernels.f32_linear(x.reshape(-1, self.in_features), self.weight_shards)
+        y = kernels.f32_linear(x.reshape(-1, self.in_features), self.weight_shards, block=KERNEL_BLOCK)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -23,7 +23,20 @@ def test_f32_linear_equals_its_naive_twin(S, K, Ns, M):
     w, x = torch.randn(S, K, Ns), torch.randn(M, K)
     ref = kernels.f32_linear_naive(x, w)
     for lanes in LANES:  # K = 7 and 100 end inside a block (48, 96 or 192 rows of W^T by M), 1536 spans several
-        assert ((kernels.f32_linear(x, w, lanes) - ref).abs() <= _bound(x, w)).all()
+        for block in (0, 16, 5):  # by the rows, or panels read 16 or 5 rows of W^T at a time
+            assert ((kernels.f32_linear(x, w, lanes, block) - ref).abs() <= _bound(x, w)).all()
+
+
+@pytest.mark.parametrize("M", [1, 8, 11])
+def test_f32_linear_panels_split_a_wide_shard(M):
+    """A shard wider than one panel (about 24 KB of sums: 6,144 columns for one row, 768 for 8) is read in several,
+    the last one partial, and with one shard on two threads each takes a run of them: every column is written once,
+    with the floats of the order by blocks."""
+    torch.manual_seed(M)
+    w, x = torch.randn(1, 50, 6400), torch.randn(M, 50)
+    by_panels, by_blocks = kernels.f32_linear(x, w, 0, 16), kernels.f32_linear(x, w, 0, 0)
+    assert torch.equal(by_panels, by_blocks)
+    assert ((by_panels - kernels.f32_linear_naive(x, w)).abs() <= _bound(x, w)).all()
 
 
 def test_f32_linear_rows_do_not_depend_on_the_batch():
@@ -36,7 +49,9 @@ def test_f32_linear_rows_do_not_depend_on_the_batch():
     assert torch.equal(kernels.f32_linear(x, w), alone)
     assert torch.equal(kernels.f32_linear(x[:13], w), alone[:13])
     for lanes in LANES:
-        assert torch.equal(kernels.f32_linear(x, w, lanes), alone)
+        for block in (0, 16, 3):  # panels read a few rows of W^T at a time: still one order per output
+            assert torch.equal(kernels.f32_linear(x, w, lanes, block), alone)
+            assert torch.equal(kernels.f32_linear(x[:2], w, lanes, block), alone[:2])
 
 
 def test_f32_linear_refusals_name_the_problem():
@@ -49,6 +64,8 @@ def test_f32_linear_refusals_name_the_problem():
         kernels.f32_linear(torch.randn(1, 16, dtype=torch.float64), w)
     with pytest.raises(RuntimeError, match="lanes"):
         kernels.f32_linear(torch.randn(1, 16), w, 4)
+    with pytest.raises(RuntimeError, match="block must be 0"):
+        kernels.f32_linear(torch.randn(1, 16), w, 0, -1)
     assert kernels.f32_linear(torch.randn(0, 16), w).shape == (0, 64)
 
 
@@ -58,24 +75,25 @@ def test_linear_takes_the_few_row_kernel_up_to_its_limit(monkeypatch, rows):
     layer = Linear(torch.randn(192, 64), torch.randn(192), n_shards=2)
     calls = []
     real = kernels.f32_linear
-    monkeypatch.setattr(kernels, "f32_linear", lambda *a: calls.append(a) or real(*a))
+    monkeypatch.setattr(kernels, "f32_linear", lambda *a, **k: calls.append(k) or real(*a, **k))
     x = torch.randn(1, rows, 64)
     with torch.inference_mode():
         y = layer(x)
     assert y.shape == (1, rows, 192)
-    assert bool(calls) == (rows <= linear.FEW_ROWS)
+    assert calls == ([{"block": linear.KERNEL_BLOCK}] if rows <= linear.FEW_ROWS else [])
     assert torch.allclose(y, linear_naive(x, layer), atol=1e-5)
 
 
-@pytest.mark.parametrize("capability, vendor, few", [("AVX512", "GenuineIntel", 96), ("AVX512", "AuthenticAMD", 0),
-                                                      ("AVX2", "GenuineIntel", 4), ("AVX2", "AuthenticAMD", 4),
-                                                      ("AVX512", "", 4)])
-def test_few_rows_follows_the_cpu(monkeypatch, capability, vendor, few):
-    """Where the few-row kernel was measured ahead (docs/decode.md): 96 rows on Intel's AVX-512, none on AMD's
-    (one row through bmm, more through oneDNN), 4 with AVX2 or an unknown vendor."""
+@pytest.mark.parametrize("capability, vendor, few, block", [("AVX512", "GenuineIntel", 96, 0), ("AVX512", "AuthenticAMD", 3, 16),
+                                                             ("AVX2", "GenuineIntel", 4, 0), ("AVX2", "AuthenticAMD", 4, 0),
+                                                             ("AVX512", "", 4, 0)])
+def test_few_rows_follows_the_cpu(monkeypatch, capability, vendor, few, block):
+    """Where the few-row kernel was measured ahead (docs/decode.md): 96 rows on Intel's AVX-512 in blocks of 48
+    rows of W^T and more, up to 3 on AMD's in panels read 16 rows at a time (more through oneDNN), 4 with AVX2 or
+    an unknown vendor."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
-    assert linear._few_rows() == few
+    assert (linear._few_rows(), linear._kernel_block()) == (few, block)
 
 
 def test_linear_keeps_torch_for_gradients_and_odd_widths(monkeypatch):

@@ -18,10 +18,20 @@
 #include <immintrin.h>
 #include "simd.h"
 #include <algorithm>
+#include <vector>
+
+// The sums of a panel of columns for every row of x, in a buffer that stays in L1 (about 24 KB, as
+// measured best), and how many columns that leaves for M rows (whole chunks of C).
+static constexpr int64_t PANEL_BYTES = 24 * 1024;
+static inline int64_t panel_columns(int64_t M, int64_t C) { return std::max<int64_t>(C, PANEL_BYTES / (4 * M) / C * C); }
 
 // x (M, K) float32, w (S, K, Ns) float32 with Ns % 32 == 0 -> y (M, S Ns). lanes: 16 (AVX-512), 8 (AVX2) or 0
-// (the widest this CPU has); both give the same floats.
-torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes) {
+// (the widest this CPU has); both give the same floats. block: 0 reads W^T in blocks of block_rows(M) rows, each
+// block chunk by chunk of columns, the sums going to y between blocks; block > 0 reads it in panels of columns
+// whose sums stay in an L1 buffer, `block` rows of W^T at a time across the whole panel, so that only `block`
+// runs of memory are read at once (AMD's prefetchers follow a few long runs, not 48 short ones:
+// docs/decode.md). Both orders add each output's products in ascending k: the same floats.
+torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes, int64_t block) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(1) == x.size(1), "f32_linear: x (M, K) and shards (S, K, Ns), got ",
               x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && x.device().is_cpu()
@@ -29,6 +39,7 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes) {
   TORCH_CHECK(w.size(2) % 32 == 0, "f32_linear: shard width must be a multiple of 32, got ", w.size(2));
   TORCH_CHECK(lanes == 0 || lanes == 8 || lanes == 16, "f32_linear: lanes must be 0, 8 or 16, got ", lanes);
   TORCH_CHECK(lanes != 16 || cpu_has_avx512(), "f32_linear: lanes=16 needs a CPU with AVX-512 and no ATEN_CPU_CAPABILITY=avx2 cap");
+  TORCH_CHECK(block >= 0, "f32_linear: block must be 0 (by the rows) or a count of rows of W^T, got ", block);
   const bool wide = lanes == 16 || (lanes == 0 && cpu_has_avx512());
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), S = w.size(0), Ns = w.size(2), N = S * Ns;
@@ -39,11 +50,25 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t C = wide ? 32 : 16, chunks = Ns / C, KB = block_rows(M);
-  // each worker takes a run of one shard's chunks; a shard per thread when there are as many (Linear's design)
-  const int64_t parts = std::min<int64_t>(chunks, std::max<int64_t>(1, (at::get_num_threads() + S - 1) / S));
+  const int64_t P = std::min(Ns, panel_columns(M, C)), panels = (Ns + P - 1) / P;
+  // each worker takes a run of one shard's chunks (panels); a shard per thread when there are as many (Linear's design)
+  const int64_t parts = std::min<int64_t>(block ? panels : chunks, std::max<int64_t>(1, (at::get_num_threads() + S - 1) / S));
   at::parallel_for(0, S * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t s = i / parts, p = i % parts, c0 = chunks * p / parts, c1 = chunks * (p + 1) / parts;
+      const int64_t s = i / parts, p = i % parts;
+      if (block) {
+        std::vector<float> sums(M * P);
+        for (int64_t q = panels * p / parts; q < panels * (p + 1) / parts; ++q) {
+          const int64_t c0 = q * P, width = std::min(P, Ns - c0);
+          const float* wq = wp + s * K * Ns + c0;
+          for (int64_t k0 = 0; k0 < K; k0 += block)
+            for (int64_t c = 0; c < width; c += C)
+              block_all_rows(xp, M, K, k0, std::min(block, K - k0), wq + k0 * Ns + c, Ns, sums.data() + c, width, wide);
+          for (int64_t m = 0; m < M; ++m) std::copy_n(sums.data() + m * width, width, yp + m * N + s * Ns + c0);
+        }
+        continue;
+      }
+      const int64_t c0 = chunks * p / parts, c1 = chunks * (p + 1) / parts;
       for (int64_t k0 = 0; k0 < K; k0 += KB) {
         const int64_t kb = std::min(KB, K - k0);
         const float* wb = wp + (s * K + k0) * Ns;

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import kernels
-from ..linear import _ONEDNN, FEW_ROWS, Linear
+from ..linear import _ONEDNN, FEW_ROWS, KERNEL_BLOCK, Linear
 from ..loading import load_model
 from ..options import print_json
 from ..quant.qlinear import QuantLinear
@@ -36,6 +36,9 @@ def _float_paths(layers: list[Linear]) -> dict:
         for lanes in ([16, 8] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [8]):
             paths[f"few-row kernel, {lanes} lanes"] = lambda m, x, n=lanes: _biased(
                 m, kernels.f32_linear(x, m.weight_shards, n))
+        if KERNEL_BLOCK:  # the order Linear uses here, beside the one above
+            paths[f"few-row kernel, panels of {KERNEL_BLOCK} rows"] = lambda m, x: _biased(
+                m, kernels.f32_linear(x, m.weight_shards, 0, KERNEL_BLOCK))
     paths["Linear (its choice)"] = lambda m, x: m(x)
     return paths
 
@@ -81,7 +84,8 @@ def _weight_bytes(layers) -> int:
 def measure_products(model, rows=(1, 2, 4, 8, 16, 32, 64), qmodel=None, repeats: int = 5, progress: bool = True) -> dict:
     """Seconds of every linear layer of ``model`` (and of ``qmodel``) at each row count, per kernel.
 
-    Returns {"rows": [{"rows": r, "float32": {path: s}, "int4": {path: s}}], "weight_bytes": {...}, "few_rows": FEW_ROWS}.
+    Returns {"rows": [{"rows": r, "float32": {path: s}, "int4": {path: s}}], "weight_bytes": {...}, "few_rows":
+    FEW_ROWS, "kernel_block": KERNEL_BLOCK, "machine": ...}.
     """
     fl = [m for m in model.modules() if isinstance(m, Linear)]
     ql = [m for m in qmodel.modules() if isinstance(m, QuantLinear)] if qmodel is not None else []
@@ -97,7 +101,7 @@ def measure_products(model, rows=(1, 2, 4, 8, 16, 32, 64), qmodel=None, repeats:
                          for p, f in paths.items()}
         out.append(row)
     return {"rows": out, "weight_bytes": {name: _weight_bytes(layers) for name, layers, _ in sets},
-            "few_rows": FEW_ROWS, "machine": machine()}
+            "few_rows": FEW_ROWS, "kernel_block": KERNEL_BLOCK, "machine": machine()}
 
 
 def format_products(report: dict) -> str:
@@ -109,7 +113,9 @@ def format_products(report: dict) -> str:
         for row in report["rows"]:
             cells = [f"{1e3 * s:8.1f} ({nbytes / s / 1e9:5.1f} GB/s)" for s in row[name].values()]
             lines.append(f"{row['rows']:>4}  " + "  ".join(f"{c:>26}" for c in cells))
-    few = (f"Linear takes the few-row kernel up to {report['few_rows']} rows" if report["few_rows"]
+    block = report.get("kernel_block")  # absent from records made before the panel order
+    few = (f"Linear takes the few-row kernel up to {report['few_rows']} rows"
+           + (f" (panels read {block} rows of W^T at a time)" if block else "") if report["few_rows"]
            else "Linear takes one row through bmm, more through oneDNN")
     lines.append(f"{few}; {report['machine']}")
     return "\n".join(lines)
