@@ -291,6 +291,7 @@ def test_q4_k_m_writer_round_trips_a_tiny_gguf(tiny_k):
     assert got["blk.0.attn_q.weight"] == Q.Q4_K and got["blk.1.attn_v.weight"] == Q.Q6_K
     assert got["blk.0.attn_norm.weight"] == Q.F32
     assert b.fields["tokenizer.ggml.tokens"].contents() == a.fields["tokenizer.ggml.tokens"].contents()
+    assert "general.file_type" not in a.fields and b.fields["general.file_type"].contents() == 15  # MOSTLY_Q4_K_M
     for t in b.tensors:  # what was written is our quantizer's output on the source weights
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))
         w = gguf_blocks.dequantize(t.data, t.tensor_type, shape)

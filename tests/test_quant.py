@@ -623,16 +623,19 @@ def test_q8_0_requantizes_the_embedded_embedding_losslessly(model, reader):
     assert np.array_equal(quantize_q8_0(model.embedding_weight()).reshape(-1), np.asarray(t.data).reshape(-1))
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
-def test_write_gguf_round_trip(tmp_path, qtype):
+@pytest.mark.parametrize("qtype,file_type", [("Q8_0", 7), ("Q4_0", 2), ("Q4_1", 3)])
+def test_write_gguf_round_trip(tmp_path, qtype, file_type):
     from minillm import load_model
     from minillm.formats import gguf_blocks
 
     src = tmp_path / "tiny.gguf"
-    write_tiny_gguf(src)
+    write_tiny_gguf(src)  # without general.file_type, as some converters write
     dst = write_gguf(src, tmp_path / f"tiny-{qtype}.gguf", qtype)
     a, b = GGUFReader(src), GGUFReader(dst)
-    assert {f for f in a.fields if not f.startswith("GGUF.")} == {f for f in b.fields if not f.startswith("GGUF.")}
+    kept = {f for f in a.fields if not f.startswith("GGUF.")}
+    assert "general.file_type" not in kept
+    assert {f for f in b.fields if not f.startswith("GGUF.")} == kept | {"general.file_type"}
+    assert b.fields["general.file_type"].contents() == file_type  # llama_ftype's LLAMA_FTYPE_MOSTLY_<qtype>
     fn = dict((q.name, f) for f, q in GGUF_QUANTIZERS)[qtype]
     for ta, tb in zip(a.tensors, b.tensors):
         shape = tuple(int(s) for s in reversed(ta.shape))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, Keys, LlamaFileType
 from tqdm.auto import tqdm
 
 from ..files import atomic_write, check_output_path
@@ -113,9 +113,9 @@ QUANTIZERS = {
     GGMLQuantizationType.Q4_K: quantize_q4_k,
     GGMLQuantizationType.Q6_K: quantize_q6_k,
 }
-# llama.cpp's general.file_type (enum llama_ftype) of what write_gguf writes
 UNIFORM = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0)
-FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q4_K_M": 15}
+# llama.cpp's general.file_type (enum llama_ftype) of what write_gguf writes
+FILE_TYPES = {name: int(LlamaFileType[f"MOSTLY_{name}"]) for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K_M")}
 CHOICES = "Q8_0, Q4_0, Q4_1, Q5_0 or the recipe Q4_K_M"
 
 
@@ -123,8 +123,8 @@ def write_gguf(src: str | Path, dst: str | Path, qtype: GGMLQuantizationType | s
     """Re-quantize a GGUF file: every tensor with 2+ dimensions and rows a multiple of 32 becomes
     ``qtype`` (Q8_0, Q4_0, Q4_1 or Q5_0), or for ``"q4_k_m"`` the type llama.cpp's Q4_K_M recipe gives it
     (``kquants.q4_k_m_types``); others (norms) stay as they are. The sources are dequantized first, as
-    ``llama-quantize --allow-requantize`` does; names, layout and metadata are kept (``general.file_type``
-    set to what is written). ``dst`` is written beside itself and renamed into place when complete
+    ``llama-quantize --allow-requantize`` does; names, layout and metadata are kept, and ``general.file_type``
+    is set to what is written (``FILE_TYPES``, added where the source has none). ``dst`` is written beside itself and renamed into place when complete
     (``minillm.files``), so the source, memory-mapped while it is read, is never overwritten.
 
     Returns:
@@ -159,10 +159,14 @@ def _copy_quantized(reader, writer, name: str, progress: bool) -> None:
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.alignment"):
             continue
+        if key == Keys.General.FILE_TYPE:  # replaced in place, as llama.cpp's gguf_set_val_u32 does
+            writer.add_file_type(FILE_TYPES[name])
+            continue
         vtype = field.types[0]
         sub = field.types[-1] if vtype == GGUFValueType.ARRAY else None
-        value = FILE_TYPES[name] if key == "general.file_type" else field.contents()
-        writer.add_key_value(key, value, vtype, sub)
+        writer.add_key_value(key, field.contents(), vtype, sub)
+    if Keys.General.FILE_TYPE not in reader.fields:  # llama.cpp and the tools show it as the file's type
+        writer.add_file_type(FILE_TYPES[name])
     types = tensor_types(reader, name)
     for t in tqdm(reader.tensors, desc=f"quantize {name}", disable=not progress, leave=False):
         shape = tuple(int(s) for s in reversed(t.shape.tolist()))  # numpy order (rows, cols)
