@@ -167,3 +167,24 @@ def test_help_states_the_defaults():
     for phrase in ("--no-act-order", "--no-mse", "--no-true-sequential", "--no-v2", "(default 0.001; the paper: 0.01)",
                    "calibration windows (default 32)", "--recipe {paper,best}"):
         assert phrase in text, phrase
+
+
+def test_an_existing_out_is_refused_before_any_work_and_replaced_with_overwrite(tmp_path, capsys):
+    from helpers import write_tiny_gguf
+
+    from minillm.cli import main
+    from minillm.formats.gguf_quant import write_gguf
+
+    old = b"a file the user may still want"
+    for quant, name in (("gptq", "m.safetensors"), ("q4_k_m", "m.gguf")):  # the embedded model: minutes of work
+        out = tmp_path / name
+        out.write_bytes(old)
+        assert main(["quantize", "--quant", quant, "--out", str(out)]) == 2
+        assert f"error: --out: '{out}' exists; add --overwrite" in capsys.readouterr().err
+        assert out.read_bytes() == old
+    src = tmp_path / "tiny.gguf"
+    write_tiny_gguf(src)
+    out = tmp_path / "m.gguf"
+    assert main(["quantize", "--quant", "q8_0", "--model", str(src), "--out", str(out), "--overwrite", "--json"]) == 0
+    assert out.read_bytes() == write_gguf(src, tmp_path / "ref.gguf", "q8_0").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "m.safetensors", "ref.gguf", "tiny.gguf"]

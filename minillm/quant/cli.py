@@ -153,6 +153,14 @@ def bpw_only(args) -> None:
         raise ValueError("measure / measurement: they choose and keep variable bitrate's measurement; add --bpw or drop them")
 
 
+def check_out(args, sources: list[str]) -> None:
+    """--out, checked before the minutes of work: ``check_output_path``, and a file already there is replaced only
+    with --overwrite (a user who reuses a name may have wanted the file it holds)."""
+    check_output_path(args.out, "--out", sources=sources)
+    if os.path.exists(args.out) and not args.overwrite:
+        raise ValueError(f"--out: {args.out!r} exists; add --overwrite to replace it, or give another path")
+
+
 def cmd_quantize(args) -> int:
     bpw_only(args)
     if args.quant in GGUF_TYPES:
@@ -169,7 +177,7 @@ def cmd_quantize(args) -> int:
         src = args.model or str(default_model_path())
         if not src.endswith(".gguf"):
             raise ValueError(f"model: GGUF re-quantization needs a .gguf source, got {src!r}")
-        check_output_path(args.out, "--out", sources=[src])
+        check_out(args, [src])
         out = write_gguf(src, args.out, args.quant, progress=not args.json)
         report = {"out": str(out), "format": args.quant, "bytes": os.path.getsize(out), "source_bytes": os.path.getsize(src)}
     else:
@@ -184,7 +192,7 @@ def cmd_quantize(args) -> int:
                              "quantized again, error on error: quantize the float model it was made from (its .gguf "
                              "or checkpoint folder)")
         src = _tokenizer_source(args.model)
-        check_output_path(args.out, "--out", sources=[src] + ([args.model] if args.model else []))
+        check_out(args, [src] + ([args.model] if args.model else []))
         if args.bpw is not None:  # variable bitrate: bitrate_cli.py measures, chooses and saves
             report = bitrate_cli.cmd_quantize_bpw(args, recipe, load, check_output_path, save_quantized, src)
             print_json(report) if args.json else print(f"wrote {report['out']}: {report['bytes'] / 1e6:.1f} MB")
@@ -218,6 +226,7 @@ def register(sub) -> None:
     bitrate_cli.add_quantize_args(q)
     q.add_argument("--out", required=True, help="output file: .safetensors (rtn/gptq/awq/awq+gptq) or .gguf "
                    "(q8_0/q4_0/q4_1/q5_0/q4_k_m), in an existing folder; written beside itself and renamed when complete")
+    q.add_argument("--overwrite", action="store_true", help="replace --out if it exists (refused otherwise)")
     add_model_args(q)
     q.set_defaults(func=cmd_quantize)
 
