@@ -3,7 +3,8 @@
 Every writer (GGUF, safetensors, draft checkpoints, tables) writes to a temporary file beside its
 destination and renames it into place only when the file is complete (``atomic_write``): a crash,
 a full disk or an error half-way leaves the destination as it was. The commands check their output
-paths with ``check_output_path`` before loading a model, so that a bad path costs nothing.
+paths with ``check_output_path`` before loading a model, so that a bad path costs nothing; ``quantize``
+runs under ``sigterm_as_exit``, so that a SIGTERM removes the temporary file as Ctrl-C does.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import contextlib
 import json
 import math
 import os
+import signal
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -76,10 +79,10 @@ def atomic_write(dst: str | os.PathLike, sources: Iterable[str | os.PathLike] = 
             raise ValueError(f"out: {str(dst)!r} is the file being read; writing it would destroy the source: "
                              "give another path")
     fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent if str(dst.parent) else ".")
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
+    try:  # from the moment it exists: any exception, KeyboardInterrupt and SystemExit included, removes it
+        os.close(fd)
+        umask = os.umask(0)
+        os.umask(umask)
         yield Path(tmp)
         # as open() would create it: mkstemp, and writers such as safetensors' save_file, make it private
         os.chmod(tmp, 0o666 & ~umask)
@@ -87,6 +90,26 @@ def atomic_write(dst: str | os.PathLike, sources: Iterable[str | os.PathLike] = 
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
+
+
+@contextlib.contextmanager
+def sigterm_as_exit() -> Iterator[None]:
+    """Within the block, SIGTERM raises ``SystemExit(128 + SIGTERM)`` (the shell's exit status for it), so that
+    ``finally`` blocks run: ``atomic_write`` removes its temporary file, which SIGTERM's default action (the
+    process ends at once) leaves beside the destination. Off the main thread, where Python cannot install
+    a handler, the block runs as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:  # None: a handler installed outside Python, which cannot be restored
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
 
 
 def runs_folder() -> Path:

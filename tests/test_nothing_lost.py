@@ -4,8 +4,10 @@ options are refused before the work they would throw away."""
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -146,3 +148,22 @@ def test_a_prompt_past_the_models_own_context_names_its_limit(tiny_model):
 def test_more_wrong_argument_types_are_named(tiny_model, call, message):
     with pytest.raises(ValueError, match=message):
         call(tiny_model)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_quantize_stopped_during_its_write_leaves_neither_the_file_nor_a_temporary(tmp_path, signum):
+    out = tmp_path / "m.gguf"
+    p = subprocess.Popen([sys.executable, "-m", "minillm", "quantize", "--quant", "q8_0", "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.monotonic() + 300
+    while not any(tmp_path.iterdir()) and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # the temporary file appears when the write begins, seconds before it ends
+    assert p.poll() is None, p.communicate()[1]
+    p.send_signal(signum)  # SIGINT is Ctrl-C's KeyboardInterrupt; SIGTERM what kill and service managers send
+    _, err = p.communicate(timeout=300)
+    assert sorted(tmp_path.iterdir()) == []  # neither m.gguf nor .m.gguf.*.tmp
+    if signum == signal.SIGTERM:
+        assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    else:
+        assert p.returncode != 0
