@@ -17,7 +17,7 @@ import argparse
 import sys
 
 from .exercises import cli as exercises_cli
-from .generation import generate
+from .generation import check_prompt, generate
 from .lab import fragmentation as fragmentation_cli
 from .lab import quant as bench_quant_cli
 from .lab import serve_bench_cli
@@ -100,6 +100,10 @@ def cmd_generate(args) -> int:
         prompt_tokens = tokenizer.encode_chat(args.prompt)
     else:
         prompt_tokens = tokenizer.encode(args.prompt)
+    try:  # the library's message names its argument, max_seq_len; here the user typed --max-seq-len
+        check_prompt(model, prompt_tokens, args.max_seq_len)
+    except ValueError as e:
+        raise ValueError(str(e).replace("max_seq_len", "--max-seq-len")) from None
     printer = None if args.json else StopStringPrinter(tokenizer, params.stop)
     on_token = printer.feed if printer else None
     stats = None

@@ -1,6 +1,6 @@
 """serve-bench's options are refused with exit status 2 and a message naming the option and the fix,
 before the model loads where the check does not need it (right after, before any work, where it does);
---quick sets defaults that an explicit --requests or --scale overrides."""
+--quick sets defaults that an explicit --requests or --scale overrides; generate names --max-seq-len as typed."""
 
 import argparse
 import json
@@ -8,6 +8,7 @@ import json
 import pytest
 from helpers import write_tiny_gguf
 
+from minillm import SamplingParams, generate_cached, load_model
 from minillm.cli import main
 from minillm.lab.serve_bench_cli import register, serve_bench_kwargs
 
@@ -95,3 +96,14 @@ def test_quick_with_requests_runs_them_and_the_report_says_so(capsys, tiny):
     report = json.loads(capsys.readouterr().out)
     assert report["num_requests"] == 3 and report["scale"] == 0.0625
     assert all(m["same_tokens_as_sequential"] == 3 for m in report["modes"].values())
+
+
+@pytest.mark.parametrize("draft", [[], ["--draft", "ngram"]], ids=["plain", "speculative"])
+def test_generate_names_max_seq_len_as_the_option_typed(capsys, tiny, draft):
+    """The library names its argument max_seq_len; the command's user typed --max-seq-len."""
+    code = main(["generate", "--model", str(tiny), "--max-seq-len", "4", "--prompt", "a a a a a a", *draft])
+    err = capsys.readouterr().err
+    assert code == 2 and "tokens do not fit the context of 4 tokens (--max-seq-len)" in err, err
+    assert "or raise --max-seq-len (the model allows 128)" in err and "max_seq_len" not in err, err
+    with pytest.raises(ValueError, match=r"context of 4 tokens \(max_seq_len\).*or raise max_seq_len"):
+        generate_cached(load_model(tiny)[0], [1] * 11, SamplingParams(max_new_tokens=1), max_seq_len=4)  # Python's name
