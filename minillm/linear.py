@@ -47,9 +47,9 @@ def _few_rows() -> int:
 
 def _kernel_block() -> int:
     """Rows of W^T the few-row kernel reads at once across a panel of columns (0: blocks of 48-192 rows, chunk by
-    chunk). On AMD's AVX-512 16 runs of memory stream faster than 48 short ones (docs/decode.md); on Intel's the
+    chunk). On AMD's AVX-512 8 runs of memory stream faster than 48 short ones (docs/decode.md); on Intel's the
     blocks of 48 were measured best."""
-    return 16 if _amd_avx512() else 0
+    return 8 if _amd_avx512() else 0
 
 
 FEW_ROWS, KERNEL_BLOCK = _few_rows(), _kernel_block()
