@@ -47,9 +47,10 @@ def _few_rows() -> int:
 
 def _kernel_block() -> int:
     """Rows of W^T the few-row kernel reads at once across a panel of columns (0: blocks of 48-192 rows, chunk by
-    chunk). On AMD's AVX-512 8 runs of memory stream faster than 48 short ones (docs/decode.md); on Intel's the
+    chunk). On AMD's CPUs 8 runs of memory stream faster than 48 short ones, whose rows compete for the same sets
+    of an 8-way L1 (docs/decode.md: measured on a Zen 4, with AVX-512 and capped at AVX2); on Intel's AVX-512 the
     blocks of 48 were measured best."""
-    return 8 if _amd_avx512() else 0
+    return 8 if _cpu_vendor() == "AuthenticAMD" else 0
 
 
 FEW_ROWS, KERNEL_BLOCK = _few_rows(), _kernel_block()

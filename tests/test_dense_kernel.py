@@ -85,12 +85,12 @@ def test_linear_takes_the_few_row_kernel_up_to_its_limit(monkeypatch, rows):
 
 
 @pytest.mark.parametrize("capability, vendor, few, block", [("AVX512", "GenuineIntel", 96, 0), ("AVX512", "AuthenticAMD", 3, 8),
-                                                             ("AVX2", "GenuineIntel", 4, 0), ("AVX2", "AuthenticAMD", 4, 0),
+                                                             ("AVX2", "GenuineIntel", 4, 0), ("AVX2", "AuthenticAMD", 4, 8),
                                                              ("AVX512", "", 4, 0)])
 def test_few_rows_follows_the_cpu(monkeypatch, capability, vendor, few, block):
     """Where the few-row kernel was measured ahead (docs/decode.md): 96 rows on Intel's AVX-512 in blocks of 48
     rows of W^T and more, up to 3 on AMD's in panels read 8 rows at a time (more through oneDNN), 4 with AVX2 or
-    an unknown vendor."""
+    an unknown vendor, in panels on AMD's CPUs."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
     assert (linear._few_rows(), linear._kernel_block()) == (few, block)
