@@ -75,8 +75,9 @@ class Linear(nn.Module):
     ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous, so each core streams a block of its own
     (Megatron-LM's column-parallel linear, Shoeybi et al. 2019, across cores). Products of up to
     ``FEW_ROWS`` rows (a decode step, a speculative verification, a small batch) read the shards with
-    minillm's kernel (``kernels.f32_linear``: W streamed once, in order, every row's sums in registers; a row's
-    result does not depend on the other rows) where it is built, else as one batched matmul. Larger products
+    minillm's kernel (``kernels.f32_linear``: W streamed once, in order, the rows' sums in registers, or in
+    L1 where it reads W in panels, ``KERNEL_BLOCK``; a row's result does not depend on the other rows)
+    where it is built, else as one batched matmul. Larger products
     (a prefill, a large batch) go through oneDNN's ``linear`` with W reordered once (``packed_weight``: as much
     memory again as W, rebuilt when ``weight_shards`` is replaced or written through the Parameter), the
     kernel ``torch.compile`` uses for frozen float32 linears (a row count oneDNN runs slowly is padded first:
