@@ -50,9 +50,12 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes, int64_
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t C = wide ? 32 : 16, chunks = Ns / C, KB = block_rows(M);
-  const int64_t P = std::min(Ns, panel_columns(M, C)), panels = (Ns + P - 1) / P;
-  // each worker takes a run of one shard's chunks (panels); a shard per thread when there are as many (Linear's design)
-  const int64_t parts = std::min<int64_t>(block ? panels : chunks, std::max<int64_t>(1, (at::get_num_threads() + S - 1) / S));
+  // each worker takes a run of one shard's chunks (panels); a shard per thread when there are as many (Linear's
+  // design). Fewer shards than threads: each shard is cut into at least as many panels as it has workers, or
+  // a shard narrower than one panel would keep the other threads idle.
+  const int64_t wanted = std::max<int64_t>(1, (at::get_num_threads() + S - 1) / S);
+  const int64_t P = std::min({Ns, panel_columns(M, C), std::max(C, (Ns / wanted + C - 1) / C * C)});
+  const int64_t panels = (Ns + P - 1) / P, parts = std::min<int64_t>(block ? panels : chunks, wanted);
   at::parallel_for(0, S * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / parts, p = i % parts;

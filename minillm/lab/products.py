@@ -109,10 +109,11 @@ def format_products(report: dict) -> str:
     for name, nbytes in report["weight_bytes"].items():
         paths = list(report["rows"][0][name])
         lines.append(f"{name} layers ({nbytes / 1e6:.1f} MB): ms per pass over every layer (GB/s of the weights)")
-        lines.append(f"{'rows':>4}  " + "  ".join(f"{p:>26}" for p in paths))
+        widths = [max(26, len(p)) for p in paths]  # a cell is 26 characters; a longer name widens its column
+        lines.append(f"{'rows':>4}  " + "  ".join(f"{p:>{w}}" for p, w in zip(paths, widths)))
         for row in report["rows"]:
             cells = [f"{1e3 * s:8.1f} ({nbytes / s / 1e9:5.1f} GB/s)" for s in row[name].values()]
-            lines.append(f"{row['rows']:>4}  " + "  ".join(f"{c:>26}" for c in cells))
+            lines.append(f"{row['rows']:>4}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     block = report.get("kernel_block")  # absent from records made before the panel order
     few = (f"Linear takes the few-row kernel up to {report['few_rows']} rows"
            + (f" (panels read {block} rows of W^T at a time)" if block else "") if report["few_rows"]
