@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from .exercises import cli as exercises_cli
+from .files import sigterm_as_exit
 from .generation import check_prompt, generate
 from .lab import fragmentation as fragmentation_cli
 from .lab import quant as bench_quant_cli
@@ -243,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "measures_speed", False):
         warn_if_busy()
     try:
-        return args.func(args)
+        with sigterm_as_exit():  # finally blocks run: a half-written file's temporary goes, background loads stop
+            return args.func(args)
     except ValueError as e:  # ModelFileError included: bad input, named by the message
         print(f"error: {e}", file=sys.stderr)
         return 2

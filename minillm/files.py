@@ -3,8 +3,8 @@
 Every writer (GGUF, safetensors, draft checkpoints, tables) writes to a temporary file beside its
 destination and renames it into place only when the file is complete (``atomic_write``): a crash,
 a full disk or an error half-way leaves the destination as it was. The commands check their output
-paths with ``check_output_path`` before loading a model, so that a bad path costs nothing; ``quantize``
-runs under ``sigterm_as_exit``, so that a SIGTERM removes the temporary file as Ctrl-C does.
+paths with ``check_output_path`` before loading a model, so that a bad path costs nothing; every command
+runs under ``sigterm_as_exit`` (``minillm.cli.main``), so that a SIGTERM removes the temporary file as Ctrl-C does.
 """
 
 from __future__ import annotations

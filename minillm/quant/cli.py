@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..data import HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity, reference_logprobs, windows
-from ..files import check_output_path, sigterm_as_exit
+from ..files import check_output_path
 from ..formats.gguf_quant import write_gguf
 from ..loading import default_model_path
 from ..options import add_model_args, at_least, load, print_json
@@ -162,11 +162,6 @@ def check_out(args, sources: list[str]) -> None:
 
 
 def cmd_quantize(args) -> int:
-    with sigterm_as_exit():  # a SIGTERM during the write removes the half-written file, as Ctrl-C does
-        return _quantize(args)
-
-
-def _quantize(args) -> int:
     bpw_only(args)
     if args.quant in GGUF_TYPES:
         if args.quant_head != "none":

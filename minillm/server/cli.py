@@ -7,7 +7,6 @@ thread stops and the process exits with status 0.
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
@@ -59,25 +58,16 @@ def cmd_serve(args) -> int:
               "wait); Ctrl-C stops", file=sys.stderr)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it
-    # found; this one (and KeyboardInterrupt's) turns that into a clean exit
-    previous = signal.signal(signal.SIGTERM, _stopped)
+    # found: KeyboardInterrupt, or the SystemExit of the command's SIGTERM handler (``files.sigterm_as_exit``),
+    # which end here as a clean exit
     try:
         engine_server(config, loop, args.shutdown_timeout).run()
-    except (KeyboardInterrupt, _Stopped):
+    except (KeyboardInterrupt, SystemExit):
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
         loop.stop()
     print("server stopped", file=sys.stderr)
     return 0
-
-
-class _Stopped(Exception):
-    """SIGTERM, after uvicorn's graceful shutdown."""
-
-
-def _stopped(signum, frame):
-    raise _Stopped
 
 
 def register(sub) -> None:
