@@ -25,6 +25,31 @@
 static constexpr int64_t PANEL_BYTES = 24 * 1024;
 static inline int64_t panel_columns(int64_t M, int64_t C) { return std::max<int64_t>(C, PANEL_BYTES / (4 * M) / C * C); }
 
+// Columns c0 .. c1 of one shard (w at its first row, y at its first column), in blocks of block_rows(M) rows of
+// W^T, each block chunk by chunk of C columns; the sums go to y between blocks.
+static void by_blocks(const float* x, int64_t M, int64_t K, const float* w, int64_t Ns, int64_t c0, int64_t c1,
+                      float* y, int64_t N, bool wide) {
+  const int64_t C = wide ? 32 : 16, KB = block_rows(M);
+  for (int64_t k0 = 0; k0 < K; k0 += KB)
+    for (int64_t c = c0; c < c1; c += C)
+      block_all_rows(x, M, K, k0, std::min(KB, K - k0), w + k0 * Ns + c, Ns, y + c, N, wide);
+}
+
+// Columns c0 .. c1 of one shard in panels of P columns: a panel's sums stay in an L1 buffer while W^T is read
+// `block` rows at a time across the whole panel, then go to y once.
+static void by_panels(const float* x, int64_t M, int64_t K, const float* w, int64_t Ns, int64_t c0, int64_t c1,
+                      int64_t P, int64_t block, float* y, int64_t N, bool wide) {
+  const int64_t C = wide ? 32 : 16;
+  std::vector<float> sums(M * P);
+  for (int64_t p0 = c0; p0 < c1; p0 += P) {
+    const int64_t width = std::min(P, c1 - p0);
+    for (int64_t k0 = 0; k0 < K; k0 += block)
+      for (int64_t c = 0; c < width; c += C)
+        block_all_rows(x, M, K, k0, std::min(block, K - k0), w + k0 * Ns + p0 + c, Ns, sums.data() + c, width, wide);
+    for (int64_t m = 0; m < M; ++m) std::copy_n(sums.data() + m * width, width, y + m * N + p0);
+  }
+}
+
 // x (M, K) float32, w (S, K, Ns) float32 with Ns % 32 == 0 -> y (M, S Ns). lanes: 16 (AVX-512), 8 (AVX2) or 0
 // (the widest this CPU has); both give the same floats. block: 0 reads W^T in blocks of block_rows(M) rows, each
 // block chunk by chunk of columns, the sums going to y between blocks; block > 0 reads it in panels of columns
@@ -49,34 +74,20 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes, int64_
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t C = wide ? 32 : 16, chunks = Ns / C, KB = block_rows(M);
-  // each worker takes a run of one shard's chunks (panels); a shard per thread when there are as many (Linear's
-  // design). Fewer shards than threads: each shard is cut into at least as many panels as it has workers, or
-  // a shard narrower than one panel would keep the other threads idle.
+  const int64_t C = wide ? 32 : 16;
+  // each worker takes a run of one shard's chunks (whole panels); a shard per thread when there are as many
+  // (Linear's design). Fewer shards than threads: each shard is cut into at least as many panels as it has
+  // workers, or a shard narrower than one panel would keep the other threads idle.
   const int64_t wanted = std::max<int64_t>(1, (at::get_num_threads() + S - 1) / S);
   const int64_t P = std::min({Ns, panel_columns(M, C), std::max(C, (Ns / wanted + C - 1) / C * C)});
-  const int64_t panels = (Ns + P - 1) / P, parts = std::min<int64_t>(block ? panels : chunks, wanted);
+  const int64_t unit = block ? P : C, units = (Ns + unit - 1) / unit, parts = std::min(units, wanted);
   at::parallel_for(0, S * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / parts, p = i % parts;
-      if (block) {
-        std::vector<float> sums(M * P);
-        for (int64_t q = panels * p / parts; q < panels * (p + 1) / parts; ++q) {
-          const int64_t c0 = q * P, width = std::min(P, Ns - c0);
-          const float* wq = wp + s * K * Ns + c0;
-          for (int64_t k0 = 0; k0 < K; k0 += block)
-            for (int64_t c = 0; c < width; c += C)
-              block_all_rows(xp, M, K, k0, std::min(block, K - k0), wq + k0 * Ns + c, Ns, sums.data() + c, width, wide);
-          for (int64_t m = 0; m < M; ++m) std::copy_n(sums.data() + m * width, width, yp + m * N + s * Ns + c0);
-        }
-        continue;
-      }
-      const int64_t c0 = chunks * p / parts, c1 = chunks * (p + 1) / parts;
-      for (int64_t k0 = 0; k0 < K; k0 += KB) {
-        const int64_t kb = std::min(KB, K - k0);
-        const float* wb = wp + (s * K + k0) * Ns;
-        for (int64_t c = c0; c < c1; ++c) block_all_rows(xp, M, K, k0, kb, wb + c * C, Ns, yp + s * Ns + c * C, N, wide);
-      }
+      const int64_t c0 = units * p / parts * unit, c1 = std::min(Ns, units * (p + 1) / parts * unit);
+      const float* ws = wp + s * K * Ns;
+      if (block) by_panels(xp, M, K, ws, Ns, c0, c1, P, block, yp + s * Ns, N, wide);
+      else by_blocks(xp, M, K, ws, Ns, c0, c1, yp + s * Ns, N, wide);
     }
   });
   return y;
