@@ -395,7 +395,8 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
-FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}  # for rows that 256 does not divide
+# for rows the block does not divide (llama.cpp's tensor_type_fallback): 256-weight blocks fall back to 32, then F16
+FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0, Q.Q5_0: Q.F16, Q.Q8_0: Q.F16}
 BLOCK_WEIGHTS = {Q.Q4_K: QK_K, Q.Q6_K: QK_K, Q.Q5_0: 32, Q.Q8_0: 32, Q.F16: 1}
 
 
@@ -424,9 +425,7 @@ def q4_k_m_types(tensors: list[tuple[str, tuple[int, ...]]], n_layers: int) -> d
             qtype = Q.Q8_0 if row % QK_K else Q.Q6_K  # the output layer: Q6_K, or Q8_0 if 256 does not divide
         elif ("attn_v.weight" in name or "ffn_down" in name) and use_more_bits(layer, n_layers):
             qtype = Q.Q6_K
-        if row % BLOCK_WEIGHTS[qtype]:
-            qtype = FALLBACK.get(qtype, Q.F16)
-            if row % BLOCK_WEIGHTS[qtype]:
-                qtype = Q.F16  # llama.cpp's last resort: "must use F16 due to unusual shape"
+        while row % BLOCK_WEIGHTS[qtype]:  # F16's "block" of 1 divides every row
+            qtype = FALLBACK[qtype]
         types[name] = qtype
     return types
