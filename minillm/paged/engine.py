@@ -2,10 +2,9 @@
 
 Yu et al. 2022 (Orca, Sec. 4: iteration-level scheduling) and Kwon et al. 2023 (vLLM, arXiv 2309.06180,
 Sec. 4.3-4.5: sequences decode together over one block pool; preemption by recompute). ``step()`` is the
-paper's loop: schedule (blocks reserved), pack every scheduled token into one forward, run
-``Decoder.forward`` on the ``PagedKVCache``, sample each sequence that caught up with its known tokens,
-append, stop. A step is all or nothing until its tokens are drawn: a failure undoes it, so a retry computes
-the same tokens. One thread drives an engine at a time (``driving``).
+paper's loop: schedule (blocks reserved), pack every scheduled token into one forward on the
+``PagedKVCache``, sample each sequence that caught up with its known tokens, append, stop. Until its tokens
+are drawn a step that raises is undone, so a retry computes the same tokens. One thread drives an engine.
 """
 
 from __future__ import annotations
@@ -28,10 +27,10 @@ from .requests import RequestTracker
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, RequestOutput, Sequence
 from .spec_decode import SpecDecoder, check_speculative_config
-from .stats import EngineStats, StepRecord
+from .stats import EngineStats
 from .signals import interrupts_deferred
 
-__all__ = ["DEFAULT_KV_BYTES", "LLMEngine", "EngineStats", "StepRecord", "check_engine_args"]
+__all__ = ["DEFAULT_KV_BYTES", "LLMEngine"]
 
 
 class LLMEngine:
@@ -68,18 +67,17 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = min(max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         if num_blocks is None and kv_cache_bytes is None:
-            element = torch.empty((), dtype=model.dtype).element_size()
-            kv_cache_bytes = min(DEFAULT_KV_BYTES, kv_bytes_of(model.config, max_num_seqs, self.max_seq_len, element))
+            kv_cache_bytes = min(DEFAULT_KV_BYTES, kv_bytes_of(model.config, max_num_seqs, self.max_seq_len,
+                                                               model.dtype.itemsize))
         self.cache = PagedKVCache(model.config, num_blocks, block_size, kv_bytes=kv_cache_bytes, dtype=model.dtype,
                                   device=model.device, enable_prefix_caching=enable_prefix_caching,
                                   attention=attention)
         self.manager, self.block_size = self.cache.manager, block_size
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.eos_ids = stop_ids(tokenizer, eos_ids)
-        self.row_width, self.layout = row_width, "flat" if attention in FLAT_PATHS else "rows"
-        self.stats = EngineStats()
+        self.row_width, self.flat = row_width, attention in FLAT_PATHS  # one flat row, or (B, T) padded rows
         self.spec = SpecDecoder(spec, self) if spec is not None else None  # reads self.requests when it proposes
-        self.stats.spec_decoding = self.spec.stats if self.spec is not None else None
+        self.stats = EngineStats(spec_decoding=self.spec.stats if self.spec is not None else None)
         self.tracker = RequestTracker(model, tokenizer, self.scheduler, self.eos_ids, self.max_seq_len, self.spec,
                                       record_logits)
         self.requests, self.beams, self.logits = self.tracker.requests, self.tracker.beams, self.tracker.logits
@@ -151,31 +149,47 @@ class LLMEngine:
             whatever the forward or sampling raised, after undoing the step; RuntimeError: another thread
                 drives the engine, or nothing could be scheduled although requests wait (a bug).
         """
-        with self.driving():
-            outputs, self._pending = self._pending, []
+        with self.driving(), self._outputs() as outputs:
             start = time.perf_counter()
-            try:
-                try:
-                    plan = self._schedule()  # schedule: blocks reserved, copy-on-write done
-                    if not plan.scheduled:
-                        return outputs
-                    rows, ready = self._pack(plan)  # pack: every scheduled token in one forward's rows
-                    logits = self._forward(rows, ready)  # forward: the ready sequences' next-token logits
-                    record = self.stats.record_step(plan, rows.shape, len(ready), self.manager,
-                                                    self.scheduler.running, start)
-                    draws = self.tracker.draw(ready, logits)  # sample
-                except BaseException:
-                    with interrupts_deferred():
-                        self._rollback()
-                    raise
-                with interrupts_deferred():  # the forward wrote its tokens: from here the step stands
-                    self._commit(plan, start, record, outputs)
-                    self.tracker.append(ready, draws, outputs, self._append)  # append, stop
-            except BaseException:
-                self._pending[:0] = outputs  # not lost: the next step returns them
-                raise
+            with self._undone_on_error():  # until its tokens are drawn, a step that raises never happened
+                plan = self._schedule()  # schedule: drafts proposed, blocks reserved, copy-on-write done
+                if not plan.scheduled:
+                    return outputs
+                rows, ready = self._pack(plan)  # pack: every scheduled token in one forward's rows
+                logits = self._forward(rows, ready)  # forward: the ready sequences' next-token logits
+                record = self.stats.record_step(plan, rows.shape, len(ready), self.scheduler, start)
+                draws = self.tracker.draw(ready, logits)  # sample
+            with interrupts_deferred():  # the forward wrote its tokens: from here the step stands
+                self._commit(plan, start, record, outputs)
+                self.tracker.append(ready, draws, outputs, self._append)  # append, stop
             record.end = time.perf_counter()
             return outputs
+
+    @contextmanager
+    def _outputs(self):
+        """The step's outputs, led by those a failed step left; if this step fails too, they wait for the next."""
+        outputs, self._pending = self._pending, []
+        try:
+            yield outputs
+        except BaseException:
+            self._pending[:0] = outputs
+            raise
+
+    @contextmanager
+    def _undone_on_error(self):
+        """Undo a step that raises: its plan and drafts are dropped, and a copy-on-write whose destination the
+        sequence keeps is made again (the failed forward may have written there), so a retry computes the same."""
+        try:
+            yield
+        except BaseException:
+            with interrupts_deferred():
+                held = {b for s in self.scheduler.running if self.manager.holds(s.seq_id)
+                        for b in self.manager.block_table(s.seq_id)}
+                self.cache.copy_blocks([(src, dst) for src, dst in self.manager.step_copies if dst in held])
+                if self.spec is not None:
+                    self.spec.discard(self.scheduler.running)
+                self.scheduler.rollback()
+            raise
 
     def _schedule(self) -> SchedulerOutput:
         """Drafts proposed, then the scheduler's plan (``Scheduler.schedule_or_preempt_idle``) and its copies made."""
@@ -195,10 +209,8 @@ class LLMEngine:
         rows and the sequences that catch up with their known tokens (they sample)."""
         spans = [(s.seq_id, s.num_computed_tokens, (s.token_ids[s.num_computed_tokens:] + s.spec_token_ids)[:n])
                  for s, n in plan.scheduled]  # drafts ride after the sequence's own tokens
-        if self.layout == "flat":
-            rows = pack_flat(spans, self.model.device)
-        else:
-            rows = pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width)
+        rows = (pack_flat(spans, self.model.device) if self.flat
+                else pack_rows(spans, max(a + len(t) for _, a, t in spans), self.model.device, self.row_width))
         self.cache.set_rows(rows.seq_ids, rows.widths, reserved=True)
         return rows, [s for s, n in plan.scheduled if s.num_computed_tokens + n >= s.num_tokens]
 
@@ -233,15 +245,6 @@ class LLMEngine:
                     self.tracker.abort(req)
                     outputs.append(self.tracker.output(req))
             raise
-
-    def _rollback(self) -> None:
-        """Undo a failed step: copy-on-write redone (a kept reservation keeps its copy), drafts and plan dropped."""
-        held = {b for s in self.scheduler.running if self.manager.holds(s.seq_id)
-                for b in self.manager.block_table(s.seq_id)}
-        self.cache.copy_blocks([(src, dst) for src, dst in self.manager.step_copies if dst in held])
-        if self.spec is not None:
-            self.spec.discard(self.scheduler.running)
-        self.scheduler.rollback()
 
     def _append(self, req: Request, seq: Sequence, token: int, logprob: float) -> None:
         """A drawn token joins the sequence's known tokens; then its stops (``RequestTracker.check_stop``)."""

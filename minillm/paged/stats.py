@@ -55,13 +55,12 @@ class EngineStats:
     spec_decoding: object = None  # the engine's ``spec_decode.SpecDecodingStats`` when it speculates
     records: list[StepRecord] = field(default_factory=list)
 
-    def record_step(self, plan, shape, sampled, manager, running, start) -> StepRecord:
+    def record_step(self, plan, shape, sampled, scheduler, start) -> StepRecord:
         """The hook, after a step's forward and before its tokens are appended: what ran, what was preempted,
         the blocks in use, their slots holding tokens (shared blocks once), the blocks held unshared. Returns the
         record (``end`` = start until the engine sets it); ``add`` keeps it once the step commits."""
-        filled: dict[int, int] = {}
-        unshared = 0
-        for seq in running:
+        manager, filled, unshared = scheduler.manager, {}, 0
+        for seq in scheduler.running:
             n = manager.num_tokens(seq.seq_id)
             table = manager.block_table(seq.seq_id)
             unshared += len(table)
