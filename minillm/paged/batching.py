@@ -1,10 +1,9 @@
 """How one step's tokens become the input of one ``Decoder.forward`` on the paged cache.
 
 ``pack_flat`` (the default, vLLM V1's layout): every scheduled token side by side, (1, N), one segment per
-sequence, so the linear layers compute no padding. ``pack_rows`` (for "indexed" and "gather", and the
-flat row's baseline): B rows of T tokens, -1 positions marking padding; ``choose_row_width`` picks T by
-the cost ``B * T * c_token + B * S * c_key``, ``KEY_COST`` = c_key / c_token (docs/paged.md). ``pack_rows_naive``
-(one row per sequence, padded to the longest span) is ``pack_rows``'s baseline.
+sequence, so the linear layers compute no padding. ``pack_rows`` (for "indexed" and "gather"): B rows of T
+tokens, -1 positions marking padding, T chosen by the cost ``B * T * c_token + B * S * c_key``
+(``choose_row_width``); ``pack_rows_naive``, one row per sequence padded to the longest span, is its baseline.
 """
 
 from __future__ import annotations
@@ -41,26 +40,21 @@ class Rows:
                             device=self.tokens.device)
 
 
-def _cut(spans, width: int):
-    """Each span (seq_id, start, token_ids) cut into rows of at most ``width`` tokens, in position order."""
-    for seq_id, start, ids in spans:
-        for a in range(0, len(ids), width):
-            yield seq_id, start + a, ids[a:a + width]
-
-
 def choose_row_width(span_lengths: list[int], max_seq_len: int, key_cost: float = KEY_COST) -> int:
     """The row width T minimizing ``rows(T) * (T + key_cost * max_seq_len)`` over powers of two up to the
     longest span (and the longest span itself); max_seq_len: the longest sequence after the step (S)."""
     longest = max(span_lengths)
     widths = sorted({1 << k for k in range(longest.bit_length()) if 1 << k <= longest} | {longest})
-    def cost(T):
-        rows = sum(-(-n // T) for n in span_lengths)
-        return rows * (T + key_cost * max_seq_len)
-    return min(widths, key=cost)
+    return min(widths, key=lambda T: sum(-(-n // T) for n in span_lengths) * (T + key_cost * max_seq_len))
 
 
-def _to_rows(cut, width: int, device) -> Rows:
-    cut = list(cut)
+def _check(spans) -> None:
+    if not spans or any(not ids for _, _, ids in spans):
+        raise ValueError("spans: give at least one span, each with at least one token")
+
+
+def _to_rows(cut: list, width: int, device) -> Rows:
+    """Rows of ``width`` tokens, one per (seq_id, start, token_ids) of ``cut``, padded with -1 positions."""
     tokens = torch.zeros((len(cut), width), dtype=torch.long)
     input_pos = torch.full((len(cut), width), -1, dtype=torch.long)
     last = {}
@@ -76,33 +70,30 @@ def pack_rows(spans: list[tuple[int, int, list[int]]], max_seq_len: int, device=
     """Pack spans (seq_id, first position, new token ids) into rows of ``width`` tokens (default:
     ``choose_row_width``), ordered by where each row ends so that the "bucketed" groups are consecutive rows
     (a sequence's rows stay in position order). Raises ValueError for no spans or an empty span."""
-    if not spans or any(not ids for _, _, ids in spans):
-        raise ValueError("spans: give at least one span, each with at least one token")
+    _check(spans)
     width = width or choose_row_width([len(ids) for _, _, ids in spans], max_seq_len)
-    return _to_rows(sorted(_cut(spans, width), key=lambda row: row[1] + len(row[2])), width, device)
+    cut = [(s, start + a, ids[a:a + width]) for s, start, ids in spans for a in range(0, len(ids), width)]
+    return _to_rows(sorted(cut, key=lambda row: row[1] + len(row[2])), width, device)
 
 
 def pack_flat(spans: list[tuple[int, int, list[int]]], device="cpu") -> Rows:
     """Every span's tokens in one flat row (1, N), one segment per sequence, ordered by width, then by where
     it ends, so that the cache's groups are consecutive tokens.
     Raises ValueError for no spans, an empty span, or two spans of one sequence."""
-    if not spans or any(not ids for _, _, ids in spans):
-        raise ValueError("spans: give at least one span, each with at least one token")
+    _check(spans)
     if len({s for s, _, _ in spans}) != len(spans):
         raise ValueError("spans: a flat row takes one span per sequence; join a sequence's spans first")
     spans = sorted(spans, key=lambda span: (len(span[2]), span[1] + len(span[2])))
+    widths = [len(ids) for _, _, ids in spans]
     tokens = [t for _, _, ids in spans for t in ids]
     input_pos = [p for _, start, ids in spans for p in range(start, start + len(ids))]
-    widths = [len(ids) for _, _, ids in spans]
-    ends = itertools.accumulate(widths)
-    last = {s: (0, end - 1) for (s, _, _), end in zip(spans, ends)}
+    last = {s: (0, end - 1) for (s, _, _), end in zip(spans, itertools.accumulate(widths))}
     return Rows([s for s, _, _ in spans], torch.tensor([tokens], dtype=torch.long, device=device),
                 torch.tensor([input_pos], dtype=torch.long, device=device), last, widths)
 
 
 def pack_rows_naive(spans: list[tuple[int, int, list[int]]], max_seq_len: int = 0, device="cpu") -> Rows:
     """The baseline: one row per sequence, every row padded to the longest span."""
-    if not spans or any(not ids for _, _, ids in spans):
-        raise ValueError("spans: give at least one span, each with at least one token")
+    _check(spans)
     return _to_rows(spans, max(len(ids) for _, _, ids in spans), device)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -133,29 +132,9 @@ def finalize(prompt: list[int], closed: list[tuple[list[int], float]], params: B
                            score(c, len(t), params.length_penalty)) for t, c in ranked])
 
 
-def beam_step(req, beams: list, logprobs: torch.Tensor, eos_ids, max_seq_len: int, tokenizer=None):
-    """One step of a request's beam search once every live beam has its logits: None when the search ends
-    (``req.beam_output`` is then set), else the live [(beam index, token, cumulative logprob)], best first.
-
-    Args:
-        req: the engine's ``Request``; beams: its live sequences; logprobs: (K, V) their next-token log-softmax.
-    """
-    p = req.params
-    live, closed = select_beams([s.cumulative_logprob for s in beams], logprobs, p.beam_width, eos_ids, p.ignore_eos)
-    req.completed += [(beams[i].output_token_ids + [t], c) for i, t, c in closed]
-    n_out = beams[0].num_output_tokens + 1
-    stop = search_done(req.completed, live[0][2] if live else None, n_out, p)
-    if stop or n_out >= p.max_tokens or beams[0].num_tokens + 1 >= max_seq_len:
-        if not stop:
-            req.completed += [(beams[i].output_token_ids + [t], c) for i, t, c in live]
-        req.beam_output = finalize(req.prompt_token_ids, req.completed, p, tokenizer)
-        return None
-    return live
-
-
 class EngineBeams:
     """The engine's beam bookkeeping (Sec. 4.4): each live beam's next-token log-softmax waits here until
-    every live beam of its request has one; then ``step`` applies one ``beam_step``."""
+    every live beam of its request has one; then ``step`` applies the rule once."""
 
     def __init__(self, eos_ids, max_seq_len: int, tokenizer=None):
         self.eos_ids, self.max_seq_len, self.tokenizer = eos_ids, max_seq_len, tokenizer
@@ -169,28 +148,38 @@ class EngineBeams:
         self.logprobs.pop(seq_id, None)
 
     def step(self, req, fork, finish) -> None:
-        """Once every live beam of ``req`` has its logits: fork beams kept more than once (before any token is
-        appended, so a fork copies its parent's state), finish dropped ones; the live beams hold the request's
-        beam_width seats. ``fork`` and ``finish`` are the ``RequestTracker``'s."""
-        beams = [s for s in req.seqs if not s.is_finished]
+        """Once every live beam of ``req`` has its logits, one step of the rule: beams kept more than once fork
+        (before any token is appended, so a fork copies its parent's state), dropped ones finish, and the live
+        beams share the request's beam_width seats; when the search ends, ``req.beam_output`` holds its best
+        hypotheses. ``fork`` and ``finish`` are the ``RequestTracker``'s."""
+        beams, p = [s for s in req.seqs if not s.is_finished], req.params
         if not all(s.seq_id in self.logprobs for s in beams):
             return
         lp = torch.stack([self.logprobs.pop(s.seq_id) for s in beams])  # (K, V)
-        live = beam_step(req, beams, lp, self.eos_ids, self.max_seq_len, self.tokenizer)
+        live, closed = select_beams([s.cumulative_logprob for s in beams], lp, p.beam_width, self.eos_ids,
+                                    p.ignore_eos)
+        req.completed += [(beams[i].output_token_ids + [t], c) for i, t, c in closed]
+        n_out = beams[0].num_output_tokens + 1
+        stop = search_done(req.completed, live[0][2] if live else None, n_out, p)
+        if stop or n_out >= p.max_tokens or beams[0].num_tokens + 1 >= self.max_seq_len:
+            if not stop:
+                req.completed += [(beams[i].output_token_ids + [t], c) for i, t, c in live]
+            req.beam_output = finalize(req.prompt_token_ids, req.completed, p, self.tokenizer)
         req.metrics.first_token_time = req.metrics.first_token_time or time.perf_counter()
-        if live is None:
+        if req.beam_output is not None:
             for s in beams:
                 finish(s, "length")
             return
-        kept = Counter(i for i, _, _ in live)
-        targets = [beams[i] if j == 0 else fork(req, beams[i], len(req.seqs))
-                   for i, j in ((i, sum(1 for k, _, _ in live[:n] if k == i)) for n, (i, _, _) in enumerate(live))]
+        targets, kept = [], set()
+        for i, _, _ in live:
+            targets.append(fork(req, beams[i], len(req.seqs)) if i in kept else beams[i])
+            kept.add(i)
         for i, s in enumerate(beams):
-            if not kept[i]:
+            if i not in kept:
                 finish(s, "stop")
         req.seqs = targets + [s for s in req.seqs if s.is_finished]
         for j, (seq, (_, token, c)) in enumerate(zip(targets, live)):
-            seq.seats = 1 if j else req.params.beam_width - (len(targets) - 1)
+            seq.seats = 1 if j else p.beam_width - (len(targets) - 1)
             seq.token_ids.append(token)
             seq.cumulative_logprob = c
 

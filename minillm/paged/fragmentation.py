@@ -49,11 +49,6 @@ def make_trace(spec: TraceSpec, max_seq_len: int = MAX_SEQ_LEN) -> tuple[np.ndar
     return prompt, output
 
 
-def _held(prompt: np.ndarray, output: np.ndarray) -> np.ndarray:
-    """Positions held by each request at the end of each of its iterations, concatenated: P + t - 1."""
-    return np.concatenate([np.arange(p, p + o) for p, o in zip(prompt.tolist(), output.tolist())])
-
-
 def kv_utilization(prompt_lens, output_lens, scheme: str, max_seq_len: int = MAX_SEQ_LEN) -> float:
     """The time-averaged share (0..1) of reserved KV slots holding tokens under ``scheme`` ("max",
     "pow2", "oracle" or "paged_<block size>") for requests of these prompt and output lengths.
@@ -64,7 +59,8 @@ def kv_utilization(prompt_lens, output_lens, scheme: str, max_seq_len: int = MAX
     prompt, output = np.asarray(prompt_lens, dtype=np.int64), np.asarray(output_lens, dtype=np.int64)
     if prompt.size == 0:
         raise ValueError("prompt_lens: give at least one request")
-    held = _held(prompt, output)
+    # positions each request holds at the end of each of its iterations (P + t - 1), concatenated
+    held = np.concatenate([np.arange(p, p + o) for p, o in zip(prompt.tolist(), output.tolist())])
     final = np.repeat(prompt + output, output)  # each request's final length, once per iteration
     if scheme == "max":
         reserved = np.full_like(held, max_seq_len)

@@ -114,27 +114,19 @@ class LLM:
                                    "added through llm_engine.add_request (or their outputs, not yet returned by "
                                    "step); generate would run them and drop their outputs, so step them to the end "
                                    "with llm_engine.step() or abort them first")
-            ids = []
+            ids, finished = [], {}
             try:
                 for prompt, p in zip(prompts, params):
                     ids.append(next(self._ids))
                     engine.add_request(ids[-1], prompt, p)
-                finished = {out.request_id: out for out in self._loop(ids, use_tqdm)}
+                wanted = set(ids)
+                with tqdm(total=len(ids), desc="requests", disable=not use_tqdm) as bar:
+                    while len(finished) < len(ids):
+                        for out in engine.step():
+                            if out.finished and out.request_id in wanted:
+                                finished[out.request_id] = out
+                                bar.update(1)
             except BaseException:
                 engine.abort_request(ids)
                 raise
         return [finished[i] for i in ids]
-
-    def _loop(self, ids: list[str], use_tqdm: bool):
-        """Step the engine until these requests finish; yields each one's final ``RequestOutput``."""
-        bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)
-        wanted, left = set(ids), len(ids)
-        try:
-            while left:
-                for out in self.llm_engine.step():
-                    if out.finished and out.request_id in wanted:
-                        left -= 1
-                        bar.update(1)
-                        yield out
-        finally:
-            bar.close()
