@@ -37,12 +37,13 @@ def _amd_avx512() -> bool:
 
 def _few_rows() -> int:
     """The most rows ``kernels.f32_linear`` takes (more go to oneDNN): up to where it is ahead over a forward's
-    layers (``bench products``, docs/decode.md). On the Intel Xeon that is 96 rows in AVX-512's 16 lanes; in
-    AVX2's 8 lanes it is bound by its arithmetic sooner (ahead up to 4 rows). On the AMD EPYC with AVX-512 (Zen 4)
-    it is ahead up to 3 rows, reading W in panels (``KERNEL_BLOCK``); from 4 rows oneDNN is."""
+    layers (``bench products``, docs/decode.md). On the Intel Xeon that is 96 rows in AVX-512's 16 lanes. On AMD's
+    CPUs, reading W in tiles from a few rows on (``TILE_ROWS``), it is 48 rows with AVX-512 (Zen 4) and 24 in AVX2's
+    8 lanes, bound by their arithmetic sooner. Elsewhere in AVX2 it is ahead up to 4 rows."""
+    amd = _cpu_vendor() == "AuthenticAMD"
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return 4
-    return 3 if _amd_avx512() else {"GenuineIntel": 96}.get(_cpu_vendor(), 4)
+        return 24 if amd else 4
+    return 48 if amd else {"GenuineIntel": 96}.get(_cpu_vendor(), 4)
 
 
 def _kernel_block() -> int:
@@ -53,7 +54,17 @@ def _kernel_block() -> int:
     return 8 if _cpu_vendor() == "AuthenticAMD" else 0
 
 
-FEW_ROWS, KERNEL_BLOCK = _few_rows(), _kernel_block()
+def _tile_rows() -> int:
+    """From how many rows the few-row kernel reads W in tiles of columns, each over all of W^T's rows with the
+    sums in registers while the next tile streams into L2 (0: never). On AMD's CPUs the panels' round trips of
+    the sums through L1 cost more than the bytes from a few rows on: 4 with AVX-512, 5 in AVX2's 8 lanes
+    (docs/decode.md); on Intel the blocks were measured, not the tiles."""
+    if _cpu_vendor() != "AuthenticAMD":
+        return 0
+    return 4 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 5
+
+
+FEW_ROWS, KERNEL_BLOCK, TILE_ROWS = _few_rows(), _kernel_block(), _tile_rows()
 
 
 def _onednn_padding() -> dict[int, int]:
@@ -143,7 +154,9 @@ class Linear(nn.Module):
 
     def forward_few_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The product through minillm's few-row kernel over the shards (CPU, float32)."""
-        y = kernels.f32_linear(x.reshape(-1, self.in_features), self.weight_shards, block=KERNEL_BLOCK)
+        x2 = x.reshape(-1, self.in_features)
+        tiles = 0 < TILE_ROWS <= x2.shape[0]
+        y = kernels.f32_linear(x2, self.weight_shards, block=0 if tiles else KERNEL_BLOCK, tiles=tiles)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -25,6 +25,7 @@ def test_f32_linear_equals_its_naive_twin(S, K, Ns, M):
     for lanes in LANES:  # K = 7 and 100 end inside a block (48, 96 or 192 rows of W^T by M), 1536 spans several
         for block in (0, 16, 5):  # by the rows, or panels read 16 or 5 rows of W^T at a time
             assert ((kernels.f32_linear(x, w, lanes, block) - ref).abs() <= _bound(x, w)).all()
+        assert torch.equal(kernels.f32_linear(x, w, lanes, tiles=True), kernels.f32_linear(x, w, lanes))  # by tiles
 
 
 @pytest.mark.parametrize("M", [1, 8, 11])
@@ -52,6 +53,8 @@ def test_f32_linear_rows_do_not_depend_on_the_batch():
         for block in (0, 16, 3):  # panels read a few rows of W^T at a time: still one order per output
             assert torch.equal(kernels.f32_linear(x, w, lanes, block), alone)
             assert torch.equal(kernels.f32_linear(x[:2], w, lanes, block), alone[:2])
+        for m in (1, 2, 13, 25, 60):  # tiles: 60 rows in chunks of 12 (6 in 8 lanes), 25 as 9 + 8 + 8
+            assert torch.equal(kernels.f32_linear(x[:m], w, lanes, tiles=True), alone[:m])
 
 
 def test_f32_linear_refusals_name_the_problem():
@@ -66,10 +69,12 @@ def test_f32_linear_refusals_name_the_problem():
         kernels.f32_linear(torch.randn(1, 16), w, 4)
     with pytest.raises(RuntimeError, match="block must be 0"):
         kernels.f32_linear(torch.randn(1, 16), w, 0, -1)
+    with pytest.raises(RuntimeError, match="give block 0 with tiles"):
+        kernels.f32_linear(torch.randn(1, 16), w, 0, 8, tiles=True)
     assert kernels.f32_linear(torch.randn(0, 16), w).shape == (0, 64)
 
 
-@pytest.mark.parametrize("rows", sorted({1, 3, 5, linear.FEW_ROWS, linear.FEW_ROWS + 1}))
+@pytest.mark.parametrize("rows", sorted({1, 3, 4, 5, linear.FEW_ROWS, linear.FEW_ROWS + 1}))
 def test_linear_takes_the_few_row_kernel_up_to_its_limit(monkeypatch, rows):
     torch.manual_seed(rows)
     layer = Linear(torch.randn(192, 64), torch.randn(192), n_shards=2)
@@ -80,20 +85,22 @@ def test_linear_takes_the_few_row_kernel_up_to_its_limit(monkeypatch, rows):
     with torch.inference_mode():
         y = layer(x)
     assert y.shape == (1, rows, 192)
-    assert calls == ([{"block": linear.KERNEL_BLOCK}] if rows <= linear.FEW_ROWS else [])
+    tiles = 0 < linear.TILE_ROWS <= rows
+    order = {"block": 0 if tiles else linear.KERNEL_BLOCK, "tiles": tiles}
+    assert calls == ([order] if rows <= linear.FEW_ROWS else [])
     assert torch.allclose(y, linear_naive(x, layer), atol=1e-5)
 
 
-@pytest.mark.parametrize("capability, vendor, few, block", [("AVX512", "GenuineIntel", 96, 0), ("AVX512", "AuthenticAMD", 3, 8),
-                                                             ("AVX2", "GenuineIntel", 4, 0), ("AVX2", "AuthenticAMD", 4, 8),
-                                                             ("AVX512", "", 4, 0)])
-def test_few_rows_follows_the_cpu(monkeypatch, capability, vendor, few, block):
+@pytest.mark.parametrize("capability, vendor, few, block, tiles", [
+    ("AVX512", "GenuineIntel", 96, 0, 0), ("AVX512", "AuthenticAMD", 48, 8, 4), ("AVX2", "GenuineIntel", 4, 0, 0),
+    ("AVX2", "AuthenticAMD", 24, 8, 5), ("AVX512", "", 4, 0, 0)])
+def test_few_rows_follows_the_cpu(monkeypatch, capability, vendor, few, block, tiles):
     """Where the few-row kernel was measured ahead (docs/decode.md): 96 rows on Intel's AVX-512 in blocks of 48
-    rows of W^T and more, up to 3 on AMD's in panels read 8 rows at a time (more through oneDNN), 4 with AVX2 or
-    an unknown vendor, in panels on AMD's CPUs."""
+    rows of W^T and more; on AMD's CPUs in panels read 8 rows at a time for a few rows and in tiles from 4 rows
+    (AVX-512, up to 48) or 5 (AVX2, up to 24); 4 with AVX2 on Intel or an unknown vendor."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
-    assert (linear._few_rows(), linear._kernel_block()) == (few, block)
+    assert (linear._few_rows(), linear._kernel_block(), linear._tile_rows()) == (few, block, tiles)
 
 
 def test_linear_keeps_torch_for_gradients_and_odd_widths(monkeypatch):
@@ -182,5 +189,5 @@ def test_aten_cpu_capability_avx2_runs_everything_as_on_an_avx2_only_cpu():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     isa, few_rows, wide = out.strip().splitlines()[-1].split("|")
     assert isa == "AVX2 by ATEN_CPU_CAPABILITY=avx2"
-    assert int(few_rows) == 4  # Linear's AVX2 limit, not AVX-512's
+    assert int(few_rows) == (24 if linear._cpu_vendor() == "AuthenticAMD" else 4)  # Linear's AVX2 limit, not AVX-512's
     assert "ATEN_CPU_CAPABILITY" in wide  # the 16-lane kernel is refused, naming the cap

@@ -2,6 +2,7 @@
 // dispatch of a row count to register-blocked loops and the float32 block product they run (cpu.cpp, dense.cpp).
 #pragma once
 #include <immintrin.h>
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -43,23 +44,25 @@ static inline bool cpu_has_avx512() {
   return yes;
 }
 
-// Every row of x: run(rows, first row) for MR rows at a time (the registers hold MR rows' sums), the rest (up to
-// 7) by a switch, each count a loop of its own compiled for it.
-template <int MR, typename F>
-static void by_rows(int64_t M, F&& run) {
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) run(std::integral_constant<int, MR>{}, m);
-  switch (M - m) {
-    case 1: run(std::integral_constant<int, 1>{}, m); break;
-    case 2: run(std::integral_constant<int, 2>{}, m); break;
-    case 3: run(std::integral_constant<int, 3>{}, m); break;
-    case 4: run(std::integral_constant<int, 4>{}, m); break;
-    case 5: run(std::integral_constant<int, 5>{}, m); break;
-    case 6: run(std::integral_constant<int, 6>{}, m); break;
-    case 7: run(std::integral_constant<int, 7>{}, m); break;
-  }
+// run(R, first row) with R = r as a compile-time count (1 <= r <= MR): each count a loop compiled for it.
+template <int R, typename F>
+static void with_rows(int64_t r, int64_t m, F&& run) {
+  if constexpr (R > 1)
+    if (r < R) return with_rows<R - 1>(r, m, run);
+  run(std::integral_constant<int, R>{}, m);
 }
 
+// Every row of x in chunks of at most MR rows (the registers hold MR rows' sums): MR at a time and the rest, or
+// with `even` in equal chunks (13 rows as 7 + 6, not 12 + 1: each chunk's arithmetic hides the same reads).
+template <int MR, typename F>
+static void by_rows(int64_t M, F&& run, bool even = false) {
+  const int64_t chunks = (M + MR - 1) / MR;
+  for (int64_t c = 0, m = 0; c < chunks; ++c) {
+    const int64_t r = even ? M * (c + 1) / chunks - m : std::min<int64_t>(MR, M - m);
+    with_rows<MR>(r, m, run);
+    m += r;
+  }
+}
 
 // Rows of W^T per block for a product of M rows. A block's sums go back to y between blocks, so more rows take
 // longer blocks (fewer round trips); a few rows are bound by W's bytes, and short blocks keep its stream in
@@ -69,16 +72,19 @@ static inline int64_t block_rows(int64_t M) { return M <= 24 ? 48 : M <= 32 ? 96
 // y[m, 0..31] (+)= sum over k < kb of x[m, k] w[k, 0..31] for MR rows, w's rows at stride ld: the sums stay in
 // registers for the block (from zero when first, else from y), one fused multiply-add per product in ascending
 // k. So a result does not depend on MR, the block length or the rows beside it, and the 8- and 16-lane
-// versions give the same floats. The prefetch asks for the row's columns two chunks ahead.
+// versions give the same floats. The prefetch asks for the row's columns two chunks ahead (blocks and panels
+// read them next), or with `next` (tiles: the next tile's first row) for the next tile's row into L2: a tile
+// reads all K rows before the next, so L1 could not hold what was asked for, and L2 holds it.
 template <int MR>
 static void block8(const float* x, int64_t K, int64_t kb, const float* w, int64_t ld, float* y, int64_t ldy,
-                   bool first) {
+                   bool first, const float* next = nullptr) {
   __m256 acc[MR][2];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * ldy + 8 * v);
   for (int64_t k = 0; k < kb; ++k) {
     const float* wk = w + k * ld;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 64), _MM_HINT_T0);
+    if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * ld), _MM_HINT_T1);
+    else _mm_prefetch(reinterpret_cast<const char*>(wk + 64), _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
     for (int m = 0; m < MR; ++m) {
       const __m256 b = _mm256_broadcast_ss(x + m * K + k);
@@ -92,14 +98,19 @@ static void block8(const float* x, int64_t K, int64_t kb, const float* w, int64_
 
 template <int MR>
 __attribute__((target("avx512f"))) static void block16(const float* x, int64_t K, int64_t kb, const float* w, int64_t ld,
-                                                       float* y, int64_t ldy, bool first) {
+                                                       float* y, int64_t ldy, bool first, const float* next = nullptr) {
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + 16 * v);
   for (int64_t k = 0; k < kb; ++k) {
     const float* wk = w + k * ld;
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(wk + 80), _MM_HINT_T0);
+    if (next) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * ld), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + k * ld + 16), _MM_HINT_T1);
+    } else {
+      _mm_prefetch(reinterpret_cast<const char*>(wk + 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wk + 80), _MM_HINT_T0);
+    }
     const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16);
     for (int m = 0; m < MR; ++m) {
       const __m512 b = _mm512_set1_ps(x[m * K + k]);
@@ -118,4 +129,15 @@ static inline void block_all_rows(const float* x, int64_t M, int64_t K, int64_t 
     by_rows<8>(M, [&](auto mr, int64_t m) { block16<decltype(mr)::value>(x + m * K + k0, K, kb, w, ld, y + m * ldy, ldy, k0 == 0); });
   else
     by_rows<6>(M, [&](auto mr, int64_t m) { block8<decltype(mr)::value>(x + m * K + k0, K, kb, w, ld, y + m * ldy, ldy, k0 == 0); });
+}
+
+// Every row of x (M, K) times one tile of W^T: 32 columns (wide) or 16, all K rows at stride ld, the sums in
+// registers from the first row to the last (12 rows of 32 columns, or 6 of 16), in equal chunks of rows; `next`:
+// the next tile's first row (asked for into L2), or null.
+static inline void tile_all_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t ld, float* y,
+                                 int64_t ldy, bool wide, const float* next) {
+  if (wide)
+    by_rows<12>(M, [&](auto mr, int64_t m) { block16<decltype(mr)::value>(x + m * K, K, K, w, ld, y + m * ldy, ldy, true, next); }, true);
+  else
+    by_rows<6>(M, [&](auto mr, int64_t m) { block8<decltype(mr)::value>(x + m * K, K, K, w, ld, y + m * ldy, ldy, true, next); }, true);
 }

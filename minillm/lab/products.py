@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import kernels
-from ..linear import _ONEDNN, FEW_ROWS, KERNEL_BLOCK, Linear
+from ..linear import _ONEDNN, FEW_ROWS, KERNEL_BLOCK, TILE_ROWS, Linear
 from ..loading import load_model
 from ..options import print_json
 from ..quant.qlinear import QuantLinear
@@ -39,6 +39,7 @@ def _float_paths(layers: list[Linear]) -> dict:
         if KERNEL_BLOCK:  # the order Linear uses here, beside the one above
             paths[f"few-row kernel, panels of {KERNEL_BLOCK} rows"] = lambda m, x: _biased(
                 m, kernels.f32_linear(x, m.weight_shards, 0, KERNEL_BLOCK))
+        paths["few-row kernel, tiles"] = lambda m, x: _biased(m, kernels.f32_linear(x, m.weight_shards, tiles=True))
     paths["Linear (its choice)"] = lambda m, x: m(x)
     return paths
 
@@ -85,7 +86,7 @@ def measure_products(model, rows=(1, 2, 4, 8, 16, 32, 64), qmodel=None, repeats:
     """Seconds of every linear layer of ``model`` (and of ``qmodel``) at each row count, per kernel.
 
     Returns {"rows": [{"rows": r, "float32": {path: s}, "int4": {path: s}}], "weight_bytes": {...}, "few_rows":
-    FEW_ROWS, "kernel_block": KERNEL_BLOCK, "machine": ...}.
+    FEW_ROWS, "kernel_block": KERNEL_BLOCK, "tile_rows": TILE_ROWS, "machine": ...}.
     """
     fl = [m for m in model.modules() if isinstance(m, Linear)]
     ql = [m for m in qmodel.modules() if isinstance(m, QuantLinear)] if qmodel is not None else []
@@ -101,7 +102,7 @@ def measure_products(model, rows=(1, 2, 4, 8, 16, 32, 64), qmodel=None, repeats:
                          for p, f in paths.items()}
         out.append(row)
     return {"rows": out, "weight_bytes": {name: _weight_bytes(layers) for name, layers, _ in sets},
-            "few_rows": FEW_ROWS, "kernel_block": KERNEL_BLOCK, "machine": machine()}
+            "few_rows": FEW_ROWS, "kernel_block": KERNEL_BLOCK, "tile_rows": TILE_ROWS, "machine": machine()}
 
 
 def format_products(report: dict) -> str:
