@@ -7,6 +7,8 @@ reaches the host in one copy (one device sync per step). A draw that raises rest
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from ..sampling import SamplingParams, check_logits, make_generator, sample
@@ -26,6 +28,27 @@ def keyed_generator(*key: int) -> torch.Generator:
     return torch.Generator().manual_seed(hash(key) % 2 ** 63)
 
 
+@contextmanager
+def restored_on_error(generators):
+    """The generators as they were if the block raises, so that a retried step draws the same tokens."""
+    saved = [(g, g.get_state()) for g in generators if g is not None]
+    try:
+        yield
+    except BaseException:
+        for g, state in saved:
+            g.set_state(state)
+        raise
+
+
+def checked_lse(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's logsumexp (R,), which gives every logprob (logit - lse). It is finite exactly when a row has
+    no NaN, no +inf and not only -inf, so it is also ``check_logits``' verdict, whose error it raises."""
+    lse = torch.logsumexp(logits, dim=-1)
+    if not torch.isfinite(lse).all():
+        check_logits(logits)
+    return lse
+
+
 def draw_tokens(logits: torch.Tensor, plans: list) -> list[list[tuple[int, float]] | None]:
     """The tokens each row of ``logits`` (R, V) draws, with their logprobs (log-softmax of the raw logits,
     as vLLM reports them).
@@ -37,29 +60,19 @@ def draw_tokens(logits: torch.Tensor, plans: list) -> list[list[tuple[int, float
     Raises:
         ValueError: logits with NaN, +inf or a row all -inf (``check_logits``); nothing is changed.
     """
-    # one logsumexp gives every chosen token's logprob (logit - lse) and check_logits' verdict: it is
-    # finite exactly when a row has no NaN, no +inf and not only -inf (the error is check_logits')
-    lse = torch.logsumexp(logits, dim=-1)  # (R,)
-    if not torch.isfinite(lse).all():
-        check_logits(logits)
+    lse = checked_lse(logits)  # (R,)
     slots = [(i, plan[0], g) for i, plan in enumerate(plans) if plan is not None for g in plan[1]]  # g None: greedy
     if not slots:
         return [None] * len(plans)
     index = torch.tensor([i for i, _, _ in slots], device=logits.device)
     greedy = any(g is None for _, _, g in slots)
     tokens = logits.argmax(-1)[index] if greedy else index.new_empty(len(slots))  # (K,): one argmax for every row
-    saved = []
-    try:
+    with restored_on_error(g for _, _, g in slots):
         for j, (i, params, g) in enumerate(slots):
             if g is not None:
-                saved.append((g, g.get_state()))
                 tokens[j:j + 1] = sample(logits[i:i + 1], params, g)
         chosen = logits[index, tokens].double() - lse[index].double()
         host = torch.stack([tokens.double(), chosen]).tolist()  # token ids < 2**53: exact in float64
-    except BaseException:
-        for g, state in reversed(saved):
-            g.set_state(state)
-        raise
     draws, j = [], 0
     for plan in plans:
         c = 0 if plan is None else len(plan[1])

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..data import BENCH_PROMPT
-from ..sampling import check_logits, logits_to_probs
+from ..sampling import logits_to_probs
 from ..speculative.proposers import NgramProposer
 from ..speculative.rejection import draw, rejection_sample
-from .sampler import draw_tokens, keyed_generator
+from .sampler import checked_lse, draw_tokens, keyed_generator, restored_on_error
 from .spec_draft import DraftRunner
 from .spec_auto import choose_draft_lengths, measure_acceptance, measure_step_cost
 
@@ -310,14 +310,9 @@ class SpecDecoder:
         if not mine:
             return draw_tokens(self.last_rows(logits), plans)
         plain = [None if i in set(mine) else p for i, p in enumerate(plans)]
-        saved = [(g, g.get_state()) for p in plans if p is not None for g in p[1] if g is not None]
-        try:
+        with restored_on_error(g for p in plans if p is not None for g in p[1]):
             verified = self._verify(logits, plans, ready, mine)
             draws = draw_tokens(self.last_rows(logits), plain)
-        except BaseException:
-            for g, state in saved:
-                g.set_state(state)
-            raise
         for i, drawn in zip(mine, verified):
             draws[i] = drawn
         return draws
@@ -327,9 +322,7 @@ class SpecDecoder:
         ``keyed_run`` per sample (prompt lookup) or ``rejection_sample`` against the draft's q. Returns a ``Run``
         for a drafted sequence, else [(token, logprob)] per sample."""
         starts = [e - c for e, c in zip(itertools.accumulate(self._counts), self._counts)]
-        lse = torch.logsumexp(logits, dim=-1)
-        if not torch.isfinite(lse).all():
-            check_logits(logits)
+        lse = checked_lse(logits)
         top = logits.argmax(-1).tolist()
         found, rows, toks = [], [], []
         for i in mine:
