@@ -2,11 +2,11 @@
 
 Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1-4.2 (logical blocks map to physical ones through
 the block table) and Sec. 4.4 (samples and beams share blocks by reference; the first write into a shared
-block copies it). Over a ``BlockPool`` (free queue, reference counts) and a ``PrefixCache``.
+block copies it), over a ``BlockPool`` (free queue, reference counts) and a ``PrefixCache``.
 
 One rule: ``blocks_for(n) = ceil(n / block_size)``. ``grow(n)`` takes blocks until the sequence holds
-``blocks_for(n)``; ``truncate(n)`` and ``free`` give back the rest. No tensors: it returns the copy-on-write
-copies for the KV pool to make, and reads each sequence's known tokens from its own list (one ledger).
+``blocks_for(n)``; ``truncate(n)`` and ``free`` give back the rest. No tensors: it returns the copies for the
+KV pool to make, and reads each sequence's known tokens from the sequence's own list (one ledger).
 """
 
 from __future__ import annotations
@@ -16,10 +16,8 @@ from typing import Callable, Iterable
 
 from .block_pool import BlockPool, NoFreeBlocksError
 from .prefix_cache import PrefixCache, hash_block_tokens
-from .stats import PrefixCacheStats
 
-__all__ = ["BlockManager", "DoubleFreeError", "NoFreeBlocksError", "PrefixCacheStats", "UnknownSequenceError",
-           "blocks_for", "hash_block_tokens"]
+__all__ = ["BlockManager", "DoubleFreeError", "NoFreeBlocksError", "UnknownSequenceError", "blocks_for"]
 
 
 class UnknownSequenceError(ValueError):
@@ -65,7 +63,7 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache = PrefixCache(num_blocks, block_size, hash_fn)
-        self.stats: PrefixCacheStats = self.prefix_cache.stats
+        self.stats = self.prefix_cache.stats  # a PrefixCacheStats
         self.ref_counts = self.pool.ref_counts  # the pool's own list (it never rebinds it), read by index
         self._seqs: dict[int, _SeqBlocks] = {}
         self._freed: set[int] = set()

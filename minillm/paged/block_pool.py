@@ -62,7 +62,7 @@ class BlockPool:
         self.ref_counts[block] += 1
 
     def release(self, block: int, reusable: bool = False) -> None:
-        """One table lets go of the block. With no reference left it joins the queue: at the back when
+        """One table lets go of the block; with no reference left it joins the queue, at the back when
         ``reusable`` (a prompt can still find it), else at the front."""
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:

@@ -17,11 +17,8 @@ from ..generation import GenerationResult, Stopper, check_prompt
 from ..sampling import SamplingParams
 from .beam import BeamSearchParams, EngineBeams
 from .sampler import draw_tokens, sample_generator
-from .sequence import Request, RequestMetrics, RequestOutput, Sequence, prompt_ids, request_output
+from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .spec_decode import Run
-
-GREEDY = SamplingParams()
-
 
 class RequestTracker:
     """The engine's requests (``requests``: request_id -> ``Request``) and what happens to their sequences.
@@ -49,7 +46,7 @@ class RequestTracker:
             ValueError: params of another type, a prompt that is empty or past the context, stop strings without a
                 tokenizer, beams with speculation, a request that could never run (``Scheduler.check_fits``).
         """
-        params = GREEDY if params is None else params
+        params = SamplingParams() if params is None else params  # greedy, 64 tokens
         if not isinstance(params, (SamplingParams, BeamSearchParams)):
             raise ValueError(f"params: must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         text, ids = prompt_ids(prompt, self.tokenizer)
@@ -189,8 +186,21 @@ class RequestTracker:
         return set(ids)
 
     def output(self, req: Request) -> RequestOutput:
-        """The request's cumulative ``RequestOutput`` (``sequence.request_output``)."""
-        return request_output(req, self.decode)
+        """The request's cumulative ``RequestOutput``: its samples by index, or its live beams (best first), or,
+        once a beam search ends, its best hypotheses (also as ``beam_search_output``)."""
+        if req.beam_output is not None:
+            outs = [CompletionOutput(i, h.text, h.tokens[len(req.prompt_token_ids):], h.cum_logprob, "length")
+                    for i, h in enumerate(req.beam_output.sequences)]
+        else:
+            seqs = ([s for s in req.seqs if not s.is_finished or req.aborted] if req.is_beam_search
+                    else sorted(req.seqs, key=lambda s: s.index))
+            outs = [CompletionOutput(i if req.is_beam_search else s.index,
+                                     s.text if s.is_finished and s.finish_reason != "abort"
+                                     else self.decode(s.output_token_ids),
+                                     s.output_token_ids, s.cumulative_logprob, s.finish_reason, s.stop_reason)
+                    for i, s in enumerate(seqs)]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.is_finished,
+                             req.num_cached_tokens or 0, req.metrics, req.beam_output)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else ""
@@ -208,3 +218,25 @@ def _hashable(x) -> bool:
     except TypeError:
         return False
     return True
+
+
+def prompt_ids(prompt, tokenizer) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a prompt: a string (needs the tokenizer), ``{"prompt_token_ids": [...]}``
+    (optionally with "prompt") or a list of ids.
+
+    Raises:
+        ValueError: a text prompt without a tokenizer, a dict without prompt_token_ids, another type.
+    """
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: a text prompt needs a tokenizer; pass {'prompt_token_ids': [...]} instead")
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt:
+            raise ValueError(f"prompt: a dict prompt needs 'prompt_token_ids', got keys {sorted(prompt)}")
+        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(f"prompt: must be a string, {{'prompt_token_ids': [...]}} or a list of ids, "
+                     f"got {type(prompt).__name__}")
+

@@ -34,10 +34,6 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)
     planned: dict[int, int] = field(default_factory=dict)  # seq_id -> tokens, while planning
 
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class Scheduler:
     """Waiting and running sequences over one ``BlockManager``; ``max_num_seqs``: seats for running sequences
@@ -84,10 +80,14 @@ class Scheduler:
         self.running.remove(seq)
         seq.spec_token_ids = []  # it resumes without a stale draft
         try:
-            self.manager.free(seq.seq_id)
-            seq.num_computed_tokens = 0
+            self._free(seq)
         finally:  # whatever happens, it is in one of the lists
             self.add(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        """A sequence that waits holds no blocks; it recomputes from its first token."""
+        self.manager.free(seq.seq_id)
+        seq.num_computed_tokens = 0
 
     def check_fits(self, request_id: str, num_prompt_tokens: int, params, context: int) -> None:
         """Refuse a request that could never run: more samples or beams than run together, or more blocks than
@@ -105,7 +105,7 @@ class Scheduler:
             raise ValueError(f"{name}: {width} {'beams' if beam else 'samples'} must run together, but at most {most} "
                              f"can (max_num_seqs={self.max_num_seqs}, a pool of {num_blocks} blocks); "
                              f"lower {name} or raise max_num_seqs / the pool")
-        copies = params.beam_width if beam else 1
+        copies = width if beam else 1
         per_seq = blocks_for(min(context, num_prompt_tokens + params.max_new_tokens), block_size)
         if copies * per_seq > num_blocks:
             each = f" ({per_seq} for each of {copies} beams)" if beam else ""
@@ -114,8 +114,9 @@ class Scheduler:
                              f"but the pool has {num_blocks} blocks; lower max_tokens or give more blocks")
 
     def schedule_or_preempt_idle(self) -> SchedulerOutput:
-        """``schedule``; when nothing fits although requests wait, preempt idle sequences (``preempt_idle``) and
-        plan again. ``preempted`` lists every one preempted.
+        """``schedule``; when nothing fits although requests wait, preempt the newest running sequence if it is
+        newer than the first waiting one (beams waiting for a sibling hold blocks the sibling needs) and plan
+        again. ``preempted`` lists every one preempted.
 
         Raises:
             RuntimeError: nothing can run (a bug: ``check_fits`` lets the oldest request fit alone).
@@ -123,11 +124,12 @@ class Scheduler:
         out = self.schedule()
         preempted = list(out.preempted)
         while not out.scheduled and self.has_unfinished():
-            victim = self.preempt_idle()
-            if victim is None:
+            if not self.waiting or not self.running or self.running[-1].priority <= self.waiting[0].priority:
                 raise RuntimeError(f"scheduler: nothing can run ({len(self.waiting)} waiting, {len(self.running)} "
                                    f"running, {self.manager.num_free_blocks} free blocks); this is a bug, please "
                                    "report it")
+            victim = self.running[-1]
+            self.preempt(victim)
             preempted.append(victim)
             out = self.schedule()
             preempted += out.preempted
@@ -172,9 +174,8 @@ class Scheduler:
                     seq.num_computed_tokens = cached
                     reserved = self._reserve(seq, min(seq.num_tokens - cached, budget), out)
                 finally:
-                    if seq.seq_id not in out.planned:  # not admitted (or an error): it holds nothing while waiting
-                        self.manager.free(seq.seq_id)  # cached blocks go back to the free queue, still cached
-                        seq.num_computed_tokens = 0
+                    if seq.seq_id not in out.planned:  # not admitted (or an error): its cached blocks go back
+                        self._free(seq)  # to the free queue, still cached
                 if not reserved:
                     break
                 out.admitted.append(seq)  # first: a rollback from here on sends it back to waiting
@@ -183,8 +184,7 @@ class Scheduler:
                     self.add_running(seq)
                 finally:
                     if seq not in self.running:  # interrupted between the lists: it waits again
-                        self.manager.free(seq.seq_id)
-                        seq.num_computed_tokens = 0
+                        self._free(seq)
                         self.add(seq)
                 budget -= out.planned[seq.seq_id]
                 seats += seq.seats
@@ -234,18 +234,8 @@ class Scheduler:
                 self.preempt(seq)
         for seq in self.waiting:  # interrupted between its admission's lookup and joining the running ones
             if self.manager.holds(seq.seq_id):
-                self.manager.free(seq.seq_id)
-                seq.num_computed_tokens = 0
+                self._free(seq)
         self.plan = SchedulerOutput()  # undone: a second rollback has nothing to undo
         for seq in self.running:
             if self.manager.num_tokens(seq.seq_id) > seq.num_computed_tokens:
                 self.manager.truncate(seq.seq_id, seq.num_computed_tokens, keep_token_ids=True)
-
-    def preempt_idle(self) -> Sequence | None:
-        """When nothing could be scheduled: preempt (and return) the newest running sequence newer than the first
-        waiting one (beams waiting for a sibling hold blocks the sibling needs), or None."""
-        if not self.waiting or not self.running or self.running[-1].priority <= self.waiting[0].priority:
-            return None
-        victim = self.running[-1]
-        self.preempt(victim)
-        return victim

@@ -56,9 +56,14 @@ class EngineStats:
     records: list[StepRecord] = field(default_factory=list)
 
     def record_step(self, plan, shape, sampled, scheduler, start) -> StepRecord:
-        """The hook, after a step's forward and before its tokens are appended: what ran, what was preempted,
-        the blocks in use, their slots holding tokens (shared blocks once), the blocks held unshared. Returns the
-        record (``end`` = start until the engine sets it); ``add`` keeps it once the step commits."""
+        """The hook, after a step's forward and before its tokens are appended: what ran, judged before it is
+        computed ("recompute": computed before a preemption, "prefill": prompt tokens, or "decode"), what was
+        preempted, the blocks in use, their slots holding tokens (shared blocks once), the blocks held unshared.
+        Returns the record (``end`` = start until the engine sets it); ``add`` keeps it once the step commits."""
+        def kind(seq):
+            if seq.num_output_tokens > 1 and seq.num_computed_tokens < seq.num_tokens - 1:
+                return "recompute"
+            return "prefill" if seq.is_prefill else "decode"
         manager, filled, unshared = scheduler.manager, {}, 0
         for seq in scheduler.running:
             n = manager.num_tokens(seq.seq_id)
@@ -66,9 +71,10 @@ class EngineStats:
             unshared += len(table)
             for j, block in enumerate(table):
                 filled[block] = max(filled.get(block, 0), min(manager.block_size, n - j * manager.block_size))
+        runs = [(s.request_id, s.index, n, kind(s)) for s, n in plan.scheduled]
         preempted = [(s.request_id, s.index) for s in plan.preempted]
-        return StepRecord(len(self.records), runs_of(plan.scheduled), preempted, shape, manager.num_used_blocks,
-                          sum(filled.values()), unshared, start, start, sampled)
+        return StepRecord(len(self.records), runs, preempted, shape, manager.num_used_blocks, sum(filled.values()),
+                          unshared, start, start, sampled)
 
     def add(self, rec: StepRecord, admitted: list[tuple[int, int]] = ()) -> None:
         """Keep a committed step's record; ``admitted``: (prompt tokens, prefix-cached tokens) of each
@@ -93,12 +99,3 @@ class EngineStats:
                 "sharing_saved": 1 - total_used / unshared if unshared else 0.0,
                 "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0}
 
-
-def runs_of(scheduled) -> list[tuple[str, int, int, str]]:
-    """(request_id, index, tokens, kind) of each scheduled (sequence, tokens), judged before they are computed:
-    "recompute" (computed before a preemption), "prefill" (prompt tokens) or "decode"."""
-    def kind(seq):
-        if seq.num_output_tokens > 1 and seq.num_computed_tokens < seq.num_tokens - 1:
-            return "recompute"
-        return "prefill" if seq.is_prefill else "decode"
-    return [(s.request_id, s.index, n, kind(s)) for s, n in scheduled]
