@@ -1,13 +1,12 @@
-"""PagedKVCache: keys and values in a pool of fixed-size blocks, behind the cache interface of
-``minillm.kv_cache`` (``prepare`` / ``update`` or ``attend``, ``truncate``), so ``Decoder.forward`` runs on it.
+"""PagedKVCache: keys and values in a pool of fixed-size blocks behind ``minillm.kv_cache``'s interface
+(``prepare``, ``update`` or ``attend``, ``truncate``), so ``Decoder.forward`` runs on it unchanged.
 
 Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1 and 4.3. Per layer one key and one value tensor
-(num_blocks, block_size, Hkv, D), token-major within a block, so slot = block * block_size + offset and
-writing the new tokens is one ``index_copy_`` with the slot_mapping (or, where minillm's kernels are built, part of
-``kernels.rope_write``, which also applies RoPE); ``attention.py`` reads them. Row b of a
-forward belongs to sequence ``rows[b]`` (``set_rows``), or the forward is one flat row cut into segments
-(``set_rows(seq_ids, widths)``). Every row is written before any row attends, so several rows may belong
-to one sequence (a prefill in chunks, a verified draft) and see what an earlier one wrote.
+(num_blocks, block_size, Hkv, D), so slot = block * block_size + offset: the new tokens are written by one
+``index_copy_`` at their slot_mapping (or by ``kernels.rope_write``, which applies RoPE too), and
+``attention.py`` reads them. Row b of a forward belongs to sequence ``rows[b]``, or the forward is one flat
+row cut into segments (``set_rows``). Every row is written before any row attends, so several rows of one
+sequence (a prefill in chunks, a verified draft) see what an earlier one wrote.
 """
 
 from __future__ import annotations
@@ -20,16 +19,14 @@ from .. import kernels
 from ..kv_cache import kv_cache_bytes
 from ..model import ModelConfig, attention_mask
 from .attention import attend_blockwise, attend_groups, buckets, gather_padded, padded_slots, padded_tables
-from .block_manager import BlockManager, NoFreeBlocksError
+from .block_manager import BlockManager
 
 ATTENTION_PATHS = ("bucketed", "blockwise", "indexed", "gather")
 FLAT_PATHS = ("bucketed", "blockwise")  # the paths that attend themselves, over a flat row's segments too
-#: what one more group costs the "bucketed" path, in key positions of one row (an index_select and an
-#: SDPA call more per layer against reading and attending over that many more keys)
+#: what one more group costs the "bucketed" path (an index_select and an SDPA call per layer), in key positions
 BUCKET_COST = 128
-#: segments of at most this many queries (a decode row, a verification of up to 4 drafts) go through minillm's
-#: fused PagedAttention kernel on the "bucketed" path where the kernels are built: a decode row reads its keys
-#: where they lie, about 2x the gather + SDPA; from about 8 queries on, SDPA's matrix products win (docs/paged.md)
+#: on the "bucketed" path, segments of at most this many queries (a decode row, a verification of up to 4 drafts)
+#: go to minillm's fused PagedAttention kernel where it is built; longer ones gain more from SDPA (docs/paged.md)
 FUSED_MAX_QUERIES = 5
 
 
@@ -60,7 +57,7 @@ class PagedKVCache:
             raise ValueError("num_blocks / kv_bytes: give exactly one of them to size the pool")
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention: {attention!r} is not one of {ATTENTION_PATHS}")
-        block_bytes = kv_cache_bytes(config, 1, block_size, torch.empty((), dtype=dtype).element_size())
+        block_bytes = kv_cache_bytes(config, 1, block_size, dtype.itemsize)
         if kv_bytes is not None:
             num_blocks = int(kv_bytes // block_bytes)
             if num_blocks < 1:
@@ -68,10 +65,9 @@ class PagedKVCache:
                                  f"takes {block_bytes:.0f} bytes over {config.n_layers} layers, give at least that")
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.block_size, self.attention = block_size, attention
-        self.bucket_cost = BUCKET_COST  # the "bucketed" path's price of one more group (``buckets``)
         self.fused_max_queries = FUSED_MAX_QUERIES  # 0: the "bucketed" path never takes the fused kernel
         # the fused kernel reads float32 pools in host memory, 8 floats of a head at a time; asked here, so that
-        # a first build (about a minute, once per machine) happens when the engine is made, not in a request
+        # its first build (once per machine) happens when the engine is made, not in a request
         self._fused_ok = (attention in FLAT_PATHS and dtype == torch.float32 and torch.device(device).type == "cpu"
                           and config.head_dim % 8 == 0 and kernels.available())
         self._rope_write_ok = self._fused_ok and config.head_dim % 16 == 0  # rope_write: each half in 8-float lanes
@@ -204,9 +200,7 @@ class PagedKVCache:
                 raise ValueError(f"input_pos: sequence {short[0]} writes past the slots reserved for it "
                                  f"({self.manager.num_tokens(short[0])}); reserve them with BlockManager.grow")
             spans = {}
-        needed = sum(self.manager.blocks_needed(s, a, e) for s, (a, e) in spans.items())
-        if needed > self.manager.num_free_blocks:
-            raise NoFreeBlocksError(needed, self.manager.num_free_blocks, self.num_blocks)
+        self.manager.pool.check_free(sum(self.manager.blocks_needed(s, a, e) for s, (a, e) in spans.items()))
         for seq, (start, end) in spans.items():
             if start < self.manager.num_tokens(seq):
                 self.manager.truncate(seq, start)
@@ -280,7 +274,7 @@ class PagedKVCache:
         self._fused = self._plan_fused(fused, pos) if fused else None
         self._groups = []
         for T, members in sorted(by_width.items()):
-            for part in buckets([key_lens[b] for b in members], self.bucket_cost):
+            for part in buckets([key_lens[b] for b in members], BUCKET_COST):
                 rows = [members[i] for i in part]
                 tables, lens = [self._tables[b] for b in rows], [key_lens[b] for b in rows]
                 Sg = lens[-1]

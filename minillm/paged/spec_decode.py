@@ -30,12 +30,9 @@ METHODS = ("ngram", "draft_model")
 KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
         "max_num_speculative_tokens", "step_cost"}
 AUTO_MAX = 5  # the longest draft "auto" considers, unless max_num_speculative_tokens says otherwise
-# the longest draft a step may carry: every draft token holds a slot (and a draft model's pool one per seat), and
-# a draft of 64 is accepted in full only where alpha is near 1, which a draft that long never sees
-MAX_DRAFT = 64
-# acceptance drifts along a text (a copy begins after a preamble whose drafts fail): with each committed step
-# a sequence's counts of accepted and examined drafts keep this share, so old failures fade and a sequence
-# that stopped drafting tries again once its rate is back near the prior
+MAX_DRAFT = 64  # the longest draft a step may carry: each draft token holds a slot, and is rarely accepted that far
+# acceptance drifts along a text (a copy begins after a preamble whose drafts fail): each committed step keeps
+# this share of a sequence's counts, so old failures fade and a sequence that stopped drafting tries again
 ALPHA_DECAY = 0.8
 
 
@@ -80,8 +77,6 @@ def check_speculative_config(config, target, load=None) -> SpeculativeConfig | N
     """
     if config is None:
         return None
-    if isinstance(config, SpeculativeConfig):
-        return config
     if not isinstance(config, dict):
         raise ValueError(f"speculative_config: must be a dict such as {{'method': 'ngram', "
                          f"'num_speculative_tokens': 4}}, got {type(config).__name__}")
