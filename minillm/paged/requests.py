@@ -106,12 +106,11 @@ class RequestTracker:
                 for seq, drawn in items:
                     if isinstance(drawn, Run):  # verified drafts: roll back the rejected, append the rest
                         self.spec.append(req, seq, drawn, append)
-                    if drawn is None or isinstance(drawn, Run):
-                        continue
-                    targets = [seq] + [self.fork(req, seq, k) for k in range(1, len(drawn))]
-                    req.forked = True
-                    for target, (token, logprob) in zip(targets, drawn):
-                        append(req, target, token, logprob)
+                    elif drawn is not None:  # a token per sample: a request's first sample forks into n
+                        targets = [seq] + [self.fork(req, seq, k) for k in range(1, len(drawn))]
+                        req.forked = True
+                        for target, (token, logprob) in zip(targets, drawn):
+                            append(req, target, token, logprob)
                 if req.is_beam_search:
                     self.beams.step(req, self.fork, self.finish)
                 outputs.append(self.output(req))
@@ -119,7 +118,6 @@ class RequestTracker:
                 error = error or e
                 self.abort(req)
                 outputs.append(self.output(req))
-                continue
             if req.is_finished:
                 self.requests.pop(rid, None)
         if error is not None:
