@@ -38,33 +38,23 @@ def _amd_avx512() -> bool:
 def _few_rows() -> int:
     """The most rows ``kernels.f32_linear`` takes (more go to oneDNN): up to where it is ahead over a forward's
     layers (``bench products``, docs/decode.md). On the Intel Xeon that is 96 rows in AVX-512's 16 lanes. On AMD's
-    CPUs, reading W in tiles from a few rows on (``TILE_ROWS``), it is 48 rows with AVX-512 (Zen 4) and 24 in AVX2's
-    8 lanes, bound by their arithmetic sooner. Elsewhere in AVX2 it is ahead up to 4 rows."""
+    CPUs, reading W in tiles (``KERNEL_TILES``), it is 48 rows with AVX-512 (Zen 4) and 24 in AVX2's 8 lanes, bound
+    by their arithmetic sooner. Elsewhere in AVX2 it is ahead up to 4 rows."""
     amd = _cpu_vendor() == "AuthenticAMD"
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         return 24 if amd else 4
     return 48 if amd else {"GenuineIntel": 96}.get(_cpu_vendor(), 4)
 
 
-def _kernel_block() -> int:
-    """Rows of W^T the few-row kernel reads at once across a panel of columns (0: blocks of 48-192 rows, chunk by
-    chunk). On AMD's CPUs 8 runs of memory stream faster than 48 short ones, whose rows compete for the same sets
-    of an 8-way L1 (docs/decode.md: measured on a Zen 4, with AVX-512 and capped at AVX2); on Intel's AVX-512 the
-    blocks of 48 were measured best."""
-    return 8 if _cpu_vendor() == "AuthenticAMD" else 0
+def _kernel_tiles() -> bool:
+    """Whether the few-row kernel reads W in tiles of columns, each over all of W^T's rows with the sums in
+    registers while the next tile streams into L2, rather than in blocks of rows (dense.cpp). On AMD's CPUs the
+    tiles were measured faster at every row count, with AVX-512 and capped at AVX2 (docs/decode.md: a Zen 4); on
+    Intel's AVX-512 the blocks were measured best."""
+    return _cpu_vendor() == "AuthenticAMD"
 
 
-def _tile_rows() -> int:
-    """From how many rows the few-row kernel reads W in tiles of columns, each over all of W^T's rows with the
-    sums in registers while the next tile streams into L2 (0: never). On AMD's CPUs the panels' round trips of
-    the sums through L1 cost more than the bytes from a few rows on: 4 with AVX-512, 5 in AVX2's 8 lanes
-    (docs/decode.md); on Intel the blocks were measured, not the tiles."""
-    if _cpu_vendor() != "AuthenticAMD":
-        return 0
-    return 4 if torch.backends.cpu.get_cpu_capability() == "AVX512" else 5
-
-
-FEW_ROWS, KERNEL_BLOCK, TILE_ROWS = _few_rows(), _kernel_block(), _tile_rows()
+FEW_ROWS, KERNEL_TILES = _few_rows(), _kernel_tiles()
 
 
 def _onednn_padding() -> dict[int, int]:
@@ -86,8 +76,8 @@ class Linear(nn.Module):
     ``s * n .. (s + 1) * n - 1`` of ``W^T``, contiguous, so each core streams a block of its own
     (Megatron-LM's column-parallel linear, Shoeybi et al. 2019, across cores). Products of up to
     ``FEW_ROWS`` rows (a decode step, a speculative verification, a small batch) read the shards with
-    minillm's kernel (``kernels.f32_linear``: W streamed once, in order, the rows' sums in registers, or in
-    L1 where it reads W in panels, ``KERNEL_BLOCK``; a row's result does not depend on the other rows)
+    minillm's kernel (``kernels.f32_linear``: W streamed once, in blocks of rows or in tiles of columns,
+    ``KERNEL_TILES``, the rows' sums in registers; a row's result does not depend on the other rows)
     where it is built, else as one batched matmul. Larger products
     (a prefill, a large batch) go through oneDNN's ``linear`` with W reordered once (``packed_weight``: as much
     memory again as W, rebuilt when ``weight_shards`` is replaced or written through the Parameter), the
@@ -154,9 +144,7 @@ class Linear(nn.Module):
 
     def forward_few_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The product through minillm's few-row kernel over the shards (CPU, float32)."""
-        x2 = x.reshape(-1, self.in_features)
-        tiles = 0 < TILE_ROWS <= x2.shape[0]
-        y = kernels.f32_linear(x2, self.weight_shards, block=0 if tiles else KERNEL_BLOCK, tiles=tiles)
+        y = kernels.f32_linear(x.reshape(-1, self.in_features), self.weight_shards, tiles=KERNEL_TILES)
         y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 

@@ -23,21 +23,19 @@ def test_f32_linear_equals_its_naive_twin(S, K, Ns, M):
     w, x = torch.randn(S, K, Ns), torch.randn(M, K)
     ref = kernels.f32_linear_naive(x, w)
     for lanes in LANES:  # K = 7 and 100 end inside a block (48, 96 or 192 rows of W^T by M), 1536 spans several
-        for block in (0, 16, 5):  # by the rows, or panels read 16 or 5 rows of W^T at a time
-            assert ((kernels.f32_linear(x, w, lanes, block) - ref).abs() <= _bound(x, w)).all()
-        assert torch.equal(kernels.f32_linear(x, w, lanes, tiles=True), kernels.f32_linear(x, w, lanes))  # by tiles
+        for tiles in (False, True):  # in blocks of rows of W^T, or in tiles of columns
+            assert ((kernels.f32_linear(x, w, lanes, tiles) - ref).abs() <= _bound(x, w)).all()
 
 
-@pytest.mark.parametrize("M", [1, 8, 11])
-def test_f32_linear_panels_split_a_wide_shard(M):
-    """A shard wider than one panel (about 24 KB of sums: 6,144 columns for one row, 768 for 8) is read in several,
-    the last one partial, and with one shard on two threads each takes a run of them: every column is written once,
-    with the floats of the order by blocks."""
+@pytest.mark.parametrize("M", [1, 8, 13])
+def test_f32_linear_tiles_split_one_shard_across_threads(M):
+    """With one shard and two threads each takes a run of its tiles (the last one asks for no next tile): every
+    column is written once, with the floats of the order by blocks."""
     torch.manual_seed(M)
     w, x = torch.randn(1, 50, 6400), torch.randn(M, 50)
-    by_panels, by_blocks = kernels.f32_linear(x, w, 0, 16), kernels.f32_linear(x, w, 0, 0)
-    assert torch.equal(by_panels, by_blocks)
-    assert ((by_panels - kernels.f32_linear_naive(x, w)).abs() <= _bound(x, w)).all()
+    by_tiles, by_blocks = kernels.f32_linear(x, w, 0, True), kernels.f32_linear(x, w, 0, False)
+    assert torch.equal(by_tiles, by_blocks)
+    assert ((by_tiles - kernels.f32_linear_naive(x, w)).abs() <= _bound(x, w)).all()
 
 
 def test_f32_linear_rows_do_not_depend_on_the_batch():
@@ -50,9 +48,7 @@ def test_f32_linear_rows_do_not_depend_on_the_batch():
     assert torch.equal(kernels.f32_linear(x, w), alone)
     assert torch.equal(kernels.f32_linear(x[:13], w), alone[:13])
     for lanes in LANES:
-        for block in (0, 16, 3):  # panels read a few rows of W^T at a time: still one order per output
-            assert torch.equal(kernels.f32_linear(x, w, lanes, block), alone)
-            assert torch.equal(kernels.f32_linear(x[:2], w, lanes, block), alone[:2])
+        assert torch.equal(kernels.f32_linear(x, w, lanes), alone)
         for m in (1, 2, 13, 25, 60):  # tiles: 60 rows in chunks of 12 (6 in 8 lanes), 25 as 9 + 8 + 8
             assert torch.equal(kernels.f32_linear(x[:m], w, lanes, tiles=True), alone[:m])
 
@@ -67,10 +63,6 @@ def test_f32_linear_refusals_name_the_problem():
         kernels.f32_linear(torch.randn(1, 16, dtype=torch.float64), w)
     with pytest.raises(RuntimeError, match="lanes"):
         kernels.f32_linear(torch.randn(1, 16), w, 4)
-    with pytest.raises(RuntimeError, match="block must be 0"):
-        kernels.f32_linear(torch.randn(1, 16), w, 0, -1)
-    with pytest.raises(RuntimeError, match="give block 0 with tiles"):
-        kernels.f32_linear(torch.randn(1, 16), w, 0, 8, tiles=True)
     assert kernels.f32_linear(torch.randn(0, 16), w).shape == (0, 64)
 
 
@@ -85,22 +77,20 @@ def test_linear_takes_the_few_row_kernel_up_to_its_limit(monkeypatch, rows):
     with torch.inference_mode():
         y = layer(x)
     assert y.shape == (1, rows, 192)
-    tiles = 0 < linear.TILE_ROWS <= rows
-    order = {"block": 0 if tiles else linear.KERNEL_BLOCK, "tiles": tiles}
-    assert calls == ([order] if rows <= linear.FEW_ROWS else [])
+    assert calls == ([{"tiles": linear.KERNEL_TILES}] if rows <= linear.FEW_ROWS else [])
     assert torch.allclose(y, linear_naive(x, layer), atol=1e-5)
 
 
-@pytest.mark.parametrize("capability, vendor, few, block, tiles", [
-    ("AVX512", "GenuineIntel", 96, 0, 0), ("AVX512", "AuthenticAMD", 48, 8, 4), ("AVX2", "GenuineIntel", 4, 0, 0),
-    ("AVX2", "AuthenticAMD", 24, 8, 5), ("AVX512", "", 4, 0, 0)])
-def test_few_rows_follows_the_cpu(monkeypatch, capability, vendor, few, block, tiles):
+@pytest.mark.parametrize("capability, vendor, few, tiles", [
+    ("AVX512", "GenuineIntel", 96, False), ("AVX512", "AuthenticAMD", 48, True), ("AVX2", "GenuineIntel", 4, False),
+    ("AVX2", "AuthenticAMD", 24, True), ("AVX512", "", 4, False)])
+def test_few_rows_follows_the_cpu(monkeypatch, capability, vendor, few, tiles):
     """Where the few-row kernel was measured ahead (docs/decode.md): 96 rows on Intel's AVX-512 in blocks of 48
-    rows of W^T and more; on AMD's CPUs in panels read 8 rows at a time for a few rows and in tiles from 4 rows
-    (AVX-512, up to 48) or 5 (AVX2, up to 24); 4 with AVX2 on Intel or an unknown vendor."""
+    rows of W^T and more; on AMD's CPUs in tiles, up to 48 rows with AVX-512 and 24 with AVX2; 4 with AVX2 on
+    Intel or an unknown vendor."""
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     monkeypatch.setattr(linear, "_cpu_vendor", lambda: vendor)
-    assert (linear._few_rows(), linear._kernel_block(), linear._tile_rows()) == (few, block, tiles)
+    assert (linear._few_rows(), linear._kernel_tiles()) == (few, tiles)
 
 
 def test_linear_keeps_torch_for_gradients_and_odd_widths(monkeypatch):

@@ -123,7 +123,7 @@ _LIB.define("int4_a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor? scal
 _LIB.define("int8_linear(Tensor x, Tensor panels, Tensor scales, Tensor? offset) -> Tensor")
 _LIB.define("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor block_tables, Tensor query_start, "
             "Tensor query_len, Tensor seq_lens) -> Tensor")
-_LIB.define("f32_linear(Tensor x, Tensor shards, int lanes, int block=0, bool tiles=False) -> Tensor")
+_LIB.define("f32_linear(Tensor x, Tensor shards, int lanes, bool tiles=False) -> Tensor")
 
 
 @torch.library.register_fake("minillm::int4_linear", lib=_LIB)
@@ -147,7 +147,7 @@ def _(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens):
 
 
 @torch.library.register_fake("minillm::f32_linear", lib=_LIB)
-def _(x, shards, lanes, block=0, tiles=False):
+def _(x, shards, lanes, tiles=False):
     return x.new_empty(x.shape[0], shards.shape[0] * shards.shape[2])
 
 
@@ -288,29 +288,26 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
 
 
 # ---- a float32 product of few rows (dense.cpp) -------------------------------------------------------------
-def f32_linear(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0, block: int = 0,
-               tiles: bool = False) -> torch.Tensor:
+def f32_linear(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0, tiles: bool = False) -> torch.Tensor:
     """``x W^T`` for x (M, K) float32 and W held as ``Linear.weight_shards`` (S, K, Ns), Ns a multiple of 32:
     shard s is ``W^T[:, s Ns:(s + 1) Ns]``. Returns (M, S Ns). Each output adds its K products in ascending k
     whatever M, so a row's result does not depend on the other rows. lanes: 16 (AVX-512), 8 (AVX2) or 0 (the
-    widest the CPU has). The order W is read in (dense.cpp): blocks of rows of W^T (block 0), panels read
-    ``block`` rows at a time (``linear.KERNEL_BLOCK``), or ``tiles`` of columns, each over all K rows with its sums
-    in registers (``linear.TILE_ROWS``, block 0). Every lanes and order gives the same floats.
+    widest the CPU has). tiles: read W^T in tiles of columns, each over all K rows with its sums in registers,
+    else in blocks of rows (``linear.KERNEL_TILES``, dense.cpp). Every lanes and order gives the same floats.
 
     Raises:
         RuntimeError: something differentiates through x or the shards (the kernel has no backward: ``Linear``
-            uses torch's product then), or the shapes, dtypes, lanes or order the kernel's own checks name.
+            uses torch's product then), or the shapes, dtypes or lanes the kernel's own checks name.
     """
     if torch.compiler.is_compiling():
-        return _f32_op(x.contiguous(), shards, lanes, block, tiles)
+        return _f32_op(x.contiguous(), shards, lanes, tiles)
     if differentiated(x, shards):
         raise RuntimeError("f32_linear: the kernel has no backward; under autograd, forward-mode AD or torch.func use "
                            "x @ W^T (Linear does so by itself)")
-    return _loaded().f32_linear(x, shards, lanes, block, tiles)  # eager: without the custom op's dispatch
+    return _loaded().f32_linear(x, shards, lanes, tiles)  # eager: without the custom op's dispatch
 
 
-def f32_linear_naive(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0, block: int = 0,
-                     tiles: bool = False) -> torch.Tensor:
+def f32_linear_naive(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0, tiles: bool = False) -> torch.Tensor:
     """The baseline of ``f32_linear``: W^T reassembled from its shards, one ``x @ W^T``."""
     return x @ shards.transpose(0, 1).reshape(shards.shape[1], -1)
 

@@ -370,7 +370,7 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
 torch::Tensor silu_mul(torch::Tensor gate_up);
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_pool,
                          torch::Tensor v_pool, torch::Tensor slots);
-torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes, int64_t block, bool tiles);  // dense.cpp
+torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes, bool tiles);  // dense.cpp
 torch::Tensor int4_a8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s, c10::optional<torch::Tensor> sz,
                              int64_t group_size);  // w4a8.cpp
 

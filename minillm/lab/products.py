@@ -3,9 +3,9 @@
 A decode step (1 row), a speculative verification (k + 1 rows) and an engine step (a few to a few dozen rows) run
 the same weights through different kernels, and which one streams them fastest depends on the rows and on the
 CPU. Per row count, the float32 model's ``Linear`` layers (the output layer included) through: the column shards
-(one ``torch.bmm``), oneDNN's packed copy, minillm's few-row kernel (``kernels.f32_linear``, 16 and 8 lanes where
-the CPU has AVX-512) and what ``Linear`` chooses; with ``--quant-file``, the quantized model's layers through
-minillm's int4 kernel in 16 and 8 lanes and as ``QuantLinear`` chooses. Each figure is the median of repeated
+(one ``torch.bmm``), oneDNN's packed copy, minillm's few-row kernel (``kernels.f32_linear`` in blocks and in tiles,
+16 and 8 lanes where the CPU has AVX-512) and what ``Linear`` chooses; with ``--quant-file``, the quantized model's
+layers through minillm's int4 kernel in 16 and 8 lanes and as ``QuantLinear`` chooses. Each figure is the median of repeated
 passes over every layer in turn, as a forward runs them (so each weight comes from memory, not from cache).
 """
 
@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 from .. import kernels
-from ..linear import _ONEDNN, FEW_ROWS, KERNEL_BLOCK, TILE_ROWS, Linear
+from ..linear import _ONEDNN, FEW_ROWS, KERNEL_TILES, Linear
 from ..loading import load_model
 from ..options import print_json
 from ..quant.qlinear import QuantLinear
@@ -36,10 +36,8 @@ def _float_paths(layers: list[Linear]) -> dict:
         for lanes in ([16, 8] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [8]):
             paths[f"few-row kernel, {lanes} lanes"] = lambda m, x, n=lanes: _biased(
                 m, kernels.f32_linear(x, m.weight_shards, n))
-        if KERNEL_BLOCK:  # the order Linear uses here, beside the one above
-            paths[f"few-row kernel, panels of {KERNEL_BLOCK} rows"] = lambda m, x: _biased(
-                m, kernels.f32_linear(x, m.weight_shards, 0, KERNEL_BLOCK))
-        paths["few-row kernel, tiles"] = lambda m, x: _biased(m, kernels.f32_linear(x, m.weight_shards, tiles=True))
+            paths[f"few-row kernel, {lanes} lanes, tiles"] = lambda m, x, n=lanes: _biased(
+                m, kernels.f32_linear(x, m.weight_shards, n, tiles=True))
     paths["Linear (its choice)"] = lambda m, x: m(x)
     return paths
 
@@ -86,7 +84,7 @@ def measure_products(model, rows=(1, 2, 4, 8, 16, 32, 64), qmodel=None, repeats:
     """Seconds of every linear layer of ``model`` (and of ``qmodel``) at each row count, per kernel.
 
     Returns {"rows": [{"rows": r, "float32": {path: s}, "int4": {path: s}}], "weight_bytes": {...}, "few_rows":
-    FEW_ROWS, "kernel_block": KERNEL_BLOCK, "tile_rows": TILE_ROWS, "machine": ...}.
+    FEW_ROWS, "kernel_tiles": KERNEL_TILES, "machine": ...}.
     """
     fl = [m for m in model.modules() if isinstance(m, Linear)]
     ql = [m for m in qmodel.modules() if isinstance(m, QuantLinear)] if qmodel is not None else []
@@ -102,7 +100,7 @@ def measure_products(model, rows=(1, 2, 4, 8, 16, 32, 64), qmodel=None, repeats:
                          for p, f in paths.items()}
         out.append(row)
     return {"rows": out, "weight_bytes": {name: _weight_bytes(layers) for name, layers, _ in sets},
-            "few_rows": FEW_ROWS, "kernel_block": KERNEL_BLOCK, "tile_rows": TILE_ROWS, "machine": machine()}
+            "few_rows": FEW_ROWS, "kernel_tiles": KERNEL_TILES, "machine": machine()}
 
 
 def format_products(report: dict) -> str:
@@ -115,9 +113,9 @@ def format_products(report: dict) -> str:
         for row in report["rows"]:
             cells = [f"{1e3 * s:8.1f} ({nbytes / s / 1e9:5.1f} GB/s)" for s in row[name].values()]
             lines.append(f"{row['rows']:>4}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
-    block = report.get("kernel_block")  # absent from records made before the panel order
-    few = (f"Linear takes the few-row kernel up to {report['few_rows']} rows"
-           + (f" (panels read {block} rows of W^T at a time)" if block else "") if report["few_rows"]
+    order = ("in tiles" if report.get("kernel_tiles") else f"in panels of {report['kernel_block']} rows of W^T"
+             if report.get("kernel_block") else "in blocks")  # records before the tiles name the panels' rows
+    few = (f"Linear takes the few-row kernel up to {report['few_rows']} rows, {order}" if report["few_rows"]
            else "Linear takes one row through bmm, more through oneDNN")
     lines.append(f"{few}; {report['machine']}")
     return "\n".join(lines)
