@@ -9,8 +9,8 @@
 //     rows of x, longer for more), inside a block the chunks of columns in order, each chunk's sums for up to
 //     MR rows of x in registers for the block and back in y between blocks;
 //   tiles (AMD): one tile of 32 columns (16 in AVX2) at a time over all K rows of W^T, its sums in registers
-//     from the first row to the last, each row's read asking for the tile's rows ahead and the next tile's row into L2, so
-//     that W streams in while the arithmetic runs.
+//     from the first row to the last, each row's read asking for the tile's rows ahead and the next tile's row
+//     into L2, so that W streams in while the arithmetic runs.
 //
 // Every output adds its K products in ascending k, one fused multiply-add each, whatever M, order and
 // instruction set: a row's result does not depend on the rows that share the call (batch invariance), so a
@@ -32,7 +32,7 @@ static void by_blocks(const float* x, int64_t M, int64_t K, const float* w, int6
 }
 
 // Columns c0 .. c1 of one shard a tile of C columns at a time, all K rows of W^T with the sums in registers;
-// each tile asks for the next one's rows into L2 as it reads its own.
+// each tile asks for its own rows ahead and for the next tile's rows into L2 as it reads.
 static void by_tiles(const float* x, int64_t M, int64_t K, const float* w, int64_t Ns, int64_t c0, int64_t c1,
                      float* y, int64_t N, bool wide) {
   const int64_t C = wide ? 32 : 16;

@@ -64,7 +64,8 @@ static void by_rows(int64_t M, F&& run, bool even = false) {
   }
 }
 
-// Rows of W^T ahead of the one being read that a tile asks for (measured on a Zen 4: 16 to 64 all do).
+// Rows of W^T ahead of the one being read that a tile asks for (on a Zen 4 at one row, 16 was slower than 32
+// and 64 no faster).
 static constexpr int64_t TILE_AHEAD = 32;
 
 // Rows of W^T per block for a product of M rows. A block's sums go back to y between blocks, so more rows take
@@ -75,10 +76,10 @@ static inline int64_t block_rows(int64_t M) { return M <= 24 ? 48 : M <= 32 ? 96
 // y[m, 0..31] (+)= sum over k < kb of x[m, k] w[k, 0..31] for MR rows, w's rows at stride ld: the sums stay in
 // registers for the block (from zero when first, else from y), one fused multiply-add per product in ascending
 // k. So a result does not depend on MR, the block length or the rows beside it, and the 8- and 16-lane
-// versions give the same floats. The prefetch asks for the row's columns two chunks ahead into L1 (blocks and
-// panels read them next), or in a `tile` (the block is all K rows) for the tile's row TILE_AHEAD rows on and the
-// same row of the `next` tile (its first row, or null) into L2: a tile's rows lie apart, so no prefetcher of the
-// CPU's follows them, and L1 could not hold the next tile until it is read.
+// versions give the same floats. The prefetch asks for the row's columns two chunks ahead into L1 (a block
+// reads them next), or in a `tile` (the block is all K rows) for the tile's row TILE_AHEAD rows on and the same
+// row of the `next` tile (its first row, or null) into L2: a tile's rows lie apart, so the CPU's prefetchers do
+// not follow them, and L1 could not hold the next tile until it is read.
 template <int MR>
 static void block8(const float* x, int64_t K, int64_t kb, const float* w, int64_t ld, float* y, int64_t ldy,
                    bool first, bool tile = false, const float* next = nullptr) {
