@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..generation import check_prompt
+from .config import check_count
 
 
 @dataclass(frozen=True)
@@ -40,9 +41,7 @@ class BeamSearchParams:
 
     def __post_init__(self):
         for name in ("beam_width", "max_tokens"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+            check_count(name, getattr(self, name))
         if self.temperature != 0.0:
             raise ValueError(f"temperature: beam search here is deterministic (0), got {self.temperature}")
         if not isinstance(self.length_penalty, numbers.Real) or self.length_penalty != self.length_penalty:

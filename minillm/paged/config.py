@@ -7,9 +7,17 @@ import numbers
 
 from .cache import ATTENTION_PATHS, FLAT_PATHS
 
-__all__ = ["DEFAULT_KV_BYTES", "check_engine_args"]
+__all__ = ["DEFAULT_KV_BYTES", "check_count", "check_engine_args"]
 
 DEFAULT_KV_BYTES = 512 * 2 ** 20  # the pool when neither num_blocks nor kv_cache_bytes is given (at most)
+
+
+def check_count(name: str, value, optional: bool = False) -> None:
+    """Raises ValueError naming ``name`` unless value is an integer >= 1 (or None, when optional)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name}: must be an integer >= 1{' (or None)' if optional else ''}, got {value!r}")
 
 
 def check_engine_args(block_size=16, num_blocks=None, kv_cache_bytes=None, max_num_seqs=64,
@@ -25,10 +33,7 @@ def check_engine_args(block_size=16, num_blocks=None, kv_cache_bytes=None, max_n
                                   ("max_num_seqs", max_num_seqs, False),
                                   ("max_num_batched_tokens", max_num_batched_tokens, False),
                                   ("max_seq_len", max_seq_len, True)):
-        if value is None and optional:
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(f"{name}: must be an integer >= 1{' (or None)' if optional else ''}, got {value!r}")
+        check_count(name, value, optional)
     if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real)
                                        or not 0 < kv_cache_bytes < float("inf")):
         raise ValueError(f"kv_cache_bytes: must be a positive number of bytes (or None), got {kv_cache_bytes!r}")
