@@ -666,3 +666,33 @@ def test_a_catch_up_is_shared_among_the_steps_left(tiny, draft):
     assert engine.spec.draft.feed(seqs["long"]) <= 2
     engine.spec.draft.seconds = {}  # priced on the n-ms curve alone, not on the forward as timed
     assert engine.spec._first_feed(seqs["long"], engine.requests["long"], 0.5, 1)[1] < up_l / 10
+
+
+def test_drafts_take_what_the_sequences_after_them_leave():
+    """The budget left to a sequence's drafts is the step's, less what was planned before it and what the
+    sequences after it need for their own tokens: a sequence planned before it is counted once."""
+    from minillm.paged import BlockManager, Scheduler, Sequence
+
+    def two_running(older_drafts: bool):
+        manager = BlockManager(64, 4, enable_prefix_caching=False)
+        sched = Scheduler(manager, max_num_seqs=4, max_num_batched_tokens=16)
+        a, b = Sequence(0, "a", 0, (0, 0), list(range(1, 9)), 8), Sequence(1, "b", 0, (1, 0), [1, 2, 3], 3)
+        for seq in (a, b):
+            sched.add(seq)
+        out = sched.schedule()
+        manager.commit()
+        for seq, n in out.scheduled:  # both prompts ran; each sampled a token
+            seq.num_computed_tokens += n
+            seq.token_ids.append(7)
+        drafting, other = (a, b) if older_drafts else (b, a)
+        other.token_ids += list(range(20, 29))  # 10 tokens to compute; the other 1 and 4 drafts, in a budget of 16
+        drafting.spec_token_ids = [5, 6, 7, 8]
+        return sched, drafting
+
+    sched, b = two_running(older_drafts=False)  # a (10 tokens) is planned first: b's drafts take the 6 left
+    assert [n for _, n in sched.schedule().scheduled] == [10, 5] and b.spec_token_ids == [5, 6, 7, 8]
+    sched, a = two_running(older_drafts=True)  # a and its drafts first: b's 10 tokens are kept for it
+    assert [n for _, n in sched.schedule().scheduled] == [5, 10] and a.spec_token_ids == [5, 6, 7, 8]
+    sched, a = two_running(older_drafts=True)
+    sched.running[1].token_ids += [30, 31, 32]  # b needs 13: a keeps 2 drafts
+    assert [n for _, n in sched.schedule().scheduled] == [3, 13] and a.spec_token_ids == [5, 6]

@@ -147,9 +147,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            need = own.pop(seq.seq_id, (0, 0))  # planned now: the budget and the free blocks lose it below
+            left = (left[0] - need[0], left[1] - need[1])  # what the sequences after it still need
             if seq.spec_token_ids:
-                need = own.pop(seq.seq_id)
-                left = (left[0] - need[0], left[1] - need[1])
                 n = self._with_drafts(seq, n, budget - left[0], self.manager.num_free_blocks - left[1])
             if n <= 0:
                 i += 1
