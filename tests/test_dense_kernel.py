@@ -135,6 +135,21 @@ def test_f32_linear_refuses_gradients_and_runs_under_torch_compile():
     assert torch.equal(compiled(a), kernels.f32_linear(a, w))
 
 
+def test_a_graph_compiled_before_any_eager_call_runs_the_kernel():
+    """In a fresh process nothing has loaded the extension when torch.compile traces the op: tracing loads it, so
+    the compiled graph finds the op's CPU kernel when it runs."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from minillm import kernels\n"
+            "f = torch.compile(lambda x, w: kernels.f32_linear(x, w, 0, True), fullgraph=True, backend='inductor')\n"
+            "x, w = torch.randn(3, 40), torch.randn(2, 40, 64)\n"
+            "y = f(x, w)\n"
+            "print(torch.equal(y, kernels.f32_linear(x, w, 0, True)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1:] == ["True"], out.stderr[-2000:]
+
+
 def test_linear_keeps_forward_ad_and_bias_gradients_on_every_path():
     """Rows that go to oneDNN (here: shards 48 wide, which the kernel does not take) keep a dual's tangent and a
     trainable bias's gradient, as the one-row path does."""

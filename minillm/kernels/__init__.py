@@ -126,28 +126,36 @@ _LIB.define("paged_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor bloc
 _LIB.define("f32_linear(Tensor x, Tensor shards, int lanes, bool tiles=False) -> Tensor")
 
 
+# The shape functions run when torch.compile traces a call: each first loads the extension, whose C++ registers the
+# ops' CPU kernels, so that a graph compiled before any eager call finds them when it runs (or the trace fails
+# saying why the kernels are off).
 @torch.library.register_fake("minillm::int4_linear", lib=_LIB)
 def _(x, panels, scales, zeros, group_size, lanes=0):
+    _loaded()
     return x.new_empty(x.shape[0], panels.shape[0] * TILE)
 
 
 @torch.library.register_fake("minillm::int4_a8_linear", lib=_LIB)
 def _(x, packed, scales, scaled_zeros, group_size):
+    _loaded()
     return x.new_empty(x.shape[0], packed.shape[0] * TILE)
 
 
 @torch.library.register_fake("minillm::int8_linear", lib=_LIB)
 def _(x, panels, scales, offset):
+    _loaded()
     return x.new_empty(x.shape[0], panels.shape[0] * TILE)
 
 
 @torch.library.register_fake("minillm::paged_attention", lib=_LIB)
 def _(q, k_pool, v_pool, block_tables, query_start, query_len, seq_lens):
+    _loaded()
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("minillm::f32_linear", lib=_LIB)
 def _(x, shards, lanes, tiles=False):
+    _loaded()
     return x.new_empty(x.shape[0], shards.shape[0] * shards.shape[2])
 
 
