@@ -107,7 +107,8 @@ static void block8(const float* x, int64_t K, int64_t kb, const float* w, int64_
 
 template <int MR>
 __attribute__((target("avx512f"))) static void block16(const float* x, int64_t K, int64_t kb, const float* w, int64_t ld,
-                                                       float* y, int64_t ldy, bool first, bool tile = false, const float* next = nullptr) {
+                                                       float* y, int64_t ldy, bool first, bool tile = false,
+                                                       const float* next = nullptr) {
   __m512 acc[MR][2];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < 2; ++v) acc[m][v] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + m * ldy + 16 * v);
@@ -151,8 +152,13 @@ static inline void block_all_rows(const float* x, int64_t M, int64_t K, int64_t 
 // the next tile's first row (asked for into L2), or null.
 static inline void tile_all_rows(const float* x, int64_t M, int64_t K, const float* w, int64_t ld, float* y,
                                  int64_t ldy, bool wide, const float* next) {
+  const bool even = true, first = true, tile = true;
   if (wide)
-    by_rows<12>(M, [&](auto mr, int64_t m) { block16<decltype(mr)::value>(x + m * K, K, K, w, ld, y + m * ldy, ldy, true, true, next); }, true);
+    by_rows<12>(M, [&](auto mr, int64_t m) {
+      block16<decltype(mr)::value>(x + m * K, K, K, w, ld, y + m * ldy, ldy, first, tile, next);
+    }, even);
   else
-    by_rows<6>(M, [&](auto mr, int64_t m) { block8<decltype(mr)::value>(x + m * K, K, K, w, ld, y + m * ldy, ldy, true, true, next); }, true);
+    by_rows<6>(M, [&](auto mr, int64_t m) {
+      block8<decltype(mr)::value>(x + m * K, K, K, w, ld, y + m * ldy, ldy, first, tile, next);
+    }, even);
 }

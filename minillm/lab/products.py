@@ -5,8 +5,8 @@ the same weights through different kernels, and which one streams them fastest d
 CPU. Per row count, the float32 model's ``Linear`` layers (the output layer included) through: the column shards
 (one ``torch.bmm``), oneDNN's packed copy, minillm's few-row kernel (``kernels.f32_linear`` in blocks and in tiles,
 16 and 8 lanes where the CPU has AVX-512) and what ``Linear`` chooses; with ``--quant-file``, the quantized model's
-layers through minillm's int4 kernel in 16 and 8 lanes and as ``QuantLinear`` chooses. Each figure is the median of repeated
-passes over every layer in turn, as a forward runs them (so each weight comes from memory, not from cache).
+layers through minillm's int4 kernel in 16 and 8 lanes and as ``QuantLinear`` chooses. Each figure is the median of
+repeated passes over every layer in turn, as a forward runs them (so each weight comes from memory, not from cache).
 """
 
 from __future__ import annotations
@@ -113,8 +113,12 @@ def format_products(report: dict) -> str:
         for row in report["rows"]:
             cells = [f"{1e3 * s:8.1f} ({nbytes / s / 1e9:5.1f} GB/s)" for s in row[name].values()]
             lines.append(f"{row['rows']:>4}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
-    order = ("in tiles" if report.get("kernel_tiles") else f"in panels of {report['kernel_block']} rows of W^T"
-             if report.get("kernel_block") else "in blocks")  # records before the tiles name the panels' rows
+    if report.get("kernel_tiles"):
+        order = "in tiles"
+    elif report.get("kernel_block"):  # a record made while the kernel read W in panels
+        order = f"in panels of {report['kernel_block']} rows of W^T"
+    else:
+        order = "in blocks"
     few = (f"Linear takes the few-row kernel up to {report['few_rows']} rows, {order}" if report["few_rows"]
            else "Linear takes one row through bmm, more through oneDNN")
     lines.append(f"{few}; {report['machine']}")
