@@ -92,18 +92,21 @@ def atomic_write(dst: str | os.PathLike, sources: Iterable[str | os.PathLike] = 
             os.remove(tmp)
 
 
+SIGTERM_STATUS = 128 + signal.SIGTERM  # the shell's exit status for a process ended by SIGTERM
+
+
 @contextlib.contextmanager
 def sigterm_as_exit() -> Iterator[None]:
-    """Within the block, SIGTERM raises ``SystemExit(128 + SIGTERM)`` (the shell's exit status for it), so that
-    ``finally`` blocks run: ``atomic_write`` removes its temporary file, which SIGTERM's default action (the
-    process ends at once) leaves beside the destination. Off the main thread, where Python cannot install
-    a handler, the block runs as it is."""
+    """Within the block, SIGTERM raises ``SystemExit(SIGTERM_STATUS)``, so that ``finally`` blocks run:
+    ``atomic_write`` removes its temporary file, which SIGTERM's default action (the process ends at once)
+    leaves beside the destination. Off the main thread, where Python cannot install a handler, the block runs
+    as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, frame):
-        raise SystemExit(128 + signum)
+        raise SystemExit(SIGTERM_STATUS)
 
     previous = signal.signal(signal.SIGTERM, stop)
     try:

@@ -489,6 +489,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_a_port_already_in_use_is_a_failure_that_says_so(tiny_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "minillm", "serve", "--model", str(tiny_path), "--port", str(port),
+                              "--threads", "1", "--log-level", "warning"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"could not start on 127.0.0.1:{port}" in out.stderr and "--port" in out.stderr
+    assert "server stopped" not in out.stderr
+
+
 def test_sigterm_finishes_what_it_can_aborts_the_rest_and_exits_cleanly(tiny_path):
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..files import SIGTERM_STATUS
 from ..options import add_model_args, at_least, load, print_json
 
 
@@ -59,11 +60,16 @@ def cmd_serve(args) -> int:
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it
     # found: KeyboardInterrupt, or the SystemExit of the command's SIGTERM handler (``files.sigterm_as_exit``),
-    # which end here as a clean exit
+    # which end here as a clean exit. uvicorn's own SystemExit (it could not listen: it logged why) stays a failure.
     try:
         engine_server(config, loop, args.shutdown_timeout).run()
-    except (KeyboardInterrupt, SystemExit):
+    except KeyboardInterrupt:
         pass
+    except SystemExit as e:
+        if e.code != SIGTERM_STATUS:
+            print(f"error: the server could not start on {args.host}:{args.port} (the error above says why); "
+                  "choose another --port or stop what listens there", file=sys.stderr)
+            return 1
     finally:
         loop.stop()
     print("server stopped", file=sys.stderr)
