@@ -40,10 +40,10 @@ def _few_rows() -> int:
     layers (``bench products``, docs/decode.md). On the Intel Xeon that is 96 rows in AVX-512's 16 lanes. On AMD's
     CPUs, reading W in tiles (``KERNEL_TILES``), it is 48 rows with AVX-512 (Zen 4) and 24 in AVX2's 8 lanes, bound
     by their arithmetic sooner. Elsewhere in AVX2 it is ahead up to 4 rows."""
-    amd = _cpu_vendor() == "AuthenticAMD"
+    vendor = _cpu_vendor()
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
-        return 24 if amd else 4
-    return 48 if amd else {"GenuineIntel": 96}.get(_cpu_vendor(), 4)
+        return 24 if vendor == "AuthenticAMD" else 4
+    return {"AuthenticAMD": 48, "GenuineIntel": 96}.get(vendor, 4)
 
 
 def _kernel_tiles() -> bool:
@@ -175,5 +175,3 @@ class Linear(nn.Module):
 def linear_naive(x: torch.Tensor, layer: Linear) -> torch.Tensor:
     """The baseline of ``Linear.forward`` (same result): ``F.linear`` on the (out, in) weight."""
     return F.linear(x, layer.weight, layer.bias)
-
-

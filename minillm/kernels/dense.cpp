@@ -64,11 +64,11 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor w, int64_t lanes, bool t
   // each worker takes a run of one shard's chunks of C columns: a shard per thread when there are as many
   // (Linear's design); with fewer shards than threads each shard is cut into as many runs as it has workers
   const int64_t wanted = std::max<int64_t>(1, (at::get_num_threads() + S - 1) / S);
-  const int64_t units = (Ns + C - 1) / C, parts = std::min(units, wanted);
+  const int64_t units = Ns / C, parts = std::min(units, wanted);  // Ns: a multiple of 32, checked above
   at::parallel_for(0, S * parts, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t s = i / parts, p = i % parts;
-      const int64_t c0 = units * p / parts * C, c1 = std::min(Ns, units * (p + 1) / parts * C);
+      const int64_t c0 = units * p / parts * C, c1 = units * (p + 1) / parts * C;
       const float* ws = wp + s * K * Ns;
       if (tiles) by_tiles(xp, M, K, ws, Ns, c0, c1, yp + s * Ns, N, wide);
       else by_blocks(xp, M, K, ws, Ns, c0, c1, yp + s * Ns, N, wide);

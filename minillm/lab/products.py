@@ -113,12 +113,7 @@ def format_products(report: dict) -> str:
         for row in report["rows"]:
             cells = [f"{1e3 * s:8.1f} ({nbytes / s / 1e9:5.1f} GB/s)" for s in row[name].values()]
             lines.append(f"{row['rows']:>4}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
-    if report.get("kernel_tiles"):
-        order = "in tiles"
-    elif report.get("kernel_block"):  # a record made while the kernel read W in panels
-        order = f"in panels of {report['kernel_block']} rows of W^T"
-    else:
-        order = "in blocks"
+    order = "in tiles" if report["kernel_tiles"] else "in blocks"
     few = (f"Linear takes the few-row kernel up to {report['few_rows']} rows, {order}" if report["few_rows"]
            else "Linear takes one row through bmm, more through oneDNN")
     lines.append(f"{few}; {report['machine']}")
