@@ -249,4 +249,3 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # ModelFileError included: bad input, named by the message
         print(f"error: {e}", file=sys.stderr)
         return 2
-

@@ -96,4 +96,3 @@ def pack_rows_naive(spans: list[tuple[int, int, list[int]]], max_seq_len: int = 
     """The baseline: one row per sequence, every row padded to the longest span."""
     _check(spans)
     return _to_rows(spans, max(len(ids) for _, _, ids in spans), device)
-

@@ -20,6 +20,7 @@ from .sampler import draw_tokens, sample_generator
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
 from .spec_decode import Run
 
+
 class RequestTracker:
     """The engine's requests (``requests``: request_id -> ``Request``) and what happens to their sequences.
 
@@ -237,4 +238,3 @@ def prompt_ids(prompt, tokenizer) -> tuple[str | None, list[int]]:
         return None, list(prompt)
     raise ValueError(f"prompt: must be a string, {{'prompt_token_ids': [...]}} or a list of ids, "
                      f"got {type(prompt).__name__}")
-

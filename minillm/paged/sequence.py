@@ -137,4 +137,3 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     metrics: RequestMetrics
     beam_search_output: object = None  # a finished beam search's ``BeamSearchOutput`` (best first)
-

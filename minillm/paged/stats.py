@@ -98,4 +98,3 @@ class EngineStats:
                 "kv_utilization": sum(r.held_slots for r in self.records) / (block_size * total_used) if total_used else 0.0,
                 "sharing_saved": 1 - total_used / unshared if unshared else 0.0,
                 "prefix_hit_rate": self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0}
-
