@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from .. import model as model_module
+from ..kv_cache import Cache
 
 PIECES = ("cache_update", "rope_at_offset", "blocks_needed", "needs_new_block", "slot_mapping", "top_p_filter",
           "schedule_step", "speculative_verify", "ngram_propose")
 
 
-class _SequenceCache:
+class _SequenceCache(Cache):
     """The KV-cache interface the decoder calls (``prepare``, ``update``), for one sequence over the shared
     pool: each layer's pool is a (1, Hkv, num_blocks * block_size, D) tensor, slot s at position s."""
 
