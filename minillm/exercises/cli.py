@@ -12,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import EXERCISES
+from . import EXERCISES, handout, written
 
 
 def register(subparsers) -> argparse.ArgumentParser:
@@ -46,6 +46,8 @@ def register(subparsers) -> argparse.ArgumentParser:
     c.set_defaults(func=run_check)
     ls = sub.add_parser("list", help="the exercises: function, signature, notebook")
     ls.set_defaults(func=run_list)
+    handout.register(sub)
+    written.register(sub)
     return p
 
 
