@@ -91,7 +91,7 @@ def _float16_scales(scales: torch.Tensor, name: str) -> torch.Tensor:
     return half
 
 
-def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = None):
+def load_quantized(path: str | Path, fast: bool = True):
     """Load a file written by ``save_quantized``: returns (Decoder with QuantLinear layers, metadata dict).
 
     Raises:
@@ -132,7 +132,7 @@ def load_quantized(path: str | Path, fast: bool = True, n_shards: int | None = N
                 float_state[name] = state[name]
             elif name.startswith("layers."):
                 float_state[name] = torch.zeros(shape)  # a placeholder, replaced by a QuantLinear below
-        model = Decoder(config, float_state, n_shards=n_shards or torch.get_num_threads())
+        model = Decoder(config, float_state)
         for i, block in enumerate(model.layers):
             for name in LAYERS:
                 lin, parent, attr = linear_of(block, name)
