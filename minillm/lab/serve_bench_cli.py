@@ -20,6 +20,7 @@ from .background import background_load, check_load
 from .online import cmd_online
 from .serve_bench import SPEC_ROW, format_report, request_lengths, serve_bench
 from .serve_spec import SPEC_TRACES, cmd_serve_spec
+from .simulate import cmd_simulate
 
 # --quick's defaults; an explicit --requests or --scale still wins (the report says what ran)
 QUICK = dict(num_requests=4, scale=1 / 32, sharing_requests=1, memory_requests=2)
@@ -105,6 +106,8 @@ def cmd_serve_bench(args) -> int:
         raise ValueError(f"--peer-repeats: {args.peer_repeats} turns of the engine against transformers are for the "
                          "offline run with --peer" + ("; with --spec the turns are --spec-repeats" if args.spec else
                                                        ", not --online" if args.online else "; add --peer"))
+    if args.simulate:  # the real scheduler, the forward priced by the cost model (minillm.lab.simulate)
+        return cmd_simulate(args)
     if args.spec:  # plain vs speculative engine (minillm.lab.serve_spec)
         return cmd_serve_spec(args)
     if args.trace in SPEC_TRACES:
@@ -188,4 +191,12 @@ def register(sub) -> None:
     s.add_argument("--spec-max-tokens", type=at_least(1), default=64, help="output tokens per request (default 64)")
     s.add_argument("--spec-repeats", type=at_least(1), default=1, help="turns of the plain engine and every k, in "
                    "that order; each row reports the medians (default 1)")
+    m = p.add_argument_group("simulated serving (--simulate: minillm.lab.simulate, docs/cluster.md)")
+    m.add_argument("--simulate", default=None, metavar="HARDWARE", help="run the trace through the real scheduler "
+                   "and block manager with each step priced by the roofline cost model instead of a forward, on h100, "
+                   "h200, a100, l4, mi300x (datasheets) or cpu (this machine as roofline measures it)")
+    m.add_argument("--sim-model", default="smollm2-135m", help="--simulate: the model by its config: smollm2-135m, "
+                   "llama-3.1-8b, llama-3.1-70b (default smollm2-135m)")
+    m.add_argument("--tp", type=at_least(1), default=1, help="--simulate: tensor-parallel devices (two ring "
+                   "all-reduces per layer; default 1)")
     p.set_defaults(func=cmd_serve_bench, measures_speed=True)

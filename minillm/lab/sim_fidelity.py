@@ -1,0 +1,93 @@
+"""Is the simulation right where it can be checked? On this CPU: roofline's ceilings measured first (they are
+the simulation's only calibration), then serve-bench's engine run on each trace, then the simulation of the
+same requests with the same settings; the table sets measured and simulated side by side.
+
+Nothing is fitted to the runs compared: the CPU's bandwidth, matmul throughput and per-step overhead come from
+``roofline``'s own rows (``hardware.cpu_device``), and the host time of scheduling is the simulation's own.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from ..paged.engine import LLMEngine
+from ..roofline.ceilings import compare, measure
+from ..timing import busy_cores, machine
+from .hardware import cpu_device
+from .online import arrival_times, run_engine as run_engine_online
+from .serve_bench import _summary, drive_engine, make_requests
+from .simulate import simulate
+
+__all__ = ["FIDELITY_BOUND", "fidelity"]
+
+FIDELITY_BOUND = 0.25  # simulated within 25% of measured, on throughput and median TPOT
+DEFAULT_TRACES = (("sharegpt", 64, 0.25, None), ("alpaca", 64, 1.0, None), ("sharegpt", 20, 0.25, 2.0))
+
+
+def roofline_report(model) -> dict:
+    """What ``python -m minillm roofline --batch-sizes 1,8 --prompt-lengths 128 --json`` reports, for this model."""
+    ceilings = measure("cpu", dtypes=("float32",))
+    rows = compare(model, ceilings, (1, 8), (128,))
+    return {"machine": machine(), "bandwidth": ceilings.bandwidth, "matmul_flops": ceilings.matmul_flops, "rows": rows}
+
+
+def measured_run(model, reqs, arrivals, engine_kwargs: dict) -> dict:
+    """serve-bench's engine row (all at t=0: ``drive_engine``) or its online engine (``arrivals``)."""
+    if arrivals is None:
+        engine = LLMEngine(model, **engine_kwargs)
+        _, wall, ttft, tpot = drive_engine(engine, reqs)
+        return _summary(reqs, wall, ttft, tpot, [])
+    timings, _ = run_engine_online(model, reqs, arrivals, engine_kwargs)
+    out = sum(r.max_tokens for r in reqs)
+    wall = max(t.finish for t in timings)
+    tpot = [(t.token_times[-1] - t.token_times[0]) / (len(t.token_times) - 1) for t in timings
+            if len(t.token_times) > 1]
+    return {"wall_s": wall, "output_tokens_per_s": out / wall, "tpot_p50_s": float(np.median(tpot)),
+            "ttft_p50_s": float(np.median([t.token_times[0] - t.arrival for t in timings]))}
+
+
+def fidelity(model, tokenizer, traces=DEFAULT_TRACES, block_size: int = 16, max_num_seqs: int = 64,
+             max_num_batched_tokens: int = 256) -> dict:
+    """Roofline first, then for each (trace, requests, scale, rate or None) the measured engine and the
+    simulation; returns {"device", "roofline", "rows", "load"} where each row has both and their ratios."""
+    load_before = os.getloadavg()
+    busy = busy_cores()
+    report = roofline_report(model)
+    device = cpu_device(report)
+    kwargs = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    rows = []
+    for trace, n, scale, rate in traces:
+        reqs = make_requests(tokenizer, n, trace, scale)
+        arrivals = None if rate is None else arrival_times(n, rate)
+        started = time.time()
+        real = measured_run(model, reqs, arrivals, kwargs)
+        sim = simulate(model.config, device, [(r.prompt_token_ids, r.max_tokens) for r in reqs], arrivals,
+                       host_time=True, **kwargs)
+        rows.append({"trace": trace, "requests": n, "scale": scale, "rate": rate, "measured": real, "simulated": sim,
+                     "throughput_ratio": sim["output_tokens_per_s"] / real["output_tokens_per_s"],
+                     "tpot_ratio": sim["tpot_p50_s"] / real["tpot_p50_s"], "seconds": time.time() - started})
+    for row in rows:
+        row["within"] = all(abs(row[k] - 1) <= FIDELITY_BOUND for k in ("throughput_ratio", "tpot_ratio"))
+    return {"device": {"name": device.name, "bandwidth": device.bandwidth, "flops": device.flops,
+                       "step_overhead": device.step_overhead, "sources": device.sources},
+            "roofline": report, "rows": rows,
+            "load": {"before": load_before, "after": os.getloadavg(), "busy_cores_before": busy}}
+
+
+def format_fidelity(report: dict) -> str:
+    """The fidelity table, one row per trace."""
+    d = report["device"]
+    lines = [f"calibration (roofline): bandwidth {d['bandwidth'] / 1e9:.1f} GB/s, matmul {d['flops'] / 1e9:.1f} "
+             f"GFLOP/s, overhead {d['step_overhead'] * 1e3:.1f} ms/step; load {report['load']['before']} -> "
+             f"{report['load']['after']}",
+             f"{'trace':<28}{'meas tok/s':>11}{'sim tok/s':>10}{'ratio':>7}{'meas TPOT':>10}{'sim TPOT':>9}{'ratio':>7}  ok"]
+    for r in report["rows"]:
+        name = f"{r['trace']} x{r['scale']} {r['requests']} req" + (f" @{r['rate']}/s" if r["rate"] else "")
+        m, s = r["measured"], r["simulated"]
+        lines.append(f"{name:<28}{m['output_tokens_per_s']:>11.1f}{s['output_tokens_per_s']:>10.1f}"
+                     f"{r['throughput_ratio']:>7.2f}{m['tpot_p50_s'] * 1e3:>10.1f}{s['tpot_p50_s'] * 1e3:>9.1f}"
+                     f"{r['tpot_ratio']:>7.2f}  {'yes' if r['within'] else 'NO'}")
+    return "\n".join(lines)
