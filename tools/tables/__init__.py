@@ -81,7 +81,6 @@ def _table(header: list[str], align: list[str], rows: list[list[str]]) -> list[s
     return lines
 
 
-MET = {True: "met", False: "**not met**", None: "not measured"}
 TRACE_NAMES = {"sharegpt": "ShareGPT", "alpaca": "Alpaca"}
 
 

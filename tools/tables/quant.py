@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import FIGURES, MET, RecordError, _table, read_json
+from . import FIGURES, RecordError, _table, read_json
 
 WRITERS = {"05_quant_table.json": "`python -m minillm bench quant --out figures/05_quant_table.json`",
            "05_kquants.json": "`python -m minillm.lab.kquants --out figures/05_kquants.json`",
@@ -81,12 +81,10 @@ def quant_table(folder: Path = FIGURES) -> str:
     rec4 = {gs: recovery(rows, f["perplexity"], 4, gs) for b, gs in settings if b == 4}
     rec3 = {gs: recovery(rows, f["perplexity"], 3, gs) for b, gs in settings if b == 3}
     goals.append("GPTQ recovers " + ", ".join(f"{v:.0%} ({label(4, gs)})" for gs, v in rec4.items())
-                 + f" of RTN's perplexity increase (goal 60%: {MET[min(rec4.values()) >= 0.6]}) and "
-                 + ", ".join(f"{v:.0%} ({label(3, gs)})" for gs, v in rec3.items())
-                 + f" (goal 70%: {MET[min(rec3.values()) >= 0.7]})")
+                 + " of RTN's perplexity increase and "
+                 + ", ".join(f"{v:.0%} ({label(3, gs)})" for gs, v in rec3.items()))
     awq = {bg: rows[("rtn", *bg)]["perplexity"] - rows[("awq", *bg)]["perplexity"] for bg in settings}
-    goals.append(f"AWQ below RTN in {sum(m >= TIE for m in awq.values())} of {len(awq)} settings "
-                 f"(goal all: {MET[all(m >= TIE for m in awq.values())]})")
+    goals.append(f"AWQ below RTN in {sum(m >= TIE for m in awq.values())} of {len(awq)} settings")
     if any(m == "awq+gptq" for m, _, _ in rows):
         for gs in sorted(gs for b, gs in settings if b == 3):
             others = min(r["perplexity"] for (m, b, g2), r in rows.items() if b == 3 and g2 == gs and m != "awq+gptq")
@@ -94,8 +92,8 @@ def quant_table(folder: Path = FIGURES) -> str:
             verdict = "best" if margin >= TIE else ("a tie with the best (within " f"{TIE})" if margin > -TIE else "not best")
             goals.append(f"AWQ+GPTQ at {label(3, gs)}: {verdict}, margin {margin:+.2f}")
     size4 = max(r["size_vs_float32"] for r in rep["rows"] if r["bits"] == 4)
-    goals.append(f"the largest 4-bit file is {size4:.1%} of float32 (goal under 30%: {MET[size4 < 0.3]})")
-    lines += ["", "Goals: " + "; ".join(goals) + "."]
+    goals.append(f"the largest 4-bit file is {size4:.1%} of float32")
+    lines += ["", "Measured: " + "; ".join(goals) + "."]
     lines += ["", _provenance(rep, "05_quant_table.json") + "."]
     return "\n".join(lines)
 
@@ -122,7 +120,7 @@ def kquants(folder: Path = FIGURES) -> str:
 
 
 def bitrate(folder: Path = FIGURES) -> str:
-    """Variable bitrate at each budget beside the best uniform setting of no more bits per weight; the goal."""
+    """Variable bitrate at each budget beside the best uniform setting of no more bits per weight."""
     rep = read_report("05b_bitrate.json", folder)
     s, g = rep["setup"], rep["goals"]
     variable = {v["target_bpw"]: v for v in rep["variable"]}
@@ -148,9 +146,8 @@ def bitrate(folder: Path = FIGURES) -> str:
     if second:
         lines += ["", "Errors relative to the block's update instead (`relative_to=\"update\"`): " + "; ".join(
             f"budget {v['target_bpw']}: {v['bpw']:.3f} bpw, perplexity {v['perplexity']:,.2f}" for v in second) + "."]
-    lines += ["", f"Goal (at every budget at least as good as the best uniform setting of no more bits per weight, "
-              f"strictly better at two budgets or more), with the {'end-to-end' if end_to_end else 'block-output'} "
-              f"measurement: {_goal(g)}."]
+    lines += ["", f"Against the best uniform setting of no more bits per weight, with the "
+              f"{'end-to-end' if end_to_end else 'block-output'} measurement: {_goal(g)}."]
     lines += ["", f"{rep.get('run', _provenance(rep, '05b_bitrate.json'))}."]
     if rep.get("variable_kl"):
         m = rep["measurement_kl"]["setup"]
@@ -158,13 +155,13 @@ def bitrate(folder: Path = FIGURES) -> str:
                   f"quantized with {m['method'].upper()} at a time, {m['calib_samples']} x {m['calib_seqlen']} calibration "
                   f"tokens; the optimizer sums the costs, power {m['power']:g}), scored the same way:", "",
                   *_kl_rows(rep["goals_kl"], rep["variable_kl"], "RTN"), "",
-                  f"Goal with the end-to-end measurement: {_goal(rep['goals_kl'])}. Measurement: {m['date']}, load "
+                  f"With the end-to-end measurement: {_goal(rep['goals_kl'])}. Measurement: {m['date']}, load "
                   f"{m['load']}, {m['duration_s'] / 60:.0f} min."]
     if rep.get("variable_kl_gptq"):
         g = rep["goals_kl_gptq"]
         lines += ["", "The same allocations quantized with GPTQ (the defaults, with the range search) instead, against "
                   "the best uniform row of every method:", "", *_kl_rows(g, rep["variable_kl_gptq"], "GPTQ"), "",
-                  f"Goal, GPTQ's allocations: {_goal(g)}."]
+                  f"GPTQ's allocations: {_goal(g)}."]
         if rep.get("gptq_rows_run"):
             lines += ["", f"{rep['gptq_rows_run']}."]
     return "\n".join(lines)
@@ -181,12 +178,12 @@ def _kl_rows(goals: dict, variable: list[dict], quantizer: str) -> list[str]:
 
 def _goal(g: dict) -> str:
     against = ", ".join(m.upper() for m in g.get("against", ["rtn"]))
-    return (f"{MET[g['met']]}: strictly better at {g['strictly_better']} of {len(g['budgets'])} budgets, never worse: "
-            f"{g['never_worse']} (against uniform {against})")
+    return (f"variable bitrate strictly better at {g['strictly_better']} of {len(g['budgets'])} budgets, never worse: "
+            f"{'yes' if g['never_worse'] else 'no'} (against uniform {against})")
 
 
 def gptq_avenues(folder: Path = FIGURES) -> str:
-    """Each GPTQ avenue's perplexity and recovery on one protocol, in one run; the 70% goal for the defaults."""
+    """Each GPTQ avenue's perplexity and recovery on one protocol, in one run, and what the defaults recover."""
     rep = read_report("05_gptq_avenues.json", folder)
     s, fl, rtn = rep["setup"], rep["float"]["perplexity"], rep["rtn"]["perplexity"]
     rows = [[f"`{r['name']}`", r["change"], f"{r['perplexity']:.2f}", f"{r['recovery']:.1%}", r.get("measured", "-")]
@@ -198,8 +195,7 @@ def gptq_avenues(folder: Path = FIGURES) -> str:
               f"calibration from {s['calib_text']}; {rep['machine']}."]
     default = next((r for r in rep["rows"] if r["name"] == "default"), None)
     if default is not None:
-        lines += ["", f"Goal (the defaults recover at least 70%): {MET[default['recovery'] >= 0.7]} "
-                  f"({default['recovery']:.1%})."]
+        lines += ["", f"The defaults recover {default['recovery']:.1%} of RTN's perplexity increase."]
     if rep.get("note"):
         lines += ["", f"{rep['note'][0].upper()}{rep['note'][1:]}."]
     lines += ["", _provenance(rep, "05_gptq_avenues.json") + "."]
