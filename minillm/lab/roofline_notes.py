@@ -111,6 +111,21 @@ def roofline_record(machine: str, ceilings, rows: list[dict], gbs: dict, layout_
     }
 
 
+def _two_eager(eager_b1: dict, comp: dict) -> str:
+    """The sentence that reconciles notebook 01's two figures for one eager batch-1 step: each is a ratio to the
+    ceiling measured beside it, and the ceiling moves between cells."""
+    first, second = 1 / eager_b1["measured_over_predicted"], comp["eager_tokens_per_s"] / comp["bound_tokens_per_s"]
+    ceiling = abs(comp["read_GB_per_s"] / eager_b1["bandwidth_GB_per_s"] - 1)
+    step = abs(comp["eager_tokens_per_s"] / eager_b1["measured_tokens_per_s"] - 1)
+    moved = ("the ceiling moved more than the step did" if ceiling > step else
+             "the step moved as much as the ceiling did (the machine's minute changed both)")
+    return (f"Eager batch-1 decode appears twice: measured/predicted time {eager_b1['measured_over_predicted']:.2f}, "
+            f"that is **{first:.0%}** of its bound's speed, against the {eager_b1['bandwidth_GB_per_s']:.1f} GB/s ceiling "
+            f"of the first table, and **{second:.0%}** against the {comp['read_GB_per_s']:.1f} GB/s ceiling of the "
+            f"compiled cell's round ({eager_b1['measured_tokens_per_s']:.1f} and {comp['eager_tokens_per_s']:.1f} "
+            f"tokens/s): {moved} between the two cells, so each ratio is read beside the ceiling measured with it.")
+
+
 def roofline_summary(rec: dict) -> str:
     """Notebook 01's closing note, from its record (``roofline_record``)."""
     rows, gbs, comp = rec["rows"], rec["linear_layouts_GB_per_s"], rec["compiled"]
@@ -137,6 +152,7 @@ def roofline_summary(rec: dict) -> str:
 * Compiled, batch-1 decode reached **{comp['compiled_tokens_per_s'] / comp['bound_tokens_per_s']:.0%} of the bound**
   ({comp['compiled_tokens_per_s']:.1f} against {comp['bound_tokens_per_s']:.1f} tokens/s, ceiling {comp['read_GB_per_s']:.1f}
   GB/s measured right before), eager {comp['eager_tokens_per_s'] / comp['bound_tokens_per_s']:.0%}.
+* {_two_eager(eager_b1, comp)}
 
 Decode is bound by the bytes it reads; how close it gets to that bound is decided by the kernels (and, here,
 by compiling away the small operations between them), not by the FLOP/s the machine can do."""
