@@ -10,8 +10,8 @@ function, or an ``AssertionError``, escape: each becomes a line of the report.
 Calling the student's function and judging what it did are two steps: ``answer`` calls it on one case's
 arguments and keeps what happened as plain data (an ``Answer``: values made ``portable``, or the error's
 name and message); ``judge_answer`` compares that with the expected answer. The grader (``grading.py``)
-runs the first step in the student's kernel and the second in its own process, so nothing the kernel
-computes is taken as a verdict.
+runs the first step in a process of the function's own and the second in its own process, so nothing the
+student's code computes is taken as a verdict.
 """
 
 from __future__ import annotations
@@ -19,16 +19,16 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-import os
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
 
+# what one call of the student's function did, as plain data: the grading process and the graded function's
+# own process (runner.py, which may not import this package) share these
+from .runner import Answer, Foreign, answer, error_name, first_line, portable, where  # noqa: F401
+
 SEED = 0  # every check draws the same random cases, so a notebook's output is the same at every run
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 @dataclass
@@ -82,6 +82,7 @@ class Report:
     results: list[CaseResult] = field(default_factory=list)
     unwritten: str = ""  # the hint when the function is not written yet (each case raised NotImplementedError)
     forbidden: str = ""  # the message when the function called the implementation it replaces (0 points)
+    calls: list[str] | None = None  # the switched-off package code it called (None: not recorded)
 
     @property
     def passed(self) -> bool:
@@ -113,7 +114,8 @@ class Report:
         return text
 
     def __str__(self) -> str:
-        return "\n".join([f"check {self.name}"] + [r.line() for r in self.results] + [self.summary()])
+        calls = [] if self.calls is None else [f"  calls into minillm: {', '.join(self.calls) or 'none'}"]
+        return "\n".join([f"check {self.name}"] + [r.line() for r in self.results] + [self.summary()] + calls)
 
     def __repr__(self) -> str:
         return f"<Report {self.summary()}>"
@@ -174,79 +176,9 @@ class Exercise:
         return self.reference(*copy.deepcopy(case.args), **case.reference_kwargs)
 
 
-def where(e: BaseException) -> str:
-    """' (line N: source)' of the innermost frame in the student's code (not torch's, not the checker's)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__)
-              if not os.path.abspath(f.filename).startswith((_HERE, _TORCH))]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f" (line {f.lineno}: {f.line.strip()})" if f.line else f" (line {f.lineno})"
-
-
-class Foreign:
-    """A value of a type that does not cross from the student's kernel to the grader as data (a NumPy
-    array, a generator, an object of the student's class): its type's name and its text. It equals no
-    answer, and failures describe it by its own type's name."""
-
-    def __init__(self, type_name: str, text: str):
-        self.type_name, self.text = type_name, text
-
-    def __str__(self) -> str:
-        return self.text
-
-
 def kind(x: Any) -> str:
     """The name of ``x``'s type, as the student wrote it (a ``Foreign`` value's original type)."""
     return x.type_name if isinstance(x, Foreign) else type(x).__name__
-
-
-def portable(x: Any, depth: int = 0) -> Any:
-    """``x`` as plain data that ``torch.load(weights_only=True)`` reads back: None, bool, int, float, str,
-    dense tensors (detached), dtypes, and lists, tuples and dicts of them; NumPy scalars become Python
-    numbers; anything else (or nested deeper than 20) becomes a ``Foreign``."""
-    if x is None or type(x) in (bool, int, float, str) or isinstance(x, torch.dtype):
-        return x
-    if isinstance(x, torch.Tensor) and x.layout == torch.strided:
-        return x.detach().as_subclass(torch.Tensor)
-    if isinstance(x, numbers.Number) and hasattr(x, "item"):  # a NumPy scalar
-        return portable(x.item(), depth + 1)
-    for plain in (bool, int, float, str):  # subclasses (an IntEnum, say) become the plain value
-        if isinstance(x, plain):
-            return plain(x)
-    if depth < 20 and isinstance(x, (list, tuple)):
-        items = [portable(v, depth + 1) for v in x]
-        return items if isinstance(x, list) else tuple(items)
-    if depth < 20 and isinstance(x, dict) and all(type(k) in (str, int) for k in x):
-        return {k: portable(v, depth + 1) for k, v in x.items()}
-    try:
-        text = str(x)[:200]
-    except Exception:  # the student's __str__ may raise; the type's name still says what came back
-        text = "(its str() raised)"
-    return Foreign(type(x).__name__, text)
-
-
-@dataclass
-class Answer:
-    """What the student's function did on one case, as plain data: it returned ``got`` (and left its
-    arguments as ``args``: the cache exercise writes into them), or it raised ``error`` (the exception's
-    name) with ``message`` (its first line) at ``where`` (the line of the student's code)."""
-
-    got: Any = None
-    args: tuple = ()
-    error: str = ""
-    message: str = ""
-    where: str = ""
-
-
-def answer(fn: Callable, args: tuple) -> Answer:
-    """Call ``fn`` on a copy of ``args`` (the student may write into its inputs; the cache exercise must)."""
-    args = copy.deepcopy(args)
-    try:
-        got = fn(*args)
-    except Exception as e:  # any error in the student's code is reported in words, never re-raised
-        return Answer(error=error_name(e), message=first_line(e), where=where(e))
-    return Answer(portable(got), portable(args))
 
 
 def judge_answer(ex: Exercise, case: Case, expected: Any, ans: Answer) -> CaseResult:
@@ -254,13 +186,16 @@ def judge_answer(ex: Exercise, case: Case, expected: Any, ans: Answer) -> CaseRe
     if ans.error == "NotImplementedError":
         return CaseResult(case.name, False, describe(expected), "NotImplementedError",
                           f"not written yet ({ans.message}): replace the raise with your code", 0.0, case.points)
-    if ans.error == "ForbiddenCallError":
-        return CaseResult(case.name, False, describe(expected), f"your function called {ans.message.split(' is ')[0]}"
+    if ans.error == "ForbiddenCallError" or ans.calls:  # a call caught by the student's code counts all the same
+        called = ans.calls[0] if ans.calls else ans.message.split(" is ")[0]
+        return CaseResult(case.name, False, describe(expected), f"your function called {called}"
                           f"{ans.where}", "the check switches off the package code this exercise replaces: compute "
                           "the answer with your own code (torch and Python are fine)", 0.0, case.points)
     if ans.error:
-        hint = ex.error_hint(case, ans.error, ans.message) or \
-            "read the error and the docstring's shapes; try this case by hand"
+        hint = ex.error_hint(case, ans.error, ans.message) or (
+            "grading runs your function in a fresh process with its own source, the functions and constants it "
+            "uses and the notebook's imports: a name that another cell sets at run time does not exist there"
+            if ans.error == "NameError" else "read the error and the docstring's shapes; try this case by hand")
         return CaseResult(case.name, False, describe(expected),
                           f"your function raised {ans.error}: {ans.message}{ans.where}", hint, 0.0, case.points)
     try:
@@ -284,7 +219,8 @@ def grade(ex: Exercise, cases: list[Case], expected: Iterable, answers: Iterable
     """The report of every case (``expected`` and ``answers`` may be lazy: a case is judged when
     reached, and ``on_result`` sees each result as it comes). A function not written yet (its first
     case raises ``NotImplementedError``) gets one failure per case and ``Report.unwritten`` says so; one
-    that calls the implementation it replaces in any case (``ForbiddenCallError``) earns no points."""
+    that calls the implementation it replaces in any case (``ForbiddenCallError``, or a call its answer
+    records in ``Answer.calls``) earns no points."""
     report = Report(ex.name)
     for i, (case, want, ans) in enumerate(zip(cases, expected, answers)):
         result = judge_answer(ex, case, want, ans)
@@ -293,23 +229,11 @@ def grade(ex: Exercise, cases: list[Case], expected: Iterable, answers: Iterable
                               for c in cases]
             report.unwritten = result.hint
             break
-        if ans.error == "ForbiddenCallError" and not report.forbidden:
-            report.forbidden = ans.message
+        if (ans.error == "ForbiddenCallError" or ans.calls) and not report.forbidden:
+            report.forbidden = ans.message or f"{ans.calls[0]} is switched off while {ex.name} is checked"
         report.results.append(result)
         on_result(result)
     return report
-
-
-def error_name(e: BaseException) -> str:
-    """The exception's name as the student would write it (torch's LinAlgError is a private class)."""
-    if isinstance(e, torch.linalg.LinAlgError):
-        return "torch.linalg.LinAlgError"
-    return type(e).__name__
-
-
-def first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else "(no message)"
 
 
 # ---------------------------------------------------------------------------------------------

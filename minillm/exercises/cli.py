@@ -30,9 +30,10 @@ def register(subparsers) -> argparse.ArgumentParser:
                        "exit 0 when every check passes, 1 when one fails, 2 when a path is not a notebook, "
                        "128 + the signal's number when SIGINT or SIGTERM stops it (its kernel killed)")
     c.add_argument("notebooks", nargs="+", type=Path, help="student notebooks (.ipynb), or folders of them")
-    c.add_argument("--timeout", type=int, default=600,
-                   help="seconds per cell, the checks of each function included; a cell that runs longer is "
-                        "stopped (its kernel killed), and the notebook is graded without it (default 600)")
+    c.add_argument("--timeout", type=int, default=120,
+                   help="seconds per cell, and for all the cases of each graded function; a cell that runs longer "
+                        "is stopped (its kernel killed) and the notebook run without it, and a function that was "
+                        "running then is not called again (default 120)")
     c.add_argument("--grading", action="store_true",
                    help="add cases the students have never seen (from --seed and/or --cases) to the practice ones")
     c.add_argument("--seed", type=int, default=None, help="with --grading: the teacher's seed of the hidden "
@@ -81,6 +82,7 @@ def run_build(args) -> int:
 
 
 def run_check(args) -> int:
+    from ..files import check_output_path
     from .gradebook import load_cases, notebooks_in, write_csv
     from .grading import MAX_OUTPUT, GradingStopped, NotANotebookError, check_notebook
 
@@ -90,7 +92,7 @@ def run_check(args) -> int:
 
     if args.timeout <= 0:
         return refuse(f"--timeout {args.timeout}: give the seconds a cell may run, a whole number above 0 "
-                      "(default 600)")
+                      "(default 120)")
     if args.grading and args.seed is None and args.cases is None:
         return refuse("--grading needs cases the students have not seen: --seed N (a number you keep to "
                       "yourself) and/or --cases FILE")
@@ -98,6 +100,11 @@ def run_check(args) -> int:
         return refuse("--seed and --cases choose the hidden cases of --grading; add --grading")
     if args.seed == 0:
         return refuse("--seed 0 draws the practice cases the students see; choose another number")
+    if args.csv:
+        try:  # before any grading: a class's worth of work must not end in a path that cannot be written
+            check_output_path(args.csv, "--csv")
+        except ValueError as e:
+            return refuse(str(e))
     try:
         extra = load_cases(args.cases) if args.cases else None
     except (OSError, ValueError, SyntaxError) as e:
@@ -108,18 +115,25 @@ def run_check(args) -> int:
         try:
             result = check_notebook(path, args.timeout, grading=args.grading, seed=args.seed, extra=extra,
                                     max_output=args.max_output or MAX_OUTPUT)
-        except NotANotebookError as e:  # bad input, not a failing grade
+        except NotANotebookError as e:  # bad input, not a failing grade; the row says so
             print(f"error: {e}", file=sys.stderr)
+            rows.append((student, path.name, "", 0, 0, "not a notebook"))
             unreadable = True
             continue
+        except GradingStopped as e:  # the shell's convention: 128 + the signal's number
+            print(f"{path}: {e}; no grade", file=sys.stderr)
+            return 128 + e.signum
         except ValueError as e:  # a notebook without the exercises: a failing grade
             print(f"error: {e}")
             rows.append((student, path.name, "", 0, 0, "no exercise"))
             ok = False
             continue
-        except GradingStopped as e:  # the shell's convention: 128 + the signal's number
-            print(f"{path}: {e}; no grade", file=sys.stderr)
-            return 128 + e.signum
+        except Exception as e:  # whatever one notebook does, the others are graded and the gradebook written
+            print(f"error: {path}: grading broke off ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
+                  "its rows score 0", flush=True)
+            rows.append((student, path.name, "", 0, 0, "grading failed"))
+            ok = False
+            continue
         for text, _ in result.reports.values():
             print(text)
         for line in result.cell_errors:

@@ -7,17 +7,18 @@ references and their written-out variants) has its code swapped for one that rai
 object, not a module attribute, reaches every alias at once: ``minillm.kv_cache_bytes``,
 ``from minillm.kv_cache import kv_cache_bytes as f`` in the student's notebook, a bound method. The
 code is put back when the cases are done, so the student's other cells and the other exercises keep it.
+This is the practice check's guard; grading switches the whole package off by allow-list in a process of
+the function's own (``runner.py``).
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 import sys
 import types
 from contextlib import contextmanager
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
+from .runner import raiser_code
 
 
 class ForbiddenCallError(RuntimeError):
@@ -45,20 +46,6 @@ def resolve(path: str) -> types.FunctionType:
     raise ValueError(f"forbidden: {path!r} names no Python function; give module.function or module.Class.method")
 
 
-def _raiser(code: types.CodeType, message: str) -> types.CodeType:
-    """A code object that raises ``ForbiddenCallError(message)``, with as many free variables as ``code``
-    (a function's code can only be swapped for one with the same number)."""
-    free = [f"_free{i}" for i in range(len(code.co_freevars))]
-    source = (f"def _outer():\n    {' = '.join(free + ['None']) if free else 'pass'}\n"
-              f"    def _forbidden(*args, **kwargs):\n        {', '.join(free) + ',' if free else ''}\n"
-              f"        raise __import__('minillm.exercises.forbid', fromlist=['x']).ForbiddenCallError({message!r})\n"
-              f"    return _forbidden\n")
-    namespace: dict = {}
-    # compiled under this file's name, so that the checker's traceback points at the student's line
-    exec(compile(source, os.path.join(_HERE, "forbid.py"), "exec"), namespace)
-    return namespace["_outer"]().__code__
-
-
 def checker_functions() -> list[tuple[str, types.FunctionType]]:
     """Every function defined in the checker's ``minillm.exercises.ex_*`` modules (references, mistakes)."""
     found = []
@@ -83,7 +70,8 @@ def forbidden(exercise: str, paths: tuple[str, ...]):
                 message = (f"{path.removeprefix('minillm.exercises.')} is switched off while {exercise} is "
                            f"checked: write {exercise} yourself instead of calling the package's implementation")
                 saved.append((f, f.__code__))
-                f.__code__ = _raiser(f.__code__, message)
+                f.__code__ = raiser_code(f.__code__, "raise __import__('minillm.exercises.forbid', fromlist=['x'])"
+                                         f".ForbiddenCallError({message!r})")
         yield
     finally:
         for f, code in saved:

@@ -10,11 +10,11 @@ file's name without its exercise number. A teacher's cases file (``--cases``) is
 from __future__ import annotations
 
 import csv
-import os
 import re
 import runpy
 from pathlib import Path
 
+from ..files import atomic_write
 from . import EXERCISES
 from .checker import Case
 
@@ -57,11 +57,9 @@ def load_cases(path: Path) -> dict[str, list[Case]]:
 
 def write_csv(rows: list[tuple], path: Path) -> None:
     """The gradebook: one row per student, notebook and exercise (``COLUMNS``), written to a temporary
-    file and renamed, so an interrupted run never leaves half a gradebook over the last one."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="", encoding="utf-8") as f:
+    file and renamed (``files.atomic_write``), so an interrupted run never leaves half a gradebook over the
+    last one. The path is checked before grading starts (``files.check_output_path``)."""
+    with atomic_write(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(COLUMNS)
         writer.writerows(rows)
-    os.replace(tmp, path)

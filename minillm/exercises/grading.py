@@ -1,37 +1,45 @@
 """Grading a student's notebook (``python -m minillm exercises check``): the notebook runs in a Jupyter
-kernel, the kernel calls each exercise function on the grader's cases and saves what came back, and
-the grader judges those answers in its own process.
+kernel, for what its cells print and raise; each exercise function is then called in a fresh process of its
+own (``runner.py``), which receives the function's source, the source of the notebook's functions, classes
+and literal constants it uses, and the notebook's import lines: never the notebook's state.
 
-The kernel is trusted with nothing but the function's outputs. The grader draws the cases and their
-expected answers before the kernel starts and appends one cell per exercise that calls ``answer_cases``:
-each case's return value (made ``checker.portable``) or error goes to a file the grader named, read back
-with ``torch.load(weights_only=True)`` (plain data, no code runs) and judged by the exercise's own judge,
-so a kernel that replaces ``minillm.exercises.check`` changes nothing the grader reads. While a
-function's cases run, the package code it replaces raises (``forbid.py``); ``--grading`` adds cases the
-student never saw (``Exercise.grading_cases``). A cell that runs past nbclient's timeout (its kernel's
-process group is killed), kills its kernel or floods the output (over ``max_output`` characters) is
-skipped and the notebook run again without it. SIGINT and SIGTERM kill the kernel and stop the grading
-(``GradingStopped``). This is no sandbox (notebooks/exercises/README.md shows how to grade in a container).
+Nothing the notebook does reaches the grade. The cases and their expected answers are drawn in the grader's
+process and stay there; the function's process gets the cases' arguments only, cannot import
+``minillm.exercises`` (the cases and the reference solutions), and runs the cases with the package switched
+off by allow-list (the config classes and torch stay); its answers come back as plain data
+(``torch.load(weights_only=True)``) and are judged here. The report lists the calls a function made into
+minillm. ``--grading`` adds cases the student never saw (``Exercise.grading_cases``).
+
+A cell that runs past nbclient's timeout (its kernel's process group is killed), kills its kernel or floods
+the output (over ``max_output`` characters) is skipped and the notebook run again without it; an exercise
+function that was running when the time ran out is not called again (later cells get an error in its place,
+and it is not graded). SIGINT and SIGTERM kill the kernel and stop the grading (``GradingStopped``). A
+notebook that nbformat rejects, or that breaks the run in any other way, fails its own rows with a line
+saying why. This is no sandbox (notebooks/exercises/README.md shows how to grade in a container).
 """
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import copy
+import io
+import os
 import re
 import signal
+import subprocess
 import sys
 import tempfile
+import threading
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 import torch
 
-from . import EXERCISES
-from .checker import Answer, Case, Exercise, Foreign, answer, grade
-from .forbid import forbidden
+from . import EXERCISES, runner
+from .checker import Answer, Case, Exercise, Foreign, grade
 from .notebooks import exercise_names
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -84,48 +92,32 @@ def error_text(output: dict) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# The kernel's side
+# The notebook's kernel: run for what the cells print and raise
 
 
-_NO_EXIT = """def _minillm_no_exit(*args, **kwargs):
+# exit() and quit() would shut the kernel down after their cell, and the next cell would take the blame: they
+# raise in their own cell instead. On SIGUSR1 the kernel writes its threads' stacks (which function was running
+# when a cell ran out of time) to the file the grader names.
+_SETUP = """def _minillm_no_exit(*args, **kwargs):
     raise SystemExit("exit() and quit() do not end a graded notebook; the grader goes on with the next cell")
 get_ipython().user_ns.update(exit=_minillm_no_exit, quit=_minillm_no_exit)
-del _minillm_no_exit"""
+del _minillm_no_exit
+import faulthandler as _minillm_fh, signal as _minillm_signal
+_minillm_fh.register(_minillm_signal.SIGUSR1, file=open({stacks!r}, "w"), all_threads=True)
+del _minillm_fh, _minillm_signal"""
 
-_ANSWER_CELL = """from minillm.exercises.grading import answer_cases as _answer_cases
-_answer_cases({name!r}, globals().get({name!r}), {cases!r}, {answers!r})"""
-
-
-def answer_cases(name: str, fn, cases_path: str, answers_path: str) -> None:
-    """In the student's kernel: call ``fn`` on each case's arguments in ``cases_path``, with the package
-    code exercise ``name`` replaces switched off, and save the ``Answer``s to ``answers_path`` (nothing
-    when ``fn`` is not a function: the grader says "not defined")."""
-    if not callable(fn):
-        return
-    cases = torch.load(cases_path, weights_only=False)  # the grader's file: configs are dataclasses
-    answers = []
-    for args in cases:
-        with forbidden(name, EXERCISES[name].forbidden):
-            answers.append(answer(fn, args))
-    torch.save(answers, answers_path)
-
-
-# ---------------------------------------------------------------------------------------------
-# The grader's side
-
-
-def _read_answers(path: Path, n_cases: int) -> list[Answer] | str:
-    """The kernel's answers, read as plain data only, or why they cannot be used."""
-    try:
-        with torch.serialization.safe_globals([Answer, Foreign]):
-            answers = torch.load(path, weights_only=True)
-    except Exception as e:  # the kernel wrote the file: anything may be in it
-        return f"its answers could not be read back ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
-    if not (isinstance(answers, list) and len(answers) == n_cases and all(
-            type(a) is Answer and isinstance(a.args, tuple)
-            and all(isinstance(t, str) for t in (a.error, a.message, a.where)) for a in answers)):
-        return f"its answers file does not hold {n_cases} answers"
-    return answers
+# in a run after a function ran out of time: after every cell, that function's name holds one that raises at once
+_NOT_AGAIN = """def _minillm_not_again(*args, names={names!r}):
+    ns = get_ipython().user_ns
+    for name in names:
+        if callable(ns.get(name)) and not getattr(ns[name], "_minillm_stopped", False):
+            def stopped(*args, _name=name, **kwargs):
+                raise TimeoutError(f"{{_name}} ran past the grader's timeout in an earlier cell; the grader does "
+                                   "not call it again")
+            stopped._minillm_stopped = True
+            ns[name] = stopped
+get_ipython().events.register("post_run_cell", _minillm_not_again)
+del _minillm_not_again"""
 
 
 def _kernel_manager():
@@ -145,10 +137,11 @@ def _kernel_manager():
     return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnv())
 
 
-def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int):
-    """nbclient's ``NotebookClient`` that records the cell it runs and, on SIGINT or SIGTERM or when the
-    notebook's output passes ``max_output`` characters, kills the kernel and ends the run (nbclient's
-    own handlers kill the kernel but let the run go on)."""
+def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int, setup: str):
+    """nbclient's ``NotebookClient`` that runs ``setup`` silently first, records the cell it runs, asks the
+    kernel for its stacks before a timeout kills it, and, on SIGINT or SIGTERM or when the notebook's output
+    passes ``max_output`` characters, kills the kernel and ends the run (nbclient's own handlers kill the
+    kernel but let the run go on)."""
     from nbclient import NotebookClient
 
     class Client(NotebookClient):
@@ -171,9 +164,7 @@ def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int)
             try:
                 await self.async_start_new_kernel(**kwargs)
                 await self.async_start_new_kernel_client()
-                # exit() and quit() would shut the kernel down after their cell, and the next cell would take
-                # the blame: they raise in their own cell instead
-                await self.kc.execute_interactive(_NO_EXIT, silent=True, store_history=False, timeout=60)
+                await self.kc.execute_interactive(setup, silent=True, store_history=False, timeout=60)
                 yield
             finally:
                 await self._async_cleanup_kernel()  # shutdown_kernel="immediate": SIGKILL to its process group
@@ -197,6 +188,16 @@ def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int)
                 return None
             return super().output(outs, msg, display_id, cell_index)
 
+        async def _async_handle_timeout(self, timeout, cell=None):
+            process = getattr(getattr(self.km, "provisioner", None), "process", None)
+            if process is not None:
+                try:
+                    process.send_signal(signal.SIGUSR1)  # faulthandler writes the stacks (see _SETUP)
+                    await asyncio.sleep(1)
+                except (ProcessLookupError, OSError):
+                    pass
+            return await super()._async_handle_timeout(timeout, cell)
+
         async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
             self.running = cell_index
             return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
@@ -205,17 +206,17 @@ def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int)
                   resources={"metadata": {"path": str(cwd)}})
 
 
-def _execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int,
-             max_output: int = MAX_OUTPUT) -> tuple[int, str] | None:
-    """Run every cell; None, or (index of the cell the kernel stopped in, -1 when it stopped as it started;
-    "timeout", "died" or "flood").
+def _execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int = MAX_OUTPUT,
+             setup: str = "") -> tuple[int, str] | None:
+    """Run ``setup`` (silently), then every cell; None, or (index of the cell the kernel stopped in, -1 when
+    it stopped as it started; "timeout", "died" or "flood").
 
     Raises:
         GradingStopped: SIGINT or SIGTERM arrived (the kernel is killed first).
     """
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-    client = _client(nb, cwd, timeout, max_output)
+    client = _client(nb, cwd, timeout, max_output, setup or "pass")
     try:
         client.execute()
     except BaseException as e:  # the signal's cancellation reaches here as whatever nbclient makes of it
@@ -232,22 +233,238 @@ def _execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int,
 
 
 def _read(path: Path) -> nbformat.NotebookNode:
-    try:
-        return nbformat.read(path, as_version=4)
-    except (OSError, nbformat.reader.NotJSONError, nbformat.ValidationError) as e:
-        raise NotANotebookError(f"{path}: not a notebook ({e})") from None
-
-
-def check_notebook(path: Path, timeout: int = 600, *, grading: bool = False, seed: int | None = None,
-                   extra: dict[str, list[Case]] | None = None, max_output: int = MAX_OUTPUT) -> NotebookResult:
-    """Execute a student's notebook in a fresh kernel (its own folder as working directory, cells that
-    raise do not stop the run, ``timeout`` seconds per cell) and judge each exercise function it defines
-    on the answers its kernel saved. ``grading``: the practice cases and the unseen ones
-    (``Exercise.grading_cases(seed, extra[name])``). A cell stopped for time, a dead kernel or a flood of
-    output is skipped and the notebook run again without it (``MAX_RERUNS`` times at most).
+    """The notebook, checked against nbformat's schema (a cell whose source is no text, say).
 
     Raises:
-        NotANotebookError: no such file, or not a notebook. ValueError: it defines none of the exercise
+        NotANotebookError: no such file, not notebook JSON, or a notebook nbformat rejects.
+    """
+    try:
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+    except (OSError, UnicodeDecodeError, nbformat.reader.NotJSONError) as e:
+        raise NotANotebookError(f"{path}: not a notebook ({e})") from None
+    except Exception as e:  # nbformat's schema errors, and what its upgrade of an odd file raises
+        message = (getattr(e, "message", None) or str(e)).splitlines()[0][:200]
+        raise NotANotebookError(f"{path}: not a valid notebook ({type(e).__name__}: {message})") from None
+    return nb
+
+
+# ---------------------------------------------------------------------------------------------
+# What a graded function's process receives: source, never state
+
+
+@dataclass
+class Source:
+    """A function's source as its process receives it: the notebook's import lines, the definitions it needs
+    (file name, text padded so that line numbers are the cell's) and every code cell's text (for tracebacks)."""
+
+    imports: list[str] = field(default_factory=list)
+    definitions: list[tuple[str, str]] = field(default_factory=list)
+    cells: dict[str, str] = field(default_factory=dict)
+
+
+def _is_literal(node: ast.AST) -> bool:
+    try:
+        ast.literal_eval(node)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return False
+    return True
+
+
+def sources(nb: nbformat.NotebookNode) -> dict[str, Source]:
+    """Per exercise function defined at the top level of a code cell (the last definition wins, as when the
+    notebook runs top to bottom): its ``Source``. Import lines of ``minillm.exercises`` are left out (the
+    checker's, which the process may not import); a cell that does not parse defines nothing."""
+    from IPython.core.inputtransformer2 import TransformerManager
+
+    imports, defined, cells = [], {}, {}  # defined: name -> (order, file name, node, padded text)
+    for index, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        filename = f"<cell {index + 1}>"
+        try:
+            text = TransformerManager().transform_cell(cell.source)  # %magics and !commands become Python
+            tree = ast.parse(text, filename)
+        except (SyntaxError, ValueError):
+            continue
+        cells[filename] = text
+        lines = text.splitlines(True)
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                if not any(m == "minillm.exercises" or m.startswith("minillm.exercises.") for m in modules) \
+                        and not (isinstance(node, ast.ImportFrom) and node.level):
+                    imports.append(ast.get_source_segment(text, node))
+                continue
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign) and _is_literal(node.value) and all(
+                    isinstance(t, ast.Name) for t in node.targets):
+                names = [t.id for t in node.targets]
+            else:
+                continue
+            first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+            padded = "\n" * (first - 1) + "".join(lines[first - 1:node.end_lineno])
+            for name in names:
+                defined.pop(name, None)  # re-inserted: the order is that of the last definition
+                defined[name] = (filename, node, padded)
+    found = {}
+    for name in EXERCISES:
+        if name not in defined or not isinstance(defined[name][1], (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        needed, todo = set(), [name]
+        while todo:  # the notebook's own definitions the function uses, and theirs
+            current = todo.pop()
+            if current in needed:
+                continue
+            needed.add(current)
+            todo += [n.id for n in ast.walk(defined[current][1]) if isinstance(n, ast.Name) and n.id in defined]
+        found[name] = Source(list(imports), [(f, text) for n, (f, _, text) in defined.items() if n in needed],
+                             dict(cells))
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+# The graded function's process
+
+
+START_TIMEOUT = 120  # seconds for a process to import torch and minillm and switch the package off
+_SAFE = [Answer, Foreign, (Answer, "__main__.Answer"), (Foreign, "__main__.Foreign")]
+
+
+def _read_answers(data: bytes, n_cases: int) -> tuple[list[Answer], list[str]] | str:
+    """The process's answers and notes, read as plain data only, or why they cannot be used."""
+    try:
+        with torch.serialization.safe_globals(_SAFE):
+            got = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as e:  # the student's process wrote it: anything may be in it
+        return f"its answers could not be read back ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+    answers, notes = (got.get("answers"), got.get("notes")) if isinstance(got, dict) else (None, None)
+    if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+        return "its answers file holds no notes list"
+    if not (isinstance(answers, list) and len(answers) in (0, n_cases) and all(
+            type(a) is Answer and isinstance(a.args, tuple) and isinstance(a.calls, tuple)
+            and all(isinstance(t, str) for t in (a.error, a.message, a.where, *a.calls)) for a in answers)):
+        return f"its answers file does not hold {n_cases} answers"
+    return answers, notes
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session: whatever it started goes too
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def call_in_fresh_process(name: str, source: Source, cases: list[Case], timeout: float,
+                          start_timeout: float = START_TIMEOUT) -> tuple[list[Answer], list[str]] | tuple[None, str]:
+    """Call exercise function ``name`` on each case in a process of its own (``runner.py``): (answers, notes),
+    or (None, why there are none: "timeout", "died" or a sentence). ``timeout`` counts from the end of the
+    process's start (imports and the package's switch-off, ``start_timeout`` at most)."""
+    job = io.BytesIO()
+    torch.save({"name": name, "imports": source.imports, "definitions": source.definitions,
+                "cells": source.cells, "cases": [c.args for c in cases]}, job)
+    # -I: no user site, no PYTHONPATH, and neither the working folder nor a script's folder on sys.path;
+    # the source is passed with -c, so that the checker's folder is never on sys.path either
+    proc = subprocess.Popen([sys.executable, "-I", "-c", Path(runner.__file__).read_text(encoding="utf-8")],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            cwd=tempfile.gettempdir(), start_new_session=True)
+    got = {}
+
+    def read():
+        got["first"] = proc.stdout.readline()
+        got["rest"] = proc.stdout.read()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        try:
+            proc.stdin.write(job.getvalue())
+            proc.stdin.close()
+        except BrokenPipeError:  # it died at once; the reader says so below
+            pass
+        deadline = start_timeout
+        while "first" not in got and deadline > 0 and reader.is_alive():
+            reader.join(0.1)
+            deadline -= 0.1
+        if "first" not in got:
+            _kill(proc)
+            return None, f"its process did not start within {start_timeout:g} s (a machine too busy?)"
+        if got["first"] != runner.READY:
+            _kill(proc)
+            return None, "died"
+        reader.join(timeout)
+        if reader.is_alive():
+            _kill(proc)
+            return None, "timeout"
+        proc.wait()
+    finally:  # SIGINT, SIGTERM or an error here: the student's process does not outlive the grader
+        if proc.poll() is None:
+            _kill(proc)
+    if proc.returncode != 0 and not got.get("rest"):
+        return None, "died"
+    read_back = _read_answers(got["rest"], len(cases))
+    return (None, read_back) if isinstance(read_back, str) else read_back
+
+
+# ---------------------------------------------------------------------------------------------
+# One notebook
+
+
+def _functions_running(stacks: str, names: list[str]) -> list[str]:
+    """The exercise functions in a kernel's stack dump (faulthandler's), innermost frames first, in the
+    student's cells only (the package has methods of the same names)."""
+    found = re.findall(r'File "([^"]+)", line \d+ in (\w+)', stacks)
+    return list(dict.fromkeys(fn for filename, fn in found if fn in names
+                              and not filename.startswith(str(Path(runner.__file__).parents[1]))
+                              and "site-packages" not in filename))
+
+
+def _run_notebook(nb: nbformat.NotebookNode, cwd: Path, names: list[str], timeout: int, max_output: int):
+    """Run the notebook, skipping each cell that is stopped (``MAX_RERUNS`` times at most): (the last run,
+    {cell index: why it was stopped}, the final stop or None, {function: cell index where it ran out of time})."""
+    skipped: dict[int, str] = {}
+    looped: dict[str, int] = {}
+    fd, stacks = tempfile.mkstemp(prefix="minillm-grading-", suffix=".stacks")
+    os.close(fd)
+    try:
+        for attempt in range(MAX_RERUNS + 1):
+            run = nbformat.from_dict(copy.deepcopy(nb))
+            for i in skipped:
+                run.cells[i] = nbformat.v4.new_code_cell("# skipped by the grader (see the stopped: lines)")
+            setup = _SETUP.format(stacks=stacks) + ("\n" + _NOT_AGAIN.format(names=sorted(looped)) if looped else "")
+            stop = _execute(run, cwd, timeout, max_output, setup=setup)
+            if stop is not None and stop[1] == "timeout" and stop[0] >= 0:
+                try:
+                    dump = Path(stacks).read_text(encoding="utf-8", errors="replace")
+                except OSError:
+                    dump = ""
+                for fn in _functions_running(dump, [n for n in names if n not in looped])[:1]:
+                    looped[fn] = stop[0]
+            if stop is None or stop[0] < 0 or attempt == MAX_RERUNS:
+                break
+            skipped[stop[0]] = stop[1]
+    finally:
+        try:
+            os.remove(stacks)
+        except OSError:
+            pass
+    return run, skipped, stop, looped
+
+
+def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, seed: int | None = None,
+                   extra: dict[str, list[Case]] | None = None, max_output: int = MAX_OUTPUT) -> NotebookResult:
+    """Execute a student's notebook in a fresh kernel (its own folder as working directory, cells that
+    raise do not stop the run, ``timeout`` seconds per cell), then call each exercise function it defines
+    in a process of its own (``call_in_fresh_process``, ``timeout`` seconds for all its cases) and judge the
+    answers here. ``grading``: the practice cases and the unseen ones (``Exercise.grading_cases(seed,
+    extra[name])``). A cell stopped for time, a dead kernel or a flood of output is skipped and the notebook
+    run again without it (``MAX_RERUNS`` times at most); a function that ran out of time there is not called
+    again. A run that breaks in any other way is reported, and the functions are graded all the same.
+
+    Raises:
+        NotANotebookError: no such file, or not a valid notebook. ValueError: it defines none of the exercise
             functions. GradingStopped: SIGINT or SIGTERM (the kernel is killed).
     """
     path = Path(path)
@@ -255,51 +472,64 @@ def check_notebook(path: Path, timeout: int = 600, *, grading: bool = False, see
     names = exercise_names(nb)
     if not names:
         raise ValueError(f"{path}: defines none of the exercise functions ({', '.join(EXERCISES)})")
-    # cases and expected answers are worked out before the student's code runs
+    # cases and expected answers are worked out before the student's code runs, in this process only
     plans = {}
     for name in names:
         ex = EXERCISES[name]
         cases = ex.grading_cases(seed, (extra or {}).get(name, ())) if grading else ex.cases()
         plans[name] = (ex, cases, [ex.expected(c) for c in cases])
+    broken = ""
+    try:
+        run, skipped, stop, looped = _run_notebook(nb, path.parent.resolve(), names, timeout, max_output)
+    except GradingStopped:
+        raise
+    except Exception as e:  # nbformat rejecting an output, a folder the notebook swapped: its run, not its grade
+        run, skipped, stop, looped = nb, {}, None, {}
+        broken = f"the notebook's run broke off ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
+    found = sources(nb)
+    reports, scores = {}, {}
+    for name, (ex, cases, expected) in plans.items():
+        most = sum(c.points for c in cases)
+        if name in looped:
+            reports[name] = (f"check {name}: FAILED: your function ran past the {timeout} s timeout in "
+                             f"{cell_name(nb, looped[name])} (an endless loop?); the grader does not call it "
+                             "again", False)
+            scores[name] = (0.0, most, "stopped")
+            continue
+        if name not in found:
+            reports[name], scores[name] = _not_defined(run, name), (0.0, most, "not defined")
+            continue
+        answers, notes = call_in_fresh_process(name, found[name], cases, timeout)
+        if answers is None:
+            reports[name] = (f"check {name}: FAILED: {_no_answers(notes, timeout)}", False)
+            scores[name] = (0.0, most, "stopped" if notes in ("timeout", "died") else "failed")
+            continue
+        if not answers:  # its definition raised in the fresh process
+            reports[name] = (f"check {name}: FAILED: " + "; ".join(notes), False)
+            scores[name] = (0.0, most, "failed")
+            continue
+        report = grade(ex, cases, expected, answers)
+        report.calls = list(dict.fromkeys(c for a in answers for c in a.calls))
+        text = str(report) + "".join(f"\n  note: {n}" for n in notes)
+        reports[name] = (text, report.passed)
+        status = "passed" if report.passed else "forbidden" if report.forbidden else "failed"
+        scores[name] = (report.points, report.max_points, status)
     n_student = len(nb.cells)
-    skipped: dict[int, str] = {}  # cell index -> why it was stopped
-    with tempfile.TemporaryDirectory(prefix="minillm-grading-") as tmp:
-        folder = Path(tmp)
-        for name, (_, cases, _) in plans.items():
-            torch.save([c.args for c in cases], folder / f"{name}.cases.pt")
-            nb.cells.append(nbformat.v4.new_code_cell(_ANSWER_CELL.format(
-                name=name, cases=str(folder / f"{name}.cases.pt"), answers=str(folder / f"{name}.answers.pt"))))
-        for attempt in range(MAX_RERUNS + 1):
-            run = nbformat.from_dict(copy.deepcopy(nb))
-            for i in skipped:
-                run.cells[i] = nbformat.v4.new_code_cell("# skipped by the grader (see the stopped: lines)")
-            for stale in folder.glob("*.answers.pt"):  # answers of an earlier run do not count
-                stale.unlink()
-            stop = _execute(run, path.parent.resolve(), timeout, max_output)
-            if stop is None or stop[0] < 0 or attempt == MAX_RERUNS:
-                break
-            skipped[stop[0]] = stop[1]
-        reports, scores = {}, {}
-        for k, (name, (ex, cases, expected)) in enumerate(plans.items()):
-            answers = folder / f"{name}.answers.pt"
-            read = _read_answers(answers, len(cases)) if answers.exists() else None
-            if isinstance(read, list):
-                report = grade(ex, cases, expected, read)
-                reports[name] = (str(report), report.passed)
-                status = "passed" if report.passed else "forbidden" if report.forbidden else "failed"
-                scores[name] = (report.points, report.max_points, status)
-            else:
-                reports[name], status = _unanswered(run, ex, n_student + k, stop, skipped, timeout, max_output, read)
-                scores[name] = (0.0, sum(c.points for c in cases), status)
     errors = [f"{cell_name(nb, i)} raised {error_text(o)}" for i, c in enumerate(run.cells[:n_student])
-              if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+              if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
     stops = [(i, why, "; graded without it") for i, why in skipped.items()] + ([(*stop, "")] if stop else [])
-    lines = []
-    for index, why, then in stops:
-        where = ("its start" if index < 0 else cell_name(nb, index) if index < n_student
-                 else f"the checks of {names[index - n_student]}")
-        lines.append(_stop_text(where, why, timeout, max_output) + then)
+    lines = [_stop_text("its start" if index < 0 else cell_name(nb, index), why, timeout, max_output) + then
+             for index, why, then in stops] + ([broken] if broken else [])
     return NotebookResult(path, reports, errors, "\n".join(lines), scores)
+
+
+def _no_answers(why: str, timeout: int) -> str:
+    if why == "timeout":
+        return (f"your function ran past the {timeout} s timeout on its cases (an endless loop?); its process "
+                "was killed")
+    if why == "died":
+        return "its process died while your function ran (os._exit, a crash or out of memory)"
+    return why
 
 
 def _stop_text(where: str, why: str, timeout: int, max_output: int) -> str:
@@ -310,30 +540,15 @@ def _stop_text(where: str, why: str, timeout: int, max_output: int) -> str:
     return f"the kernel died in {where} (os._exit, a crash or out of memory)"
 
 
-def _unanswered(nb: nbformat.NotebookNode, ex: Exercise, index: int, stop: tuple[int, str] | None,
-                skipped: dict[int, str], timeout: int, max_output: int, unreadable: str | None) -> tuple[tuple, str]:
-    """The report of an exercise whose answers did not come back, why in one line, and its status."""
-    name = ex.name
-    if unreadable:
-        return (f"check {name}: FAILED: {unreadable}", False), "failed"
-    why = skipped.get(index) or (stop[1] if stop is not None and stop[0] == index else None)
-    if why == "timeout":
-        return (f"check {name}: FAILED: your function ran past the {timeout} s timeout on its cases (an endless "
-                "loop?); its kernel was killed", False), "stopped"
-    if why == "flood":
-        return (f"check {name}: FAILED: your function printed more than {max_output:,} characters on its cases; "
-                "its kernel was killed", False), "stopped"
-    if why:
-        return (f"check {name}: FAILED: the kernel died while your function ran (os._exit, a crash or out of "
-                "memory)", False), "stopped"
-    if stop is not None and stop[0] < index:
-        return (f"check {name}: FAILED: not checked: the kernel stopped before its checks (see below)", False), \
-            "not checked"
-    errors = [error_text(o) for o in nb.cells[index].get("outputs", []) if o.output_type == "error"]
-    if errors:  # the checks could not run in the kernel (minillm missing there?)
-        return (f"check {name}: FAILED: could not run ({'; '.join(errors)})", False), "failed"
-    defining = [i for i, c in enumerate(nb.cells[:index]) if c.cell_type == "code"
+def _not_defined(nb: nbformat.NotebookNode, name: str) -> tuple[str, None]:
+    """The report of an exercise function that no code cell defines at its top level, and why."""
+    defining = [i for i, c in enumerate(nb.cells) if c.cell_type == "code"
                 and re.search(rf"^\s*def {name}\(", c.source, re.MULTILINE)]
     raised = [f"{cell_name(nb, i)}, which defines it, raised {error_text(o)}" for i in defining
-              for o in nb.cells[i].get("outputs", []) if o.output_type == "error"]
-    return (f"check {name}: not defined ({raised[0] if raised else 'did its cell run?'})", None), "not defined"
+              for o in nb.cells[i].get("outputs", []) if o.get("output_type") == "error"]
+    if raised:
+        return f"check {name}: not defined ({raised[0]})", None
+    if defining:
+        return (f"check {name}: not defined ({cell_name(nb, defining[-1])} defines it inside other code; the "
+                f"grader takes `def {name}(` at the top of a cell)"), None
+    return f"check {name}: not defined (did its cell run?)", None
