@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .written import is_answer
+from .written import add_answer_cells, is_answer
 
 ROOT = Path(__file__).resolve().parents[2]
 # records of runs a class cannot repeat (the whole quantization table, llama.cpp's run, the bitrate
@@ -40,10 +40,12 @@ def lesson_paths(root: Path = ROOT) -> list[Path]:
     return sorted((root / "notebooks").glob("[0-9]*.ipynb"))
 
 
-def student_lesson(nb: dict) -> dict:
-    """The student's copy of a lesson (a notebook's dict): outputs, execution counts and timing metadata
-    cleared, answer cells emptied, and the test runner's markers (``# NBVAL_...`` lines) dropped."""
+def student_lesson(nb: dict, name: str) -> dict:
+    """The student's copy of the lesson ``name`` (a notebook's dict): outputs, execution counts and timing
+    metadata cleared, an empty answer cell under every question (added where the teacher's copy has none), and
+    the test runner's markers (``# NBVAL_...`` lines) dropped."""
     nb = json.loads(json.dumps(nb))  # a deep copy
+    add_answer_cells(nb, name)
     for cell in nb["cells"]:
         if cell["cell_type"] == "code":
             source = "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
@@ -80,7 +82,7 @@ def _handout_files(root: Path) -> dict[Path, bytes]:
 
     files: dict[Path, bytes] = {}
     for path in lesson_paths(root):
-        nb = student_lesson(json.loads(path.read_text(encoding="utf-8")))
+        nb = student_lesson(json.loads(path.read_text(encoding="utf-8")), path.name)
         files[Path("notebooks") / path.name] = (json.dumps(nb, indent=1, ensure_ascii=False) + "\n").encode()
     solutions = root / "notebooks" / "exercises" / "solutions"
     exercises = sorted(solutions.glob("*.ipynb"))
