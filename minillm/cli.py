@@ -18,6 +18,7 @@ import sys
 
 from .exercises import cli as exercises_cli
 from .files import sigterm_as_exit
+from .formats import hf_export as export_hf_cli
 from .generation import check_prompt, generate
 from .lab import fragmentation as fragmentation_cli
 from .lab import quant as bench_quant_cli
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_bench_cli.register(sub)
     server_cli.register(sub)
     exercises_cli.register(sub)
+    export_hf_cli.register(sub)
     return parser
 
 
