@@ -321,13 +321,18 @@ def test_speculative_tables_from_notebook_04(tmp_path):
 # ---- python -m tools.tables on records it cannot read: exit 2 naming the file; 1 stays "out of date"
 
 def _checkout(tmp_path):
-    """A copy of the Markdown files with tables and of figures/, for ``main --root``."""
-    for rel in {**tables.FILES, **tables._quant.FILES}:
+    """A copy of the Markdown files with tables, of figures/ and of what the course's tables read (the lessons and
+    the readings), for ``main --root``."""
+    for rel in {**tables.FILES, **tables._quant.FILES, **tables._course.FILES}:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text((ROOT / rel).read_text(encoding="utf-8"), encoding="utf-8")
     (tmp_path / "figures").mkdir()
     for path in (ROOT / "figures").glob("*.json"):
         (tmp_path / "figures" / path.name).write_bytes(path.read_bytes())
+    for folder, pattern in (("notebooks", "0*.ipynb"), ("docs/readings", "*.md")):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        for path in (ROOT / folder).glob(pattern):
+            (tmp_path / folder / path.name).write_bytes(path.read_bytes())
     return tmp_path
 
 

@@ -15,8 +15,9 @@ Repository tooling: it rewrites files of this repository, so it is not part of t
 A table lives in a Markdown file between ``<!-- table:NAME -->`` and ``<!-- /table -->``; ``TABLES`` says
 which builder fills it from which JSON: the README's headline here, the decode tables in ``tables.decode``
 (docs/kv_cache.md, roofline.md, decode.md, speculative.md), the engine's in ``tables.paged``
-(docs/paged.md), the stack's in ``tables.stack`` (README, docs/stack.md), and the quantization tables in
-``tables.quant`` (docs/quantization.md, built from the commands' own reports, not records). Each builder
+(docs/paged.md), the stack's in ``tables.stack`` (README, docs/stack.md), the quantization tables in
+``tables.quant`` (docs/quantization.md, built from the commands' own reports, not records), and the course's in
+``tables.course`` (docs/course.md's lesson times from the notebooks, docs/course_key.md's numbers). Each builder
 ends its table with the command and date that produced the JSON, so a reader can tell what was measured when. A record is
 ``{"command", "date", "load", "report"}``: ``report`` is what the command printed with ``--json``, or
 what a notebook measured (``minillm.lab.records``, which writes and reads them).
@@ -172,6 +173,7 @@ from . import decode as _decode  # noqa: E402
 from . import paged as _paged  # noqa: E402
 from . import quant as _quant  # noqa: E402
 from . import stack as _stack  # noqa: E402
+from . import course as _course  # noqa: E402  (reads notebooks and records: after the registry's helpers)
 
 # which builder fills which table, and which files hold it (each checked by tests/test_tables.py)
 TABLES = {"headline": headline, **_decode.TABLES, **_paged.TABLES, **_stack.TABLES}
@@ -188,7 +190,8 @@ WRITERS["bench_decode_llamacpp_avx2.json"] = (
     "python -m tools.tables record "
     "figures/bench_decode_llamacpp_avx2.json -- bench decode --peer llamacpp` (docs/decode.md)")
 WRITERS.update({"02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.json": "notebooks/01_roofline.ipynb",
-                "04_speculative.json": "notebooks/04_speculative_decoding.ipynb"})
+                "04_speculative.json": "notebooks/04_speculative_decoding.ipynb",
+                "04a_gamma_sweep.json": "notebooks/04a_speculative_appendix.ipynb"})
 
 MARKER = re.compile(r"(<!-- table:(?P<name>[a-z0-9_]+) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
@@ -221,7 +224,7 @@ def rebuild_text(text: str, folder: Path = FIGURES, where: str = "") -> str:
             uses (a null where a number belongs: ``record`` writes a NaN measurement as null); the error
             names the table, the records it reads (with their nulls) and the commands that rewrite them.
     """
-    builders, reads = {**TABLES, **_quant.TABLES}, {**READS, **_quant.READS}
+    builders, reads = {**TABLES, **_quant.TABLES, **_course.TABLES}, {**READS, **_quant.READS, **_course.READS}
     writers = {**WRITERS, **_quant.WRITERS}
 
     def fill(m: re.Match) -> str:
@@ -256,7 +259,7 @@ def rebuild(root: Path = ROOT, folder: Path | None = None, check: bool = False) 
     """
     folder = folder or Path(root) / "figures"
     new_texts = {}
-    for rel in {**FILES, **_quant.FILES}:
+    for rel in {**FILES, **_quant.FILES, **_course.FILES}:
         old = (Path(root) / rel).read_text(encoding="utf-8")
         new = rebuild_text(old, folder, rel)
         if new != old:

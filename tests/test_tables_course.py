@@ -1,0 +1,139 @@
+"""The course's documents agree with the lessons: the syllabus's times are the reading estimate of the notebooks
+as they are, the teachers' key quotes the numbers the stored runs printed, the readings are short and assigned,
+and the course counts the exercises as ``python -m minillm exercises list`` prints them."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tools.tables import course
+
+ROOT = Path(__file__).resolve().parents[1]
+COURSE = (ROOT / "docs" / "course.md").read_text(encoding="utf-8")
+KEY = (ROOT / "docs" / "course_key.md").read_text(encoding="utf-8")
+READINGS = sorted((ROOT / "docs" / "readings").glob("*.md"))
+NUMBER = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?")
+
+
+def _md(text: str) -> dict:
+    return {"cell_type": "markdown", "source": [text], "metadata": {}}
+
+
+def _code(seconds: float) -> dict:
+    start = "2026-01-01T00:00:00.000000Z"
+    end = f"2026-01-01T00:{int(seconds) // 60:02d}:{int(seconds) % 60:02d}.000000Z"
+    return {"cell_type": "code", "source": ["x = 1"], "outputs": [],
+            "metadata": {"execution": {"iopub.execute_input": start, "shell.execute_reply": end}}}
+
+
+def test_the_estimate_counts_words_cells_run_time_predictions_and_questions():
+    cells = [_md("word " * 300), _md("**Predict before you run.** guess"), _md("1. *(written)* why?"),
+             _code(90), _code(30)]
+    e = course.effort(cells)
+    assert (e["words"], e["code_cells"], e["run_s"], e["predictions"], e["written"]) == (300 + 5 + 3, 2, 120, 1, 1)
+    # 308 / 100 + 2 x 2 + 2 + 3 + 5
+    assert e["minutes"] == pytest.approx(3.08 + 4 + 2 + 3 + 5)
+    assert course.rounded(e["minutes"]) == 20 and course.rounded(20.0) == 20 and course.rounded(0.2) == 5
+
+
+def _syllabus_times() -> dict[str, int]:
+    """Each lesson (or part) the class table assigns, with the minutes it states."""
+    table = COURSE.split("## The classes", 1)[1].split("\n## ", 1)[0]
+    found = {}
+    for name, part, minutes in re.findall(r"(0\d[a-z]?_[a-z_]+)(?:, part (\d))?[^|;()]*\((\d+) min\)", table):
+        found[f"{name}, part {part}" if part else name] = int(minutes)
+    return found
+
+
+def test_every_lesson_has_the_time_its_estimate_gives():
+    stated, estimated = _syllabus_times(), course.syllabus_minutes(ROOT)
+    assert set(stated) == set(estimated), f"the class table assigns {sorted(stated)}; the lessons are {sorted(estimated)}"
+    wrong = {k: (stated[k], estimated[k]) for k in stated if stated[k] != estimated[k]}
+    assert not wrong, ("docs/course.md's class table states other times than the reading estimate (stated, estimated): "
+                       f"{wrong}; copy the estimates of its lesson_times table")
+
+
+def test_a_class_fits_its_session():
+    for label, minutes in course.syllabus_minutes(ROOT).items():
+        optional = course.LESSONS[label.split(",")[0]] == "optional"
+        assert optional or minutes <= 90, f"{label}: {minutes} min does not fit a 90-minute class; split it or mark it optional"
+
+
+def test_the_course_counts_the_exercises_as_the_list_does():
+    from minillm.exercises import EXERCISES
+
+    m = re.search(r"exercises list\s+# the (\d+) functions", COURSE)
+    assert m and int(m[1]) == len(EXERCISES), f"docs/course.md counts {m and m[1]} functions; `exercises list` prints {len(EXERCISES)}"
+    m = re.search(r"`exercises list` prints (\d+) functions", COURSE)
+    assert m and int(m[1]) == len(EXERCISES)
+
+
+@pytest.mark.parametrize("path", READINGS, ids=[p.stem for p in READINGS])
+def test_a_reading_is_short_has_one_figure_and_no_history(path):
+    text = path.read_text(encoding="utf-8")
+    assert len(text.split()) <= 1500, f"{path.name}: {len(text.split())} words (at most 1,500)"
+    figures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert len(figures) == 1 and (path.parent / figures[0]).is_file(), f"{path.name}: one figure from figures/, not {figures}"
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b|\bUTC\b|\bgoal\b|\bissue \d|not met|load average", text, re.I), \
+        f"{path.name}: a benchmark history or a goal"
+
+
+def test_every_class_reads_a_reading_and_no_benchmark_doc():
+    table = COURSE.split("## The classes", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in table.splitlines() if re.match(r"\| \d+ \|", r)]
+    assert len(rows) == len(READINGS)
+    for row, reading in zip(rows, READINGS):
+        read_first = row.split("|")[4]
+        assert f"readings/{reading.name}" in read_first, f"class {row.split('|')[1].strip()} does not assign {reading.name}"
+        assert not re.search(r"docs/(decode|paged|quantization|speculative|stack|roofline|kv_cache)\.md|README", read_first), \
+            f"class {row.split('|')[1].strip()} assigns a benchmark doc: {read_first.strip()}"
+
+
+def _outputs(notebook: Path) -> str:
+    nb = json.loads(notebook.read_text(encoding="utf-8"))
+    return "\n".join("".join(o.get("text", "")) + "".join(o.get("data", {}).get("text/markdown", ""))
+                     + "".join(o.get("data", {}).get("text/plain", "")) for c in nb["cells"] for o in c.get("outputs", []))
+
+
+def stored_claims(key: str) -> list[tuple[str, str, str]]:
+    """(lesson, number, clause) for every number the key quotes as stored: a clause from "stored" to the closing
+    parenthesis, in the section of the lesson that printed it."""
+    claims = []
+    for section in re.split(r"^## ", key, flags=re.M)[1:]:
+        lesson = section.split(" ", 1)[0]
+        if not re.fullmatch(r"0\d[a-z]?", lesson):
+            continue
+        for m in re.finditer(r"stored[^)]*", section):
+            claims += [(lesson, n, m.group(0)) for n in NUMBER.findall(m.group(0))]
+    return claims
+
+
+def test_stored_claims_are_found():
+    key = "## 02 · x\n\n**Predict 2.** Slower (stored: float32 36.1 ms, int8 41.8 ms), about 1.2x.\n## Exercises\n(stored: 9)"
+    assert [(lesson, n) for lesson, n, _ in stored_claims(key)] == [("02", "36.1"), ("02", "41.8")]  # not float32's 32
+
+
+def test_the_key_quotes_what_the_stored_runs_printed():
+    notebooks = {p.stem.split("_")[0]: p for p in (ROOT / "notebooks").glob("0*.ipynb")}
+    outputs = {k: _outputs(p).replace(",", "") for k, p in notebooks.items()}
+    missing = [(lesson, n, clause[:60]) for lesson, n, clause in stored_claims(KEY)
+               if n.replace(",", "") not in outputs[lesson]]
+    assert not missing, ("docs/course_key.md quotes as stored numbers that the lesson's stored outputs do not print "
+                         f"(re-read the notebook and correct the key): {missing[:5]}")
+
+
+def test_every_question_in_the_key_has_its_points():
+    for line in KEY.splitlines():
+        if re.match(r"\*\*(Predict|Written) \d", line):
+            assert re.search(r"\*\((1|3) points?\)\*", line), f"docs/course_key.md: no points on {line[:60]}"
+    assert len(re.findall(r"^\*\*Written \d", KEY, re.M)) == 36 and len(re.findall(r"^\*\*Predict \d", KEY, re.M)) == 33
+
+
+def test_the_numbers_a_student_meets_carry_their_protocols():
+    text = course.key_numbers(ROOT / "figures")
+    kv = [r for r in text.splitlines() if "| KV cache over recomputing |" in r]
+    assert len(kv) == 4 and len({r.split("|")[1] for r in kv}) == 4  # four protocols, four values
+    assert "| 00 |" in text and "| 02 |" in text and "| 06 |" in text
+    assert "<!-- table:key_numbers -->\n" + text + "\n<!-- /table -->" in KEY, "run `python -m tools.tables`"
