@@ -119,9 +119,10 @@ def online_table(report: dict, scale: float, duration: float) -> str:
          "| E2E mean / p99 (s) | normalised latency (s/token) | goodput (req/s) | output tokens/s |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         + [row(mode, r) for mode in modes for r in modes[mode]]
-        + ["", f"{report['machine']}, {report['dtype']}, ShareGPT-like lengths x {scale:g}, Poisson arrivals for "
-           f"{duration:g} s per rate, greedy; goodput targets TTFT <= {report['ttft_slo_s']:g} s, TPOT <= "
-           f"{report['tpot_slo_s']:g} s."])
+        + ["", f"{report['machine']}, {report['dtype']}, ShareGPT-like lengths x {scale:g}, Poisson arrivals, rate x "
+           f"{duration:g} s requests per rate and at least {report['min_requests']}, greedy; goodput: requests "
+           f"meeting TTFT <= {report['ttft_slo_s']:g} s and TPOT <= {report['tpot_slo_s']:g} s per second of the window "
+           "they arrive in (requests / rate)."])
 
 
 def online_summary(report: dict) -> str:

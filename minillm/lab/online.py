@@ -10,7 +10,8 @@ Modes, on the same requests and arrival times, one after the other in real time:
 in process, requests added between steps), ``static`` (``generate_batch`` batches that run until their
 longest request ends) and ``http`` (the server's app on 127.0.0.1, clients streaming with httpx). Per
 request (vLLM's definitions): TTFT, TPOT = (latency - TTFT) / (output tokens - 1), inter-token latencies,
-end-to-end latency; mean, p50, p99; goodput: requests per second meeting both TTFT and TPOT targets.
+end-to-end latency; mean, p50, p99; goodput: requests meeting both TTFT and TPOT targets per second of the
+window they arrive in (n requests at rate r: n / r seconds), so it never exceeds the offered rate.
 """
 
 from __future__ import annotations
@@ -83,9 +84,14 @@ def _stats(values, name: str) -> dict:
             f"{name}_p99_s": float(np.percentile(v, 99))}
 
 
-def summarize(timings: list[RequestTiming], expected_tokens: list[int], ttft_slo: float, tpot_slo: float) -> dict:
+def summarize(timings: list[RequestTiming], expected_tokens: list[int], ttft_slo: float, tpot_slo: float,
+              window: float | None = None) -> dict:
     """One mode at one rate: throughput over the run (first arrival to last finish), the latency statistics,
-    goodput, the normalised latency, and ``answered_in_full`` (requests whose output has every token asked)."""
+    goodput, the normalised latency, and ``answered_in_full`` (requests whose output has every token asked).
+
+    ``window``: the seconds over which the requests arrive (n / rate); goodput counts the requests meeting both
+    targets per second of it, so that it compares with the offered rate. Without it, per second of the run.
+    """
     per = [request_metrics(t) for t in timings]
     duration = max(t.finish for t in timings) - min(t.arrival for t in timings)
     good = sum(m["ttft"] <= ttft_slo and (m["tpot"] is None or m["tpot"] <= tpot_slo) for m in per)
@@ -93,7 +99,7 @@ def summarize(timings: list[RequestTiming], expected_tokens: list[int], ttft_slo
     report = {"num_requests": len(timings), "duration_s": duration,
               "answered_in_full": sum(t.output_tokens == n for t, n in zip(timings, expected_tokens)),
               "output_tokens": out, "request_throughput": len(timings) / duration,
-              "output_tokens_per_s": out / duration, "goodput": good / duration,
+              "output_tokens_per_s": out / duration, "goodput": good / (window or duration), "window_s": window,
               "normalized_latency_s": float(np.mean([m["normalized_latency"] for m in per]))}
     for name in ("ttft", "tpot", "e2el"):
         report.update(_stats([m[name] for m in per], name))
@@ -229,20 +235,26 @@ def sustained_rate(rates, latencies, threshold: float) -> tuple[float, bool]:
 def online_bench(model, tokenizer, rates, *, burstiness: float = 1.0, duration: float = 10.0, http: bool = False,
                  trace: str = "sharegpt", scale: float = 0.25, seed: int = 0, block_size: int = 16,
                  num_blocks: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 256,
-                 ttft_slo: float = 2.0, tpot_slo: float = 0.25, progress: bool = True) -> dict:
-    """Every mode at every rate (round(rate * duration) requests, at least 2); the report: settings,
+                 ttft_slo: float = 2.0, tpot_slo: float = 0.25, min_requests: int = 2,
+                 progress: bool = True) -> dict:
+    """Every mode at every rate (round(rate * duration) requests, at least ``min_requests``, arriving over
+    count / rate seconds, the window goodput is counted over: ask for 10 or more where a low rate's goodput
+    should not be a ratio of two requests); the report: settings,
     ``modes`` {mode: [summary per rate]}, the knee and the rates each mode sustains there, and ``goals``.
 
     Raises:
-        ValueError: no rate, a rate or burstiness not positive, duration not positive (before any run).
+        ValueError: no rate, a rate or burstiness not positive, duration not positive, min_requests below 1
+            (before any run).
     """
     rates = sorted(float(r) for r in rates)
     if not rates or rates[0] <= 0 or duration <= 0 or burstiness <= 0:
         raise ValueError(f"rate / duration / burstiness: need positive values, got {rates}, {duration}, {burstiness}")
+    if min_requests < 1:
+        raise ValueError(f"min_requests: need at least 1 request per rate, got {min_requests}")
     if not math.isfinite(rates[-1]):
         raise ValueError("rate: must be finite (requests per second); for every request at once run serve-bench "
                          "without --online")
-    counts = [max(2, round(r * duration)) for r in rates]
+    counts = [max(min_requests, round(r * duration)) for r in rates]
     pool = make_requests(tokenizer, max(counts), trace, scale, seed)
     engine_kwargs = dict(block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens)
@@ -260,12 +272,13 @@ def online_bench(model, tokenizer, rates, *, burstiness: float = 1.0, duration: 
                 timings, mem = run_static(model, reqs, arrivals, max_num_seqs), None
             else:
                 timings, mem = run_http(model, tokenizer, reqs, arrivals, engine_kwargs)
-            row = {"rate": rate, **summarize(timings, expected, ttft_slo, tpot_slo)}
+            row = {"rate": rate, **summarize(timings, expected, ttft_slo, tpot_slo, window=n / rate)}
             if mem is not None:
                 row.update({k: mem[k] for k in ("steps", "preemptions", "peak_blocks", "rows_per_step_mean")})
             modes[mode].append(row)
     report = {"machine": machine(), "dtype": dtype_name(model.dtype), "trace": trace, "scale": scale, "seed": seed,
-              "rates": rates, "burstiness": burstiness, "duration_s": duration, "block_size": block_size,
+              "rates": rates, "burstiness": burstiness, "duration_s": duration, "min_requests": min_requests,
+              "block_size": block_size,
               "max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
               "ttft_slo_s": ttft_slo, "tpot_slo_s": tpot_slo,
               "mean_prompt": float(np.mean([len(r.prompt_token_ids) for r in pool])),
