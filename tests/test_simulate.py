@@ -7,8 +7,8 @@ import math
 import pytest
 
 from minillm.lab.hardware import DEVICES, Device, cpu_device, device_named, model_named
-from minillm.lab.simulate import (SimEngine, all_reduce_time, kv_pool_blocks, max_concurrency, route, simulate,
-                                  simulate_router, shared_prefix_requests, step_cost)
+from minillm.lab.sim_router import route, shared_prefix_requests, simulate_router
+from minillm.lab.simulate import SimEngine, all_reduce_time, kv_pool_blocks, max_concurrency, simulate, step_cost
 from minillm.model import ModelConfig
 
 # per layer: C*D*(H + 2 Hkv) + H*D*C + 3*C*F = 8*4*4 + 2*4*8 + 3*8*16 = 576; head: V*C = 256

@@ -91,3 +91,56 @@ def format_fidelity(report: dict) -> str:
                      f"{r['throughput_ratio']:>7.2f}{m['tpot_p50_s'] * 1e3:>10.1f}{s['tpot_p50_s'] * 1e3:>9.1f}"
                      f"{r['tpot_ratio']:>7.2f}  {'yes' if r['within'] else 'NO'}")
     return "\n".join(lines)
+
+
+#: docs/gpu.md's H200 record (float32, roofline --device cuda): measured ceilings and (kind, B or T, tokens/s)
+H200_RECORD = {"bandwidth": 3.95e12, "flops": 51e12, "context": 64,
+               "rows": [("decode", 1, 72), ("decode", 8, 403), ("decode", 32, 1902), ("prefill", 128, 5632),
+                        ("prefill", 512, 27113), ("prefill", 2048, 49227)]}
+
+
+def h200_check(record: dict = H200_RECORD) -> list[dict]:
+    """The step cost against docs/gpu.md's H200 forwards: its measured ceilings, and the overhead its batch-1
+    decode took beyond them (calibrated on that row alone); each other row's predicted and measured seconds.
+    Prefill computes every token's logits there (``roofline.compare``), decode reads ``context`` positions."""
+    from ..model import ModelConfig
+    from .hardware import Device
+    from .simulate import step_cost
+    config = ModelConfig()
+    base = Device("H200 (measured, float32)", None, record["bandwidth"], record["flops"], 1e12, 0.0, 0.0, "float32")
+
+    def spans(kind, n):
+        return ([(record["context"], 1)] * n, n) if kind == "decode" else ([(0, n)], n)
+
+    overhead = 1 / record["rows"][0][2] - step_cost(config, base, *spans("decode", 1))["time_s"]
+    rows = []
+    for kind, n, tokens_per_s in record["rows"]:
+        cost = step_cost(config, base, *spans(kind, n), overhead=overhead)
+        measured = n / tokens_per_s
+        rows.append({"kind": kind, "n": n, "roofline_s": cost["time_s"] - overhead, "predicted_s": cost["time_s"],
+                     "measured_s": measured, "predicted_over_measured": cost["time_s"] / measured,
+                     "overhead_s": overhead})
+    return rows
+
+
+def main(argv=None) -> int:
+    """``python -m minillm.lab.sim_fidelity [--out FILE]``: the fidelity table on this CPU (minutes), its record
+    written as strict JSON to FILE."""
+    import argparse
+
+    from ..files import dumps_strict
+    from ..loading import load_model
+    p = argparse.ArgumentParser(description="the simulation against measured serve-bench runs on this CPU")
+    p.add_argument("--out", default=None, help="write the record here (JSON)")
+    args = p.parse_args(argv)
+    model, tokenizer = load_model()
+    report = fidelity(model, tokenizer)
+    print(format_fidelity(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(dumps_strict(report) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
