@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import threading
 import time
 from contextlib import asynccontextmanager
@@ -87,7 +88,14 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
 
     @app.exception_handler(HTTPException)
     async def http_error(request, exc: HTTPException):
+        if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's "error parsing the body", for bytes not UTF-8
+            bad = exc.__cause__
+            message = (f"body: is not valid UTF-8 (byte 0x{bad.object[bad.start:bad.start + 1].hex()} at offset "
+                       f"{bad.start}); send the JSON encoded as UTF-8")
+            return JSONResponse(error_body(400, message, None, "invalid_encoding"), status_code=400)
         return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code)
+
+    app.add_middleware(JSONBodiesOnly)
 
     # ---- routes ------------------------------------------------------------------------------------
     @app.get("/health")
@@ -183,6 +191,26 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
     return app
 
 
+class JSONBodiesOnly:
+    """ASGI middleware: a POST whose Content-Type is not JSON gets a 400 naming the header (FastAPI would read
+    its body as bytes and answer that the body is not an object, which does not say what to change)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "POST":
+            given = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+            kind = given.split(";", 1)[0].strip().lower()
+            if not (kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))):
+                message = ((f"Content-Type: got {given!r}" if given else "Content-Type: the header is missing")
+                           + "; send the body as JSON with the header Content-Type: application/json")
+                response = JSONResponse(error_body(400, message, None, "invalid_content_type"), status_code=400)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def _sse(body: dict) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
@@ -217,27 +245,57 @@ async def _unless_disconnected(request: Request, work):
 SHUTDOWN_GRACE = 5.0
 
 
-def engine_server(config, loop: EngineLoop, shutdown_timeout: float | None):
+def engine_server(config, loop: EngineLoop, shutdown_timeout: float | None, on_started=None):
     """uvicorn's server for ``config``, whose graceful shutdown ends the engine's requests itself: ``shutdown_timeout``
     seconds after Ctrl-C / SIGTERM the engine loop aborts what is still running (a 500 in OpenAI's shape, or a final
     error event and [DONE] on a stream), before uvicorn's timeout would cancel the handlers (a traceback each, a
-    plain-text 500, a stream cut mid-body). None: wait for every request."""
+    plain-text 500, a stream cut mid-body). None: wait for every request. A second Ctrl-C aborts them at once, the
+    same way (uvicorn's own answer to it, a forced exit, cuts every stream mid-body and closes the event loop
+    under the engine thread); a third is uvicorn's forced exit. ``on_started(port)``: called once the socket is bound, with the port it got.
+
+    Raises:
+        ValueError: ``shutdown_timeout`` negative or not finite.
+    """
+    import signal
+    import sys
+
     import uvicorn
 
+    if shutdown_timeout is not None and not (math.isfinite(shutdown_timeout) and shutdown_timeout >= 0):
+        raise ValueError(f"shutdown_timeout: must be a finite number of seconds >= 0, got {shutdown_timeout!r}")
+
     class EngineServer(uvicorn.Server):
+        abort_now: asyncio.Event | None = None
+        event_loop: asyncio.AbstractEventLoop | None = None
+
+        async def startup(self, sockets=None):
+            self.event_loop, self.abort_now = asyncio.get_running_loop(), asyncio.Event()
+            await super().startup(sockets)
+            if self.started and on_started is not None:
+                on_started(self.servers[0].sockets[0].getsockname()[1])
+
+        def handle_exit(self, sig, frame):
+            if not (self.should_exit and sig == signal.SIGINT):
+                return super().handle_exit(sig, frame)
+            if self.abort_now is None or self.abort_now.is_set():  # a third: uvicorn's forced exit, the way out
+                return super().handle_exit(sig, frame)
+            print("second Ctrl-C: aborting the open requests now (a third forces the exit)", file=sys.stderr,
+                  flush=True)
+            # a signal handler runs between two bytecodes of the event loop's thread: the event is set by the loop
+            self.event_loop.call_soon_threadsafe(self.abort_now.set)
+
         async def shutdown(self, sockets=None):
-            abort = None
-            if shutdown_timeout is not None:
-                abort = asyncio.ensure_future(self._abort_after(shutdown_timeout))
+            abort = asyncio.ensure_future(self._abort_after(shutdown_timeout))
             try:
                 await super().shutdown(sockets)
             finally:
-                if abort is not None:
-                    abort.cancel()
+                abort.cancel()
 
-        @staticmethod
-        async def _abort_after(seconds: float) -> None:
-            await asyncio.sleep(seconds)
+        async def _abort_after(self, seconds: float | None) -> None:
+            try:
+                await asyncio.wait_for(self.abort_now.wait(), seconds)
+            except asyncio.TimeoutError:
+                pass
             await asyncio.get_running_loop().run_in_executor(None, loop.stop)
 
     if shutdown_timeout is not None:

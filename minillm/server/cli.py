@@ -7,6 +7,8 @@ thread stops and the process exits with status 0.
 
 from __future__ import annotations
 
+import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -34,6 +36,25 @@ def build_engine(model, tokenizer, args):
                      max_seq_len=args.max_seq_len, enable_prefix_caching=not args.no_prefix_caching)
 
 
+def seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def check_max_seq_len(max_seq_len: int | None, model) -> None:
+    """Raises ValueError naming --max-seq-len when it is past the model's context (the engine would cap it)."""
+    context = model.config.max_seq_len
+    if max_seq_len is not None and max_seq_len > context:
+        raise ValueError(f"--max-seq-len {max_seq_len} is past the model's context of {context} tokens; give at most "
+                         f"{context} (or leave it out for the model's)")
+
+
 def cmd_serve(args) -> int:
     """Load the model, start the engine thread and serve until interrupted; returns the exit code (0)."""
     import uvicorn
@@ -44,25 +65,29 @@ def cmd_serve(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = load(args)
+    check_max_seq_len(args.max_seq_len, model)
     engine = build_engine(model, tokenizer, args)
     name = args.served_model_name or model_name(args.model)
     loop = EngineLoop(engine, max_pending=args.max_num_seqs + args.max_queue)
     app = create_app(loop, name)
-    info = {"url": f"http://{args.host}:{args.port}/v1", "model": name, "num_blocks": engine.num_blocks,
-            "block_size": engine.block_size, "max_seq_len": engine.max_seq_len, "max_num_seqs": args.max_num_seqs,
-            "max_queue": args.max_queue}
-    if args.json:
-        print_json(info)
-    else:
-        print(f"serving {name} at {info['url']} ({engine.num_blocks} KV blocks of {engine.block_size} tokens, "
-              f"context {engine.max_seq_len}, {args.max_num_seqs} sequences a step, {args.max_queue} more may "
-              "wait); Ctrl-C stops", file=sys.stderr)
+
+    def started(port: int) -> None:  # once bound: --port 0 takes a free port, and this is the one it took
+        info = {"url": f"http://{args.host}:{port}/v1", "port": port, "model": name, "num_blocks": engine.num_blocks,
+                "block_size": engine.block_size, "max_seq_len": engine.max_seq_len,
+                "max_num_seqs": args.max_num_seqs, "max_queue": args.max_queue}
+        if args.json:
+            print_json(info)
+        else:
+            print(f"serving {name} at {info['url']} ({engine.num_blocks} KV blocks of {engine.block_size} tokens, "
+                  f"context {engine.max_seq_len}, {args.max_num_seqs} sequences a step, {args.max_queue} more may "
+                  "wait); Ctrl-C stops", file=sys.stderr, flush=True)
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it
     # found: KeyboardInterrupt, or the SystemExit of the command's SIGTERM handler (``files.sigterm_as_exit``),
     # which end here as a clean exit. uvicorn's own SystemExit (it could not listen: it logged why) stays a failure.
     try:
-        engine_server(config, loop, args.shutdown_timeout).run()
+        engine_server(config, loop, args.shutdown_timeout, on_started=started).run()
     except KeyboardInterrupt:
         pass
     except SystemExit as e:
@@ -82,7 +107,8 @@ def register(sub) -> None:
                                      "streaming, /metrics)")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=at_least(0), default=8000)
+    p.add_argument("--port", type=at_least(0), default=8000, help="port to listen on (0: a free one, which the "
+                   "startup line and --json report)")
     p.add_argument("--served-model-name", default=None, help="the model name requests give (default: the model "
                    "file's stem)")
     p.add_argument("--block-size", type=at_least(1), default=16)
@@ -90,12 +116,12 @@ def register(sub) -> None:
                    "max-num-seqs full-context sequences take, at most 512 MiB)")
     p.add_argument("--max-num-seqs", type=at_least(1), default=64, help="sequences in a step at most")
     p.add_argument("--max-num-batched-tokens", type=at_least(1), default=256, help="tokens per engine step")
-    p.add_argument("--max-seq-len", type=at_least(2), default=None, help="context to use (default: the model's)")
+    p.add_argument("--max-seq-len", type=at_least(2), default=None, help="context to use (default and at most: the model's)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse prompt blocks across requests")
     p.add_argument("--max-queue", type=at_least(0), default=256, help="requests that may wait beyond "
                    "--max-num-seqs; past them new requests get 503 (default 256)")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds running requests may take to "
-                   "finish after Ctrl-C / SIGTERM before they are aborted (default 30)")
+    p.add_argument("--shutdown-timeout", type=seconds, default=30.0, help="seconds running requests may take to "
+                   "finish after Ctrl-C / SIGTERM before they are aborted (default 30; a second Ctrl-C aborts them at once)")
     p.add_argument("--threads", type=at_least(1), default=None, help="torch threads (default: torch's)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)

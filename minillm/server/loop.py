@@ -68,8 +68,8 @@ class RequestStream:
     """The asyncio side of one request: what the engine thread sent it, in order.
 
     ``accepted()`` waits for the engine's verdict on the request (raises ``RequestRefused``);
-    ``outputs()`` yields its ``RequestOutput``s (cumulative, as vLLM's: of several that queued up while the
-    consumer was busy, only the newest is yielded) until the finished one, or raises ``RequestFailed``;
+    ``outputs()`` yields its ``RequestOutput``s (cumulative, as vLLM's: one that arrives while another waits
+    for the reader replaces it, so at most one waits) until the finished one, or raises ``RequestFailed``;
     ``close()`` aborts it if it is still running and gives back its place in the queue.
     """
 
@@ -80,19 +80,29 @@ class RequestStream:
         self.finished = self._closed = False
 
     def _put(self, item) -> None:  # the engine thread
-        self._loop.call_soon_threadsafe(self._push, item)
+        try:
+            self._loop.call_soon_threadsafe(self._push, item)
+        except RuntimeError:  # the event loop has closed (the server is gone): nobody is left to read it
+            pass
 
     def _push(self, item) -> None:  # the event loop's thread
-        self._items.append(item)
+        # a newer cumulative output holds everything a queued one does, so it takes its place: a client that
+        # stops reading holds one output per request (memory linear in its length), not one per step
+        if _is_output(item) and self._items and _is_output(self._items[-1]):
+            self._items[-1] = item
+        else:
+            self._items.append(item)
         self._ready.set()
+
+    @property
+    def queued(self) -> int:
+        """Items waiting for the reader (at most one output, then at most the end or an error)."""
+        return len(self._items)
 
     async def _next(self):
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
-        # a newer cumulative output holds everything an older one does
-        while len(self._items) > 1 and _is_output(self._items[0]) and _is_output(self._items[1]):
-            self._items.popleft()
         item = self._items.popleft()
         if isinstance(item, Exception):
             self.finished = True
