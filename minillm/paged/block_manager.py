@@ -11,6 +11,7 @@ KV pool to make, and reads each sequence's known tokens from the sequence's own 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -18,6 +19,10 @@ from .block_pool import BlockPool, NoFreeBlocksError
 from .prefix_cache import PrefixCache, hash_block_tokens
 
 __all__ = ["BlockManager", "DoubleFreeError", "NoFreeBlocksError", "UnknownSequenceError", "blocks_for"]
+
+# freed sequence ids remembered for ``DoubleFreeError``: the latest ones only, so that an engine serving for days
+# holds nothing for the millions of sequences it ended
+RECENTLY_FREED = 1024
 
 
 class UnknownSequenceError(ValueError):
@@ -66,7 +71,7 @@ class BlockManager:
         self.stats = self.prefix_cache.stats  # a PrefixCacheStats
         self.ref_counts = self.pool.ref_counts  # the pool's own list (it never rebinds it), read by index
         self._seqs: dict[int, _SeqBlocks] = {}
-        self._freed: set[int] = set()
+        self._freed: OrderedDict[int, None] = OrderedDict()  # the last RECENTLY_FREED freed ids, oldest first
         self.step_copies: list[tuple[int, int]] = []  # copy-on-write made since begin (a rollback makes them again)
 
     # ---- queries -------------------------------------------------------------------------------
@@ -150,7 +155,7 @@ class BlockManager:
         hits = self.prefix_cache.lookup(token_ids) if self.enable_prefix_caching else []
         for block, _ in hits:
             self.pool.incref(block)
-        self._freed.discard(seq_id)
+        self._freed.pop(seq_id, None)
         self._seqs[seq_id] = _SeqBlocks(table=[b for b, _ in hits], num_tokens=len(hits) * self.block_size,
                                         token_ids=token_ids, block_hashes=[h for _, h in hits])
         return len(hits) * self.block_size
@@ -234,7 +239,7 @@ class BlockManager:
             raise ValueError(f"child_id: {child_id} is already allocated; fork into a new id")
         for block in parent.table:
             self.pool.incref(block)
-        self._freed.discard(child_id)
+        self._freed.pop(child_id, None)
         ledger = list(parent.token_ids) if token_ids is None else token_ids
         self._seqs[child_id] = _SeqBlocks(list(parent.table), parent.num_tokens, ledger, list(parent.block_hashes))
 
@@ -242,19 +247,23 @@ class BlockManager:
         """End a sequence: each block loses a reference; those left with none return to the free queue.
 
         Raises:
-            DoubleFreeError: the sequence was already freed. UnknownSequenceError: never allocated.
+            DoubleFreeError: the sequence was freed (among the last ``RECENTLY_FREED``). UnknownSequenceError: not
+                allocated (never, or freed before those).
         """
         if seq_id in self._freed:
             raise DoubleFreeError(f"seq_id: sequence {seq_id} was already freed; free each sequence once")
         self.truncate(seq_id, 0, keep_token_ids=True)  # the token ids are the sequence's own list: left as they are
         del self._seqs[seq_id]
-        self._freed.add(seq_id)
+        self._freed[seq_id] = None
+        if len(self._freed) > RECENTLY_FREED:
+            self._freed.popitem(last=False)
 
     # ---- internals -----------------------------------------------------------------------------
     def _seq(self, seq_id: int) -> _SeqBlocks:
         seq = self._seqs.get(seq_id)
         if seq is None:
-            state = "was freed" if seq_id in self._freed else "was never allocated"
+            state = ("was freed" if seq_id in self._freed
+                     else f"was never allocated (or was freed before the last {RECENTLY_FREED} frees)")
             raise UnknownSequenceError(f"seq_id: sequence {seq_id} {state}; allocate it first")
         return seq
 

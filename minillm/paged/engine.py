@@ -21,14 +21,15 @@ from ..loading import load_model
 from ..sampling import SamplingParams
 from .batching import pack_flat, pack_rows
 from .beam import BeamSearchParams
-from .cache import FLAT_PATHS, PagedKVCache
+from .cache import backend
 from .config import DEFAULT_KV_BYTES, check_engine_args
 from .requests import RequestTracker
 from .scheduler import Scheduler, SchedulerOutput
 from .sequence import Request, RequestOutput, Sequence
 from .spec_decode import SpecDecoder, check_speculative_config
-from .stats import EngineStats
+from .stats import KEEP_RECORDS, EngineStats
 from .signals import interrupts_deferred
+from .trace import TraceWriter
 
 __all__ = ["DEFAULT_KV_BYTES", "LLMEngine"]
 
@@ -44,12 +45,16 @@ class LLMEngine:
         max_num_seqs, max_num_batched_tokens: the scheduler's limits (forks and beams take seats too).
         eos_ids: ids that end a sequence (default: the tokenizer's EOS); max_seq_len: the context (default and
             at most: the model's).
-        attention: how the forward reads the pool (``attention.py``): "bucketed" (default) and "blockwise"
-            take one flat (1, N) row; "indexed" and "gather" (the references) take (B, T) rows padded to the
-            longest (``row_width`` forces T).
+        attention: how the forward reads the pool (``cache.BACKENDS``): None for the model's own
+            (``model.paged_backend``: "blockwise", the online softmax of ``attention.py``, unless the speed layer
+            set "bucketed"); "blockwise", "bucketed" and "fused" take one flat (1, N) row; "gather" (the
+            reference) and "indexed" take (B, T) rows padded to the longest (``row_width`` forces T).
         record_logits: keep each sequence's next-token logits (tests compare them with a recompute).
         speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4} or
             {"method": "draft_model", "model": PATH_OR_DECODER, "num_speculative_tokens": "auto"}.
+        trace: a path: one JSON line per step (``trace.TraceWriter``, the schema in docs/trace.md), for
+            ``python -m minillm trace replay``; None (default) records nothing.
+        keep_records: step records kept in ``stats.records`` (the latest; None: all), ``stats.KEEP_RECORDS``.
 
     Raises:
         ValueError: a setting (``check_engine_args``) or a speculative_config field (``check_speculative_config``).
@@ -58,29 +63,34 @@ class LLMEngine:
     def __init__(self, model, tokenizer=None, *, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 256, eos_ids=None, max_seq_len: int | None = None,
-                 row_width: int | None = None, record_logits: bool = False, attention: str = "bucketed",
-                 speculative_config: dict | None = None):
+                 row_width: int | None = None, record_logits: bool = False, attention: str | None = None,
+                 speculative_config: dict | None = None, trace=None, keep_records: int | None = KEEP_RECORDS):
+        attention = attention or model.paged_backend
         check_engine_args(block_size, num_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_seq_len,
                           attention, row_width)  # before the KV pool is allocated
         spec = check_speculative_config(speculative_config, model,
-                                        lambda path: load_model(path, dtype=model.dtype, device=model.device)[0])
+                                        lambda path: load_model(path, dtype=model.dtype, device=model.device,
+                                                                      fast=model.accelerated)[0])
         self.model, self.tokenizer = model, tokenizer
         self.max_seq_len = min(max_seq_len or model.config.max_seq_len, model.config.max_seq_len)
         if num_blocks is None and kv_cache_bytes is None:
             kv_cache_bytes = min(DEFAULT_KV_BYTES, kv_bytes_of(model.config, max_num_seqs, self.max_seq_len,
                                                                model.dtype.itemsize))
-        self.cache = PagedKVCache(model.config, num_blocks, block_size, kv_bytes=kv_cache_bytes, dtype=model.dtype,
+        self.cache = backend(attention)(model.config, num_blocks, block_size, kv_bytes=kv_cache_bytes, dtype=model.dtype,
                                   device=model.device, enable_prefix_caching=enable_prefix_caching,
                                   attention=attention)
         self.manager, self.block_size = self.cache.manager, block_size
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.eos_ids = stop_ids(tokenizer, eos_ids)
-        self.row_width, self.flat = row_width, attention in FLAT_PATHS  # one flat row, or (B, T) padded rows
+        self.row_width, self.flat = row_width, attention in self.cache.FLAT_PATHS  # one flat row, or (B, T) padded rows
         self.spec = SpecDecoder(spec, self) if spec is not None else None  # reads self.requests when it proposes
-        self.stats = EngineStats(spec_decoding=self.spec.stats if self.spec is not None else None)
+        self.stats = EngineStats(spec_decoding=self.spec.stats if self.spec is not None else None,
+                                 keep_records=keep_records)
         self.tracker = RequestTracker(model, tokenizer, self.scheduler, self.eos_ids, self.max_seq_len, self.spec,
                                       record_logits)
         self.requests, self.beams, self.logits = self.tracker.requests, self.tracker.beams, self.tracker.logits
+        if trace is not None:  # last: the writer reads the engine's settings
+            self.stats.trace = TraceWriter(trace, self)
         self._pending: list[RequestOutput] = []  # outputs of a step that raised: the next step returns them
         self._driver = threading.RLock()
 
@@ -162,7 +172,7 @@ class LLMEngine:
             with interrupts_deferred():  # the forward wrote its tokens: from here the step stands
                 self._commit(plan, start, record, outputs)
                 self.tracker.append(ready, draws, outputs, self._append)  # append, stop
-            record.end = time.perf_counter()
+            self.stats.end_step(record, plan, ready, draws, outputs)
             return outputs
 
     @contextmanager

@@ -46,6 +46,10 @@ class PrefixCache:
     def __contains__(self, block: int) -> bool:
         return block in self._cached
 
+    def cached_blocks(self) -> set[int]:
+        """The blocks a prefix lookup can find, held or free (a copy: reading it changes nothing)."""
+        return set(self._cached)
+
     def lookup(self, token_ids: list[int]) -> list[tuple[int, int]]:
         """(block, hash) of the longest verified cached prefix of full blocks, the last token left uncached (it is
         computed again, for logits)."""
