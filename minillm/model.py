@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
-from .linear import _ONEDNN, Linear, linear_naive  # noqa: F401  (re-exported)
-from .threads import GOVERNOR
+from .linear import Linear
 
 ARCHITECTURES = ("llama", "gpt2")
+RAGGED_NEEDS_PAGED = ("input_pos: per-row (B, T) positions need a cache that serves a ragged batch "
+                      "(minillm.paged.PagedKVCache) and no pad_lengths; pass (T,) positions otherwise")
 
 
 @dataclass(frozen=True)
@@ -118,11 +118,7 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (Zhang & Sennrich 2019).
-
-    In float32 on a CPU, minillm's kernel does it in one pass per row (``kernels.rms_norm``); elsewhere
-    in float32 the weight goes into torch's ``rms_norm`` call, one dispatch where ``forward_naive`` takes four.
-    ``add_forward`` adds the residual in the same pass."""
+    """``x / sqrt(mean(x^2) + eps) * weight``, normalized in float32 (Zhang & Sennrich 2019)."""
 
     def __init__(self, weight: torch.Tensor, eps: float):
         super().__init__()
@@ -130,22 +126,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if kernels.fused_ok(x, self.weight):
-            return kernels.rms_norm(x, self.weight, self.eps)
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        return self.forward_naive(x)
-
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + delta, forward(x + delta))``: a sublayer's output added to the residual stream, and the next
-        sublayer's input (vLLM's ``fused_add_rms_norm``)."""
-        if kernels.fused_ok(x, delta, self.weight):
-            return kernels.add_rms_norm(x, delta, self.weight, self.eps)
-        h = x + delta
-        return h, self.forward(h)
-
-    def forward_naive(self, x: torch.Tensor) -> torch.Tensor:
-        """The baseline of ``forward``: normalize in float32, cast back, scale by the weight."""
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -161,11 +141,6 @@ class LayerNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps)
         return y.to(x.dtype)
-
-    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(x + delta, forward(x + delta))``, as ``RMSNorm.add_forward``."""
-        h = x + delta
-        return h, self.forward(h)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,35 +177,8 @@ def attention_naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Same as ``attention_naive`` through torch's fused ``scaled_dot_product_attention`` (GQA aware);
-    under ``torch.compile`` on the CPU, one unmasked query per row goes to ``attention_decode``, which
-    inductor fuses better there; on a GPU SDPA's kernels stay."""
-    if mask is None and q.shape[2] == 1 and q.device.type == "cpu" and torch.compiler.is_compiling():
-        return attention_decode(q, k, v)
+    """Same as ``attention_naive`` through torch's fused ``scaled_dot_product_attention`` (GQA aware)."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=bool(q.shape[1] != k.shape[1]))
-
-
-def attention_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query per row, no mask (a decode step): softmax(q k^T / sqrt(D)) v as broadcast products
-    and sums, each query head beside its KV head's group (GQA without repeating K and V).
-
-    Written for ``torch.compile`` (``minillm.compiled``): inductor turns the two sums into short loops
-    fused with the softmax, where SDPA's fused kernel sets up a parallel region and buffers for each
-    of the layers' one-row products (docs/roofline.md times the compiled step both ways).
-
-    Args:
-        q: (B, H, 1, D).
-        k, v: (B, Hkv, S, D).
-
-    Returns:
-        (B, H, 1, D), as ``attention_naive``.
-    """
-    B, H, _, D = q.shape
-    Hkv = k.shape[1]
-    qg = q.reshape(B, Hkv, H // Hkv, 1, D) / math.sqrt(D)  # each KV head's group of query heads, scaled
-    scores = (qg * k[:, :, None]).sum(-1)  # (B, Hkv, group, S)
-    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    return (p[..., None] * v[:, :, None]).sum(-2).reshape(B, H, 1, D)
 
 
 def attention_mask(input_pos: torch.Tensor, key_pos: torch.Tensor,
@@ -267,67 +215,68 @@ def attention_mask(input_pos: torch.Tensor, key_pos: torch.Tensor,
 
 class Attention(nn.Module):
     """Grouped-query attention. Q, K and V are one fused Linear ``wqkv`` (C -> (H + 2 Hkv) * D),
-    as vLLM's ``qkv_proj``: one weight read instead of three (docs/decode.md measures the gain)."""
+    as vLLM's ``qkv_proj``: one weight read instead of three.
 
-    def __init__(self, config: ModelConfig, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None, n_shards=1):
+    The cache is the one interface between the model and any KV layout: ``cache.attend(layer, q, k, v, mask)``
+    stores this layer's new keys and values and attends over every position it holds (``minillm.kv_cache``,
+    ``minillm.paged.PagedKVCache``)."""
+
+    def __init__(self, config: ModelConfig, wq, wk, wv, wo, bq=None, bk=None, bv=None, bo=None):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, config.head_dim
         bias = None if bq is None else torch.cat([bq, bk, bv])
-        self.wqkv = Linear(torch.cat([wq, wk, wv]), bias, n_shards)
-        self.wo = Linear(wo, bo, n_shards)
+        self.wqkv = Linear(torch.cat([wq, wk, wv]), bias)
+        self.wo = Linear(wo, bo)
 
     def forward(self, x, layer_idx, rope, cache, mask):
         B, T, _ = x.shape
-        qkv = self.wqkv(x)  # (B, T, (H + 2 Hkv) D)
-        if rope is not None and getattr(cache, "takes_qkv", False) and kernels.fused_ok(qkv):
-            # minillm.paged with its kernels: RoPE and the KV write in one pass, then attention over the pool
-            return self.wo(cache.attend_qkv(layer_idx, qkv, rope))
+        q, k, v = self.heads(self.wqkv(x), rope)  # (B, H, T, D), (B, Hkv, T, D), (B, Hkv, T, D)
+        y = attention(q, k, v, mask) if cache is None else cache.attend(layer_idx, q, k, v, mask)  # (B, H, T, D)
+        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def heads(self, qkv: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fused product's output (B, T, (H + 2 Hkv) D) as q (B, H, T, D), k and v (B, Hkv, T, D), q and k
+        rotated by RoPE (``rope`` (cos, sin), or None for learned positions)."""
+        B, T, _ = qkv.shape
         qkv = qkv.view(B, T, self.n_heads + 2 * self.n_kv_heads, self.head_dim).transpose(1, 2)
         qk, v = qkv.split([self.n_heads + self.n_kv_heads, self.n_kv_heads], dim=1)  # (B, H+Hkv, T, D), (B, Hkv, T, D)
         if rope is not None:
             qk = apply_rope(qk, *rope)  # q and k rotated in one go
-        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)  # (B, H, T, D), (B, Hkv, T, D)
-        if getattr(cache, "attends", False):  # a cache that runs the attention over its own layout (minillm.paged)
-            y = cache.attend(layer_idx, q, k, v)  # (B, H, T, D)
-        else:
-            if cache is not None:
-                k, v = cache.update(layer_idx, k, v)  # (B, Hkv, S, D): every position so far
-            y = attention(q, k, v, mask)  # (B, H, T, D)
-        return self.wo(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+        q, k = qk.split([self.n_heads, self.n_kv_heads], dim=1)
+        return q, k, v
 
 
 class MLP(nn.Module):
     """SwiGLU ``w_down(silu(gate) * up)`` (Llama; gate and up fused in ``w_gate_up``, vLLM's
     ``gate_up_proj``) or ``w_down(gelu(w_up x))`` (GPT-2)."""
 
-    def __init__(self, w_up, w_down, w_gate=None, b_up=None, b_down=None, b_gate=None, n_shards=1):
+    def __init__(self, w_up, w_down, w_gate=None, b_up=None, b_down=None, b_gate=None):
         super().__init__()
         self.gated = w_gate is not None
         if self.gated:
             gate_up_bias = None if b_up is None else torch.cat([b_gate, b_up])
-            self.w_gate_up = Linear(torch.cat([w_gate, w_up]), gate_up_bias, n_shards)
+            self.w_gate_up = Linear(torch.cat([w_gate, w_up]), gate_up_bias)
         else:
-            self.w_up = Linear(w_up, b_up, n_shards)
-        self.w_down = Linear(w_down, b_down, n_shards)
+            self.w_up = Linear(w_up, b_up)
+        self.w_down = Linear(w_down, b_down)
 
     def forward(self, x):
         if not self.gated:
             return self.w_down(F.gelu(self.w_up(x), approximate="tanh"))
-        gate_up = self.w_gate_up(x)
-        # one pass where torch takes a silu and a product
-        silu_mul = kernels.silu_mul if kernels.fused_ok(gate_up) else kernels.silu_mul_naive
-        return self.w_down(silu_mul(gate_up))
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # (..., F) each
+        return self.w_down(F.silu(gate) * up)
 
 
 class Block(nn.Module):
+    """One pre-norm layer: ``x + attn(norm(x))``, then ``+ mlp(norm(.))``."""
+
     def __init__(self, attn_norm, attn, ffn_norm, mlp):
         super().__init__()
         self.attn_norm, self.attn, self.ffn_norm, self.mlp = attn_norm, attn, ffn_norm, mlp
 
     def forward(self, x, layer_idx, rope, cache, mask):
-        # the attention's output joins the residual stream in the same pass as the MLP's norm reads it
-        x, h = self.ffn_norm.add_forward(x, self.attn(self.attn_norm(x), layer_idx, rope, cache, mask))
-        return x + self.mlp(h)
+        x = x + self.attn(self.attn_norm(x), layer_idx, rope, cache, mask)
+        return x + self.mlp(self.ffn_norm(x))
 
 
 class Decoder(nn.Module):
@@ -336,8 +285,6 @@ class Decoder(nn.Module):
 
     Args:
         config: the ``ModelConfig``.
-        n_shards: column blocks of every Linear (see ``Linear``): the number of CPU cores on a
-            CPU, 1 on a GPU. ``minillm.load_model`` chooses it.
         state: float tensors in minillm's names (``tok_embeddings.weight`` (V, C),
             ``layers.{i}.attn.wq.weight`` (H*D, C), ``layers.{i}.mlp.w_gate.weight`` (F, C), ...;
             see ``minillm.formats.gguf``), with Linear weights as (out, in).
@@ -346,11 +293,11 @@ class Decoder(nn.Module):
         KeyError: a tensor is missing from ``state`` (the loaders check first and say which file).
     """
 
-    _compiled_decode = None  # the one-token forward, when minillm.compiled.compile_decode has set it
-
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], n_shards: int = 1):
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor]):
         super().__init__()
         self.config = config
+        self.accelerated = False  # whether minillm.fast.accelerate swapped its layers in
+        self.paged_backend = "blockwise"  # the paged read an engine serving this model uses (minillm.fast sets its own)
         c = config
         llama = c.arch == "llama"
 
@@ -367,19 +314,17 @@ class Decoder(nn.Module):
             p = f"layers.{i}"
             attn = Attention(
                 c, *(state[f"{p}.attn.{n}.weight"] for n in ("wq", "wk", "wv", "wo")),
-                *(opt(f"{p}.attn.{n}.bias") for n in ("wq", "wk", "wv", "wo")), n_shards=n_shards,
+                *(opt(f"{p}.attn.{n}.bias") for n in ("wq", "wk", "wv", "wo")),
             )
             mlp = MLP(
                 state[f"{p}.mlp.w_up.weight"], state[f"{p}.mlp.w_down.weight"],
                 state[f"{p}.mlp.w_gate.weight"] if llama else None,
                 opt(f"{p}.mlp.w_up.bias"), opt(f"{p}.mlp.w_down.bias"), opt(f"{p}.mlp.w_gate.bias"),
-                n_shards=n_shards,
             )
             layers.append(Block(norm(f"{p}.attn_norm"), attn, norm(f"{p}.ffn_norm"), mlp))
         self.layers = nn.ModuleList(layers)
         self.norm = norm("norm")
-        self.output = Linear(state["tok_embeddings.weight"] if c.tie_embeddings else state["output.weight"],
-                             n_shards=n_shards)
+        self.output = Linear(state["tok_embeddings.weight"] if c.tie_embeddings else state["output.weight"])
         if not c.tie_embeddings:
             self.tok_embeddings = nn.Parameter(state["tok_embeddings.weight"].clone(), requires_grad=False)
         self.pos_embeddings = None
@@ -391,7 +336,7 @@ class Decoder(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
 
     def embedding_weight(self) -> torch.Tensor:
-        """The token embedding (V, C) (reassembled from the output shards when tied)."""
+        """The token embedding (V, C) (the output layer's weight when tied)."""
         return self.output.weight if self.config.tie_embeddings else self.tok_embeddings
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -401,17 +346,13 @@ class Decoder(nn.Module):
             return self.output.rows(tokens)
         return F.embedding(tokens, self.tok_embeddings)
 
-    def _anchor(self) -> torch.Tensor:  # a float weight that says where the model lives and its dtype
-        shards = getattr(self.output, "weight_shards", None)  # absent when the output layer is quantized
-        return self.norm.weight if shards is None else shards
-
     @property
     def device(self) -> torch.device:
-        return self._anchor().device
+        return self.norm.weight.device  # the final norm stays float whatever the linear layers become
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._anchor().dtype
+        return self.norm.weight.dtype
 
     def forward(self, tokens: torch.Tensor, input_pos: torch.Tensor, cache=None,
                 pad_lengths: torch.Tensor | None = None, logits_indices: torch.Tensor | None = None) -> torch.Tensor:
@@ -436,13 +377,9 @@ class Decoder(nn.Module):
                 cache, or (through the cache) a write that would leave a gap.
         """
         per_row = self._check_inputs(tokens, input_pos, cache, pad_lengths)
-        if tokens.device.type == "cpu":
-            GOVERNOR.tick()  # every few seconds: threads for the cores other processes leave free
         x, rope = self._add_positions(self.embed(tokens), input_pos, pad_lengths, per_row)  # x (B, T, C)
         key_pos = input_pos if cache is None else torch.arange(cache.prepare(input_pos), device=tokens.device)
         mask = attention_mask(input_pos, key_pos, pad_lengths)
-        if self._compiled_decode is not None and tokens.shape[1] == 1 and not torch.is_grad_enabled():
-            return self._compiled_decode(x, rope, cache, mask, logits_indices)  # one-token steps: minillm.compiled
         return self.forward_layers(x, rope, cache, mask, logits_indices)
 
     def _check_inputs(self, tokens, input_pos, cache, pad_lengths) -> bool:
@@ -453,9 +390,8 @@ class Decoder(nn.Module):
         if T == 0 or input_pos.shape[-1] != T or input_pos.dim() > 2 or (input_pos.dim() == 2 and len(input_pos) != B):
             raise ValueError(f"input_pos: needs one position per token ({T}), got shape {tuple(input_pos.shape)}")
         per_row = input_pos.dim() == 2
-        if per_row and (not getattr(cache, "serves_ragged_batch", False) or pad_lengths is not None):
-            raise ValueError("input_pos: per-row (B, T) positions need a cache that serves a ragged batch "
-                             "(minillm.paged.PagedKVCache) and no pad_lengths; pass (T,) positions otherwise")
+        if per_row and (cache is None or pad_lengths is not None):  # the cache's prepare refuses them too
+            raise ValueError(RAGGED_NEEDS_PAGED)
         # the checks read two values back from the device, once per forward
         ends = torch.stack([input_pos.min(), input_pos.max()]) if per_row else input_pos[[0, -1]]
         first, last = ends.tolist()
@@ -496,13 +432,23 @@ class Decoder(nn.Module):
     def forward_layers(self, x: torch.Tensor, rope, cache, mask, logits_indices=None) -> torch.Tensor:
         """The blocks, the final norm and the output projection: x (B, T, C) -> (B, T, V) float32
         logits ((N, V) at ``logits_indices``, see ``forward``). ``forward`` checks its inputs and prepares
-        rope (cos, sin), the cache and the mask, then calls this; ``minillm.compiled.compile_decode``
-        compiles it for one-token steps."""
+        rope (cos, sin), the cache and the mask, then calls this (``minillm.fast.compiled`` compiles it for
+        one-token steps)."""
         for i, layer in enumerate(self.layers):
             x = layer(x, i, rope, cache, mask)
         if logits_indices is not None:
             x = x.flatten(0, 1)[logits_indices]  # (N, C): only the positions whose logits are wanted
         return self.output(self.norm(x)).float()
 
-    def __getstate__(self):  # copy.deepcopy / pickle: a compiled decode belongs to this object only
-        return {**self.__dict__, "_compiled_decode": None}
+    @property
+    def compiled(self) -> bool:
+        """Whether a compiled one-token step is swapped in (``minillm.fast.compiled.compile_decode``)."""
+        return "forward_layers" in self.__dict__
+
+    def drop_compiled_step(self) -> None:
+        """Forget a compiled one-token step (``minillm.fast.compiled`` froze the weights as they were): called by
+        whatever changes the weights (quantization), so that the next step runs, and may be compiled, anew."""
+        self.__dict__.pop("forward_layers", None)
+
+    def __getstate__(self):  # copy.deepcopy / pickle: a step swapped in from outside belongs to this object only
+        return {k: v for k, v in self.__dict__.items() if k != "forward_layers"}

@@ -6,7 +6,7 @@ small operations (norms, RoPE, attention, cache writes, residual adds) of a few 
 into one graph; inductor fuses the elementwise operations into generated C++ (or Triton) loops,
 ``max_autotune`` times its own GEMM template against ATen's kernel for each weight shape and keeps the
 faster, and ``freezing`` packs the weights once, as constants. On the CPU, attention over one query
-becomes fused loops too (``minillm.model.attention_decode``). gpt-fast compiles its decode step the same
+becomes fused loops too (``minillm.fast.layers.attention_decode``). gpt-fast compiles its decode step the same
 way; vLLM compiles its model and replays it with CUDA graphs, which minillm leaves out (docs/gpu.md).
 
 Only one-token forwards (decode steps, B rows; also a one-token prompt) take the compiled path;
@@ -22,8 +22,10 @@ import warnings
 
 import torch
 
-from .linear import Linear
-from .model import Decoder
+from ..linear import Linear
+from ..model import Attention, Decoder
+from .layers import FastAttention, swap
+from .linear import FastLinear
 
 # inductor's GEMM autotuning calls the deprecated Tensor.storage() inside torch itself; the warning says
 # nothing a user of compiled decode can act on. Only inductor's own call is silenced: a user's stays.
@@ -56,29 +58,34 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
     code (as much memory again): compile after their last change (``quantize_model`` drops a compiled decode).
 
     Args:
-        model: a ``Decoder`` whose linear layers are ``minillm.linear.Linear`` or declare ``compilable``
-            (``QuantLinear`` does: quantized layers compile too, docs/quant_methods.md).
+        model: a ``Decoder`` whose linear layers are ``Linear``, ``FastLinear`` or declare ``compilable``
+            (``QuantLinear`` does: quantized layers compile too, docs/quant_methods.md). Its attention layers
+            become ``FastAttention`` (one query per row attends through ``attention_decode`` when traced).
         options: inductor options (default ``COMPILE_OPTIONS``; ``CUDA_COMPILE_OPTIONS`` for a model
             on a GPU).
 
     Returns:
-        ``model``, whose ``forward`` now calls the compiled ``forward_layers`` for one-token forwards without
-        gradients (those with gradients stay eager); logits agree with eager to float32 rounding.
+        ``model``, whose ``forward_layers`` now runs compiled for one-token forwards without gradients (an
+        instance attribute over the class's method; those with gradients stay eager); logits agree with eager to
+        float32 rounding.
 
     Raises:
         TypeError: ``model`` is not a ``Decoder``.
-        ValueError: it holds linear layers that neither are ``Linear`` nor declare ``compilable``.
+        ValueError: it holds linear layers that are neither ``Linear`` nor ``FastLinear`` nor declare ``compilable``.
     """
     if not isinstance(model, Decoder):
         raise TypeError(f"model: expected a minillm Decoder, got {type(model).__name__}")
     other = sorted({type(m).__name__ for m in model.modules()
-                    if not isinstance(m, Linear) and hasattr(m, "in_features") and not getattr(m, "compilable", False)})
+                    if not isinstance(m, (Linear, FastLinear)) and hasattr(m, "in_features")
+                    and not getattr(m, "compilable", False)})
     if other:
-        raise ValueError(f"model: compile_decode supports minillm Linear layers and layers that declare "
+        raise ValueError(f"model: compile_decode supports minillm's Linear and FastLinear layers and layers that declare "
                          f"`compilable` (minillm.quant.QuantLinear); found {other}. Run this model without compiling")
     for m in model.modules():  # a layer may pick the kernel that inductor compiles best on this CPU
         if hasattr(m, "prepare_compile"):
             m.prepare_compile()
+        if isinstance(m, Attention):
+            swap(m, FastAttention)
     # dynamo keeps compiled versions per code object, and its "automatic dynamic" sizes per code name:
     # a renamed copy of the function for each model keeps another model's sizes (heads, widths) from
     # turning this one's into symbolic sizes; only the cached length becomes symbolic
@@ -94,18 +101,20 @@ def compile_decode(model: Decoder, options: dict | None = None) -> Decoder:
 
     recompiles = {"recompile_limit": RECOMPILE_LIMIT, "fail_on_recompile_limit_hit": True}
 
-    def decode_layers(x, rope, cache, mask, logits_indices=None):
+    def forward_layers(x, rope, cache, mask, logits_indices=None):
+        if x.shape[1] != 1 or torch.is_grad_enabled():  # prefill, verification, gradients: eager
+            return Decoder.forward_layers(model, x, rope, cache, mask, logits_indices)
         with torch._inductor.config.patch(settings), torch._dynamo.config.patch(recompiles):
             logits = compiled(model, x, rope, cache, mask)
         # compiled without logits_indices (one graph whichever rows are wanted): every row is projected, then picked
         return logits if logits_indices is None else logits.flatten(0, 1)[logits_indices]
 
-    model._compiled_decode = decode_layers
+    model.forward_layers = forward_layers  # this model's own: copies and pickles drop it (Decoder.__getstate__)
     return model
 
 
 def _decode_layers(model: Decoder, x, rope, cache, mask):
-    return model.forward_layers(x, rope, cache, mask)
+    return Decoder.forward_layers(model, x, rope, cache, mask)  # the class's method, not the instance's wrapper
 
 
 def _fresh_copy(fn, name: str):
@@ -119,4 +128,4 @@ _COUNTER = itertools.count()
 
 def is_compiled(model: Decoder) -> bool:
     """Whether ``compile_decode`` has been applied to ``model`` (copies and quantized models are not)."""
-    return model._compiled_decode is not None
+    return model.compiled

@@ -1,6 +1,6 @@
-"""minillm's linear layer: W as one column block per CPU core, read by minillm's few-row kernel (or one batched
-matmul) for products of a few rows, and a copy in oneDNN's blocked layout for products of many rows (see
-``Linear``); ``linear_naive`` is its baseline."""
+"""The speed layer's linear layer: W as one column block per CPU core, read by minillm's few-row kernel (or one
+batched matmul) for products of a few rows, and a copy in oneDNN's blocked layout for products of many rows (see
+``FastLinear``). Its twin is the library's ``minillm.linear.Linear`` (``linear_naive`` is the baseline of both)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..linear import Linear
 from . import kernels
 
 
@@ -68,7 +69,7 @@ def _onednn_padding() -> dict[int, int]:
 ONEDNN_PADDING = _onednn_padding()
 
 
-class Linear(nn.Module):
+class FastLinear(nn.Module):
     """``y = x W^T + b``, with W stored as ``n_shards`` column blocks, one per CPU core, and (on a
     CPU in float32, for products of several rows) a second copy packed in oneDNN's blocked layout.
 
@@ -94,6 +95,11 @@ class Linear(nn.Module):
             out_features.
     """
 
+    @classmethod
+    def from_linear(cls, layer: Linear, n_shards: int) -> FastLinear:
+        """The same product as the library's ``layer`` (its weight and bias), laid out for this CPU."""
+        return cls(layer.weight.detach(), None if layer.bias is None else layer.bias.detach(), n_shards)
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, n_shards: int = 1):
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -111,6 +117,10 @@ class Linear(nn.Module):
     def weight(self) -> torch.Tensor:
         """(out_features, in_features), reassembled (a copy when sharded)."""
         return self.weight_shards.transpose(0, 1).reshape(self.in_features, self.out_features).t()
+
+    def load_weight(self, weight: torch.Tensor) -> None:
+        """Replace W with ``weight`` (out_features, in_features), keeping the shard layout."""
+        self.weight_shards.data = FastLinear(weight.to(self.weight_shards.dtype), None, self.n_shards).weight_shards.data
 
     def rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows ``W[index]`` (..., in_features) without reassembling W (tied-embedding lookups)."""
@@ -170,8 +180,3 @@ class Linear(nn.Module):
 
     def __getstate__(self):  # copy.deepcopy / pickle: the packed copy is rebuilt, not copied
         return {**self.__dict__, "_packed": None, "_packed_from": None, "_packed_version": None}
-
-
-def linear_naive(x: torch.Tensor, layer: Linear) -> torch.Tensor:
-    """The baseline of ``Linear.forward`` (same result): ``F.linear`` on the (out, in) weight."""
-    return F.linear(x, layer.weight, layer.bias)

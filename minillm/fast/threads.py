@@ -194,5 +194,5 @@ def fix_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-#: the process's governor: ``minillm.loading.load_model`` fits it, ``Decoder.forward`` ticks it
+#: the process's governor: ``minillm.fast.accelerate`` fits it, and ticks it before every forward of the model
 GOVERNOR = ThreadGovernor()

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..fast.linear import FastLinear
 from ..linear import Linear
 from ..roofline import ceilings as roofline_ceilings
 from ..timing import dtype_name, measure_decode, time_median
@@ -80,7 +81,7 @@ def step_outside_linear(model, rounds: int = 3) -> dict:
     Returns:
         {"step_s": [...], "linear_s": [...], "outside_share": the median over rounds of (step - linear) / step}.
     """
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    layers = [m for m in model.modules() if isinstance(m, (Linear, FastLinear))]
     xs = {n: torch.randn(1, n, dtype=model.dtype, device=model.device) for n in {m.in_features for m in layers}}
     steps, linears = [], []
     with torch.inference_mode():

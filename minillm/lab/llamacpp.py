@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..compiled import compile_decode
+from ..fast.compiled import compile_decode
 from ..data import BENCH_PROMPT
 from ..formats.gguf import read_gguf
 from ..generation import generate_cached

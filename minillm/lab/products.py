@@ -14,8 +14,8 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from .. import kernels
-from ..linear import _ONEDNN, FEW_ROWS, KERNEL_TILES, Linear
+from ..fast import kernels
+from ..fast.linear import _ONEDNN, FEW_ROWS, KERNEL_TILES, FastLinear
 from ..loading import load_model
 from ..options import print_json
 from ..quant.qlinear import QuantLinear
@@ -27,7 +27,7 @@ def _biased(m, y: torch.Tensor) -> torch.Tensor:
     return y if m.bias is None else y + m.bias.to(y.dtype)
 
 
-def _float_paths(layers: list[Linear]) -> dict:
+def _float_paths(layers: list[FastLinear]) -> dict:
     """name -> fn(layer, x) for the float32 layers, those this machine and these widths allow."""
     paths = {"shards, bmm": lambda m, x: m.forward_shards(x)}
     if _ONEDNN:
@@ -76,7 +76,7 @@ def _check(paths: dict, layers, xs: dict, name: str, rows: int) -> None:
 
 
 def _weight_bytes(layers) -> int:
-    return sum(m.weight_shards.numel() * 4 if isinstance(m, Linear) else m.kernel_nbytes() for m in layers)
+    return sum(m.weight_shards.numel() * 4 if isinstance(m, FastLinear) else m.kernel_nbytes() for m in layers)
 
 
 @torch.inference_mode()
@@ -86,7 +86,7 @@ def measure_products(model, rows=(1, 2, 4, 8, 16, 32, 64), qmodel=None, repeats:
     Returns {"rows": [{"rows": r, "float32": {path: s}, "int4": {path: s}}], "weight_bytes": {...}, "few_rows":
     FEW_ROWS, "kernel_tiles": KERNEL_TILES, "machine": ...}.
     """
-    fl = [m for m in model.modules() if isinstance(m, Linear)]
+    fl = [m for m in model.modules() if isinstance(m, FastLinear)]
     ql = [m for m in qmodel.modules() if isinstance(m, QuantLinear)] if qmodel is not None else []
     sets = [("float32", fl, _float_paths(fl))] + ([("int4", ql, _int4_paths(ql))] if ql else [])
     g = torch.Generator().manual_seed(0)

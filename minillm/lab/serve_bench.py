@@ -29,7 +29,7 @@ from ..paged.beam import BeamSearchParams
 from ..paged.engine import LLMEngine
 from ..paged.fragmentation import MAX_SEQ_LEN, TRACES, kv_utilization, make_trace
 from ..sampling import SamplingParams
-from ..threads import torch_default_threads
+from ..fast.threads import torch_default_threads
 from ..timing import dtype_name, machine
 from .background import busy_note
 from .engine_costs import linear_floor

@@ -15,7 +15,7 @@ from ..paged.block_manager import blocks_for
 from ..paged.engine import DEFAULT_KV_BYTES
 from ..paged.fragmentation import MAX_SEQ_LEN, TRACES
 from ..timing import available_memory
-from ..threads import fix_threads
+from ..fast.threads import fix_threads
 from .background import background_load, check_load
 from .online import cmd_online
 from .serve_bench import SPEC_ROW, format_report, request_lengths, serve_bench

@@ -29,6 +29,7 @@ from ..data import HELD_OUT_PLAY, play_text
 from ..evaluation import perplexity, reference_logprobs
 from ..generation import generate_cached, generate_naive
 from ..kv_cache import kv_cache_bytes
+from ..fast.linear import FastLinear
 from ..linear import Linear
 from ..model import LayerNorm, RMSNorm
 from ..paged.engine import LLMEngine
@@ -145,8 +146,8 @@ def weight_bytes(model) -> int:
     for m in model.modules():
         if isinstance(m, QuantLinear):
             total += m.kernel_nbytes()
-        elif isinstance(m, Linear):
-            total += sum(t.numel() * t.element_size() for t in (m.weight_shards, m.bias) if t is not None)
+        elif isinstance(m, (Linear, FastLinear)):
+            total += sum(p.numel() * p.element_size() for p in m.parameters())
         elif isinstance(m, (RMSNorm, LayerNorm)):
             total += sum(p.numel() * p.element_size() for p in m.parameters())
     return total

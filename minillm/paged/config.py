@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numbers
 
-from .cache import ATTENTION_PATHS, FLAT_PATHS
+from .cache import backend
 
 __all__ = ["DEFAULT_KV_BYTES", "check_count", "check_engine_args"]
 
@@ -21,7 +21,7 @@ def check_count(name: str, value, optional: bool = False) -> None:
 
 
 def check_engine_args(block_size=16, num_blocks=None, kv_cache_bytes=None, max_num_seqs=64,
-                      max_num_batched_tokens=256, max_seq_len=None, attention="bucketed", row_width=None) -> None:
+                      max_num_batched_tokens=256, max_seq_len=None, attention=None, row_width=None) -> None:
     """Refuse an engine setting before any memory is taken or model loaded, naming the setting.
 
     Raises:
@@ -37,8 +37,6 @@ def check_engine_args(block_size=16, num_blocks=None, kv_cache_bytes=None, max_n
     if kv_cache_bytes is not None and (isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, numbers.Real)
                                        or not 0 < kv_cache_bytes < float("inf")):
         raise ValueError(f"kv_cache_bytes: must be a positive number of bytes (or None), got {kv_cache_bytes!r}")
-    if attention not in ATTENTION_PATHS:
-        raise ValueError(f"attention: {attention!r} is not one of {ATTENTION_PATHS}")
-    if row_width is not None and attention in FLAT_PATHS:
+    if attention is not None and row_width is not None and attention in backend(attention).FLAT_PATHS:
         raise ValueError(f"row_width: attention={attention!r} packs one flat row without padding; row_width "
                          "applies to the padded rows of 'indexed' and 'gather'")

@@ -30,7 +30,8 @@ class LLM:
         model: None (the embedded SmolLM2-135M-Instruct), a path ``load_model`` takes, or a loaded
             ``minillm.model.Decoder`` (then pass its ``tokenizer``, or None for token-id prompts).
         block_size ... max_num_batched_tokens, **engine_kwargs: as ``LLMEngine``.
-        dtype, device, n_shards: how ``load_model`` loads a path (ignored for a loaded model).
+        dtype, device, fast, n_shards: how ``load_model`` loads a path (ignored for a loaded model): ``fast=False``
+            serves the plain model (the library's torch only, the "blockwise" read).
 
     ``generate``, ``chat`` and ``beam_search`` own the requests they add: an interrupt or error aborts them,
     and they refuse to run while the engine holds requests added through ``llm_engine.add_request``. One
@@ -42,12 +43,12 @@ class LLM:
 
     def __init__(self, model=None, *, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 256, dtype="float32", device="cpu", n_shards: int | None = None,
-                 **engine_kwargs):
+                 max_num_batched_tokens: int = 256, dtype="float32", device="cpu", fast: bool = True,
+                 n_shards: int | None = None, **engine_kwargs):
         check_engine_args(block_size, num_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens,
                           engine_kwargs.get("max_seq_len"))
         if model is None or isinstance(model, (str, Path)):
-            model, tokenizer = load_model(model, dtype=dtype, device=device, n_shards=n_shards)
+            model, tokenizer = load_model(model, dtype=dtype, device=device, fast=fast, n_shards=n_shards)
         self.model, self.tokenizer = model, tokenizer
         self.llm_engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=num_blocks,
                                     kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,

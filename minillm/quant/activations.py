@@ -35,6 +35,5 @@ def quantize_activations(model: nn.Module, bits: int = 8) -> int:
         m.act_bits = bits
         if m.want_fast:
             m.prepare_fast()
-    if hasattr(model, "_compiled_decode"):
-        model._compiled_decode = None  # a compiled decode froze the layers as they were: compile again after this
+    model.drop_compiled_step()  # a compiled decode froze the weights as they were
     return len(layers)

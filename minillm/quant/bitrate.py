@@ -328,7 +328,7 @@ def quantize_variable(model, choice: dict[str, list[int]], calib: torch.Tensor |
         raise ValueError("recipe: variable bitrate quantizes asymmetric codes with dynamic groups; drop sym and static_groups")
     gptq = recipe.gptq
     configs = {n: QuantConfig(int(choice[n][0]), int(choice[n][1]), mse=recipe.mse and gptq) for n in names}
-    model._compiled_decode = None  # a compiled decode froze the float weights
+    model.drop_compiled_step()  # a compiled decode froze the weights as they were
     quantizer = _PerLayerQuantizer(model, configs, recipe, fast)
     if not gptq:  # no calibration inputs needed (errors not measured: NaN)
         for i, block in enumerate(tqdm(model.layers, desc="quantize (variable)", disable=not progress, leave=False)):

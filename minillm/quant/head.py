@@ -59,9 +59,9 @@ def quantize_output(model, kind: str, fast: bool = True) -> dict:
         return {"quant_head": "none"}
     if isinstance(model.output, QuantLinear):
         raise ValueError("model: its output layer is quantized already; load the float model to quantize it again")
-    model._compiled_decode = None  # a compiled decode froze the float head
-    w = model.output.weight.float()  # (V, C), reassembled from the shards
-    float_bytes = model.output.weight_shards.numel() * model.output.weight_shards.element_size()
+    model.drop_compiled_step()  # a compiled decode froze the weights as they were
+    w = model.output.weight.float()  # (V, C)
+    float_bytes = w.numel() * model.output.weight.element_size()
     qw = rtn_quantize(w, config)
     bias = getattr(model.output, "bias", None)
     model.output = QuantLinear(qw, bias, fast=fast)

@@ -118,7 +118,7 @@ def quantize_model(model, recipe: Recipe, calib: torch.Tensor | None = None, *ar
     if args or options:
         raise TypeError(f"quantize_model: the recipe holds every option; got {sorted(options) or args}")
     _check_inputs(model, recipe, calib)
-    model._compiled_decode = None  # a compiled decode (minillm.compiled) froze the float weights
+    model.drop_compiled_step()  # a compiled decode froze the weights as they were
     quantizer = LayerQuantizer(model, recipe, fast)
     report = {**recipe.report(), "layers": quantizer.layers}
     blocks = tqdm(model.layers, desc=f"quantize ({recipe.method})", disable=not progress, leave=False)
@@ -282,6 +282,5 @@ def awq_scale_block(model, block, i, X, rope, mask, config, n_grid, n_tokens) ->
 
 
 def _set_weight(lin: Linear, W: torch.Tensor) -> None:
-    """Replace a float ``Linear``'s weight (O, I), keeping its shard layout."""
-    new = Linear(W.to(lin.weight_shards.dtype), None, lin.n_shards)
-    lin.weight_shards.data = new.weight_shards.data
+    """Replace a float linear layer's weight (O, I) (``load_weight``: the speed layer's keeps its layout)."""
+    lin.load_weight(W)

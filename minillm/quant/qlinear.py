@@ -5,10 +5,10 @@ Two forwards with the same signature:
 * ``forward_reference`` (the baseline): unpack, dequantize ``scales[:, g_idx] * (codes - zeros)`` to float32, then
   ``F.linear``. Exact: it computes with the very weight the quantizer chose.
 * ``forward`` (the fast path): a kernel that reads the packed codes (about 1/7 of float32's bytes) and dequantizes in
-  registers. On a CPU with AVX2, minillm's own (``minillm.kernels``: float32 throughout, so within float32 rounding of
-  the reference); elsewhere, or where it cannot be built, torch's int4 weight-only kernels on bfloat16 activations,
-  scales and zeros (within bfloat16 rounding; tested). 8-bit per-channel codes take the int8 kernel of the same pair;
-  other layouts fall back to the reference path (``fast`` says which, ``kernel`` names it).
+  registers: torch's int4 weight-only kernels on bfloat16 activations, scales and zeros (within bfloat16 rounding;
+  tested), on the CPU and on CUDA. 8-bit per-channel codes take torch's int8 kernel; other layouts fall back to the
+  reference path (``fast`` says which, ``kernel`` names it). The speed layer's ``FastQuantLinear``
+  (``minillm.fast.quant``) adds minillm's own CPU kernels, float32 throughout.
 
 ``rows(index)`` dequantizes only some output rows: the lookup of a tied embedding whose output layer is quantized
 (``minillm.quant.head``). docs/quant_methods.md says which layouts the kernels take and how act-order and zero points
@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import kernels
 from .pack import codes_per_word, pack_weight, pack_zeros, unpack_rows, unpack_weight, unpack_zeros
 from .rtn import QuantConfig, QuantizedWeight, dequantize_codes
 
@@ -46,12 +45,10 @@ class QuantLinear(nn.Module):
         fast: use the int4 kernel when the layout allows it (``prepare_fast``).
     """
 
-    #: ``minillm.compiled.compile_decode`` may trace it (its kernels have inductor lowerings; the
+    #: ``minillm.fast.compiled.compile_decode`` may trace it (torch's kernels have inductor lowerings; the
     #: reference path's dequantization is folded into a float32 constant under freezing)
     compilable = True
-    torch_kernels = False  # True: compiled traces take torch's kernels (``prepare_compile``)
     act_bits = None  # 8: activations rounded to int8 in blocks of 32 first (``minillm.quant.activations``)
-    _compile_kernel = None  # what compiled traces run when it is not ``_kernel`` (class defaults: older pickles)
 
     def __init__(self, qw: QuantizedWeight, bias: torch.Tensor | None = None, fast: bool = True):
         super().__init__()
@@ -75,8 +72,8 @@ class QuantLinear(nn.Module):
 
     @property
     def kernel(self) -> str:
-        """Which product ``forward`` runs: "minillm-int4", "minillm-int4-a8", "minillm-int8", "torch-int4",
-        "torch-int8" or "reference"."""
+        """Which product ``forward`` runs: "torch-int4", "torch-int8" or "reference" (the speed layer's
+        "minillm-int4", "minillm-int4-a8", "minillm-int8")."""
         return "reference" if self._kernel is None else self._kernel[0]
 
     # ---- storage ------------------------------------------------------------------------------
@@ -120,30 +117,26 @@ class QuantLinear(nn.Module):
 
     def round_activations(self, x: torch.Tensor) -> torch.Tensor:
         """x as the layer's products see it: rounded to int8 in blocks of 32 inputs where ``act_bits`` is 8
-        (``kernels.quantize_q8``, then back to x's dtype), else x itself."""
+        (``quantize_q8``, then back to x's dtype), else x itself."""
         if self.act_bits is None:
             return x
         # the rounded value; gradients pass through as if unrounded (straight-through)
-        return x + (kernels.round_q8(x.detach()) - x).detach()
+        return x + (round_q8(x.detach()) - x).detach()
 
     def prepare_fast(self) -> bool:
-        """Build the kernel's tensors if the layout allows it (after ``prepare_compile``, torch's too, for
-        compiled traces); returns whether the fast path is on."""
-        self._kernel = self._compile_kernel = None  # nothing stale if a build raises
-        self._kernel = self._build(ours=kernels.available())
-        if self.torch_kernels:
-            self._compile_kernel = self._build(ours=False)
+        """Build the kernel's tensors if the layout allows it; returns whether the fast path is on."""
+        self._kernel = None  # nothing stale if a build raises
+        self._kernel = self._build()
         return self._kernel is not None
 
-    def _build(self, ours: bool) -> tuple | None:
-        """The kernel's (kind, tensors ...): minillm's where ``ours`` and the layout allow, else torch's; None
-        where neither takes the layout (the reference path)."""
+    def _build(self) -> tuple | None:
+        """The kernel's (kind, tensors ...); None where no kernel takes the layout (the reference path)."""
         if self.qweight.device.type == "meta":  # no values to pack (a model being built before loading)
             return None
         qw = self.quantized_weight()
         I = self.in_features
         if self.config.bits == 8:
-            return self._build_int8(qw, ours)
+            return self._build_int8(qw)
         if self.config.bits > 4:
             return None
         # group ids outside the scales' columns are no layout at all (to_empty's uninitialised buffers, until
@@ -166,6 +159,13 @@ class QuantLinear(nn.Module):
         z = qw.zeros[:, group_of_kernel_group].float()
         dev = self.qweight.device
         order = None if (perm == torch.arange(I, device=perm.device)).all() else perm.to(dev)
+        return self._pack_int4(codes, s, z, kg, order)
+
+    def _pack_int4(self, codes: torch.Tensor, s: torch.Tensor, z: torch.Tensor, kg: int,
+                   order: torch.Tensor | None) -> tuple | None:
+        """torch's int4 kernel's tensors for codes (O, I) in kernel order, scales and zeros (O, I / kg) per kernel
+        group of kg columns, and the input order (None: as stored)."""
+        I, dev = self.in_features, self.qweight.device
         if dev.type == "cuda":
             # the CUDA kernel tiles K by 16 x inner_k_tiles (2, 4 or 8) and N by 8 (by 16 in ROCm builds:
             # asked here of every build); kernel groups make I a multiple of 32, so 2 always tiles K
@@ -175,15 +175,6 @@ class QuantLinear(nn.Module):
             # (O, I / 2) uint8, two codes per byte, the even column in the high nibble (torch >= 2.5)
             pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(dev), inner_k_tiles)  # pragma: no cover
-        elif self.out_features % kernels.TILE == 0 and ours and self.act_bits == 8 and order is None:
-            # int8 activations times the codes in integer dot products (blocks of 32 in input order: not after
-            # act-order's permutation, where the next branch's kernel runs on x rounded first); z's term as s z sum(x)
-            sz = (s * z).t().contiguous().float() if bool((z != 0).any()) else None
-            return ("minillm-int4-a8", kernels.int4_a8_panels(codes), s.t().contiguous().float(), sz, kg)
-        elif self.out_features % kernels.TILE == 0 and ours:
-            # ours: W_hat = s (q - z) per kernel group, in float32, as the reference dequantizes
-            return ("minillm-int4", kernels.int4_panels(codes), s.t().contiguous().float(), z.t().contiguous(), kg,
-                    order)
         else:
             if self.out_features % 16:  # the CPU kernel packs rows in blocks of 16
                 return None
@@ -192,23 +183,7 @@ class QuantLinear(nn.Module):
         scales_and_zeros = torch.stack([s.t(), (s * (8 - z)).t()], dim=-1).to(torch.bfloat16).contiguous()
         return ("torch-int4", packed, kg, scales_and_zeros.to(dev), order)
 
-    @property
-    def compiled_kernel(self) -> str:
-        """Which product a compiled trace (``compile_decode``) runs: ``kernel``, unless ``prepare_compile`` chose."""
-        k = self._compile_kernel or self._kernel
-        return "reference" if k is None else k[0]
-
-    def prepare_compile(self) -> None:
-        """``compile_decode`` is about to trace this layer. On a CPU with AVX-512, inductor lowers torch's int4
-        and int8 products to GEMM templates of its own and fuses them with the step (batch-1 compiled decode
-        about 1.3x minillm's kernels there, which it can only call; docs/decode.md): compiled traces take
-        torch's, while eager forwards (prefill, verification) keep minillm's float32 ones. Elsewhere (AVX2
-        only: no template) minillm's serve both."""
-        if self.kernel.startswith("minillm") and torch.backends.cpu.get_cpu_capability() == "AVX512":
-            self.torch_kernels = True  # kept across .to(), copies and pickles (prepare_fast builds both)
-            self._compile_kernel = self._build(ours=False)
-
-    def _build_int8(self, qw: QuantizedWeight, ours: bool) -> tuple | None:
+    def _build_int8(self, qw: QuantizedWeight) -> tuple | None:
         """The int8 kernel's tensors: one group per row (per channel) on the CPU only."""
         if qw.scales.shape[1] != 1 or self.qweight.device.type != "cpu":
             return None
@@ -217,8 +192,10 @@ class QuantLinear(nn.Module):
         s = qw.scales[:, 0].float()
         offset = s * (128 - qw.zeros[:, 0].float())  # (O,), zero for symmetric codes
         offset = None if bool((offset == 0).all()) else offset
-        if self.out_features % kernels.TILE == 0 and ours:
-            return ("minillm-int8", kernels.int8_panels(w8), s, offset)
+        return self._pack_int8(w8, s, offset)
+
+    def _pack_int8(self, w8: torch.Tensor, s: torch.Tensor, offset: torch.Tensor | None) -> tuple:
+        """torch's int8 kernel's tensors for codes w8 (O, I) int8, scales s (O,) and the per-row offset (or None)."""
         return ("torch-int8", w8, s.to(torch.bfloat16), offset)
 
     def kernel_nbytes(self) -> int:
@@ -230,7 +207,7 @@ class QuantLinear(nn.Module):
             0 if self.bias is None else self.bias.numel() * 4)
 
     def __getstate__(self):  # pickle / deepcopy: the kernel's tensors are rebuilt where the layer lands,
-        return {**self.__dict__, "_kernel": None, "_compile_kernel": None}  # whose machine may lack minillm's
+        return {**self.__dict__, "_kernel": None}  # whose machine may lack the kernel
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -248,25 +225,19 @@ class QuantLinear(nn.Module):
             try:
                 self.prepare_fast()
             except RuntimeError:  # to_empty: the buffers hold no values yet; load_state_dict builds the kernel
-                self._kernel = self._compile_kernel = None
+                self._kernel = None
         return out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., I) -> (..., O)
         if not self.fast or (torch.is_grad_enabled() and x.requires_grad):  # the kernels have no backward
             return self.forward_reference(x)
-        compiled = self._compile_kernel is not None and torch.compiler.is_compiling()
-        kind, *tensors = self._compile_kernel if compiled else self._kernel
-        x2 = x.reshape(-1, self.in_features)
-        if kind != "minillm-int4-a8":  # that kernel rounds the activations itself, in integer dot products
-            x2 = self.round_activations(x2)
-        if kind == "minillm-int4-a8":
-            y = kernels.int4_a8_linear(x2.float(), *tensors)
-        elif kind == "minillm-int4":
-            panels, s, z, kg, perm = tensors
-            y = kernels.int4_linear((x2 if perm is None else x2[:, perm]).float(), panels, s, z, kg)
-        elif kind == "minillm-int8":
-            y = kernels.int8_linear(x2.float(), *tensors)
-        elif kind == "torch-int8":
+        return self.forward_kernel(self._kernel, x)
+
+    def forward_kernel(self, kernel: tuple, x: torch.Tensor) -> torch.Tensor:
+        """x (..., I) through ``kernel`` ((kind, tensors ...), as ``prepare_fast`` builds it) -> (..., O)."""
+        kind, *tensors = kernel
+        x2 = self.round_activations(x.reshape(-1, self.in_features))
+        if kind == "torch-int8":
             w8, s, offset = tensors
             y = torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), w8, s)
             if offset is not None:
@@ -280,6 +251,21 @@ class QuantLinear(nn.Module):
                 y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, packed, kg, sz)
         y = y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+def quantize_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., K) float32 -> (codes, d): int8 codes (..., K) and one scale per block of ``block`` inputs (..., K /
+    block), d = max |x| / 127 and codes = round(x / d) (0 where a block is all zero): llama.cpp's Q8_0."""
+    xb = x.reshape(*x.shape[:-1], -1, block)
+    d = xb.abs().amax(-1) / 127
+    q = torch.where(d[..., None] == 0, torch.zeros_like(xb), torch.round(xb / d[..., None]))
+    return q.to(torch.int8).reshape(x.shape), d
+
+
+def round_q8(x: torch.Tensor) -> torch.Tensor:
+    """x as int8 activations see it: ``quantize_q8``'s codes times their block's scale, in x's dtype."""
+    q, d = quantize_q8(x.float())
+    return (q.float().reshape(*d.shape, -1) * d[..., None]).reshape(x.shape).to(x.dtype)
 
 
 def quant_linear_naive(x: torch.Tensor, layer: QuantLinear) -> torch.Tensor:

@@ -15,9 +15,9 @@ The model's own forwards are timed by ``minillm.timing`` (``measure_decode``, ``
 from ..timing import check_fits, measure_decode, measure_prefill, measure_verify, time_median
 from .cost import (DTYPE_BYTES, HARDWARE, LLAMA2_7B, LLAMA2_70B, Cost, Hardware, decode_cost, decode_time_lower_bound,
                    forward_cost, linear_params, prefill_cost)
-from .ceilings import Ceilings, compare, measure, measure_linear_layouts, measure_weight_read
+from .ceilings import Ceilings, compare, measure, measure_weight_read
 
 __all__ = ["DTYPE_BYTES", "HARDWARE", "LLAMA2_70B", "LLAMA2_7B", "Ceilings", "Cost", "Hardware", "check_fits", "compare", "decode_cost",
            "decode_time_lower_bound", "forward_cost", "linear_params", "measure", "measure_decode",
-           "measure_linear_layouts", "measure_prefill", "measure_verify", "measure_weight_read", "prefill_cost",
+           "measure_prefill", "measure_verify", "measure_weight_read", "prefill_cost",
            "time_median"]

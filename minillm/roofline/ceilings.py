@@ -1,6 +1,6 @@
 """The roofline's measurements: this machine's ceilings (``measure``: bandwidth and matmul
-throughput), two diagnostics of how decode reads its weights (``measure_weight_read``,
-``measure_linear_layouts``), and ``compare``: the cost model's prediction (``roofline.cost``) beside
+throughput), a diagnostic of how decode reads its weights (``measure_weight_read``; the speed layer's
+layouts are timed by ``minillm.lab.layouts``), and ``compare``: the cost model's prediction (``roofline.cost``) beside
 the real model's measured forwards (``minillm.timing``), row by row.
 """
 
@@ -12,11 +12,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from .. import kernels
-from ..compiled import is_compiled
-from ..linear import Linear
 from ..loading import parse_dtype
-from ..model import _ONEDNN
 from ..timing import dtype_name, measure_decode, measure_prefill, time_median
 from .cost import DTYPE_BYTES, decode_cost, prefill_cost
 
@@ -88,52 +84,12 @@ def measure_weight_read(model, repeats: int = 7) -> dict:
         {"bytes": bytes read (float linear weights; quantized layers are left out), "seconds": median
         time of one pass, "bandwidth": bytes / seconds}.
     """
-    weights = [m.weight_shards for m in model.modules() if isinstance(m, Linear)]
+    # the linear layers' float weights as the model holds them (a tied output layer's is the embedding's);
+    # quantized layers keep buffers, not parameters, and are left out
+    weights = [p for name, p in model.named_parameters() if p.dim() >= 2 and "embeddings" not in name]
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     seconds = time_median(lambda: [w.sum() for w in weights], model.device, repeats)
     return {"bytes": nbytes, "seconds": seconds, "bandwidth": nbytes / seconds}
-
-
-@torch.inference_mode()
-def measure_linear_layouts(model, batch_size: int = 1, repeats: int = 5) -> dict[str, float]:
-    """Seconds to run every linear layer of one decode step (B rows) in each weight layout and through minillm's
-    ``Linear`` itself. The same bytes are read in each; the difference is the kernel.
-
-    Returns:
-        {layout: seconds}, the layouts being
-
-        * ``F.linear(x, W)`` with W (out, in) contiguous: PyTorch's default (``nn.Linear``, MKL);
-        * ``x @ W^T`` with W^T (in, out) contiguous;
-        * W^T split into one column block per core, one ``torch.bmm`` (minillm's ``Linear`` for one row);
-        * oneDNN's ``linear`` on W reordered into its blocked layout (minillm's ``Linear`` for many rows), float32 on
-          a CPU;
-        * minillm's few-row kernel over the column blocks (``kernels.f32_linear``: W streamed once, in order;
-          minillm's ``Linear`` for up to ``linear.FEW_ROWS`` rows), float32 on a CPU where it is built;
-
-        and "minillm Linear".
-    """
-    layers = [m for m in model.modules() if isinstance(m, Linear)]
-    device = model.device
-    xs = {n: torch.randn(batch_size, n, dtype=model.dtype, device=device) for n in {m.in_features for m in layers}}
-    out = {}
-    weights = [m.weight.contiguous() for m in layers]  # (out, in)
-    out["F.linear(x, W), W (out, in)"] = time_median(
-        lambda: [F.linear(xs[w.shape[1]], w) for w in weights], device, repeats)
-    del weights
-    weights_t = [m.weight.t().contiguous() for m in layers]  # (in, out)
-    out["x @ W^T, W^T (in, out)"] = time_median(lambda: [xs[w.shape[0]] @ w for w in weights_t], device, repeats)
-    del weights_t
-    out[f"W^T in {layers[0].n_shards} column shards, bmm"] = time_median(
-        lambda: [m.forward_shards(xs[m.in_features]) for m in layers], device, repeats)
-    if device.type == "cpu" and model.dtype == torch.float32 and _ONEDNN:
-        out["oneDNN linear, W packed (blocked)"] = time_median(
-            lambda: [m.forward_onednn(xs[m.in_features], pad=False) for m in layers], device, repeats)
-    if (device.type == "cpu" and model.dtype == torch.float32 and kernels.available()
-            and all(m.weight_shards.shape[2] % kernels.TILE == 0 for m in layers)):
-        out[f"W^T in {layers[0].n_shards} column shards, few-row kernel"] = time_median(
-            lambda: [m.forward_few_rows(xs[m.in_features]) for m in layers], device, repeats)
-    out["minillm Linear"] = time_median(lambda: [m(xs[m.in_features]) for m in layers], device, repeats)
-    return out
 
 
 def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), context: int = 64,
@@ -144,7 +100,7 @@ def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), cont
     each prompt length (batch 1).
 
     Returns:
-        One dict per row: kind, dtype, compiled (decode through ``minillm.compiled.compile_decode``; prefill is
+        One dict per row: kind, dtype, compiled (decode through ``minillm.fast.compiled.compile_decode``; prefill is
         never compiled), batch_size, tokens, flops, bytes, intensity, bound, predicted_s, measured_s,
         predicted_tokens_per_s, measured_tokens_per_s, measured/predicted ratio and achieved FLOP/s and bytes/s.
 
@@ -169,7 +125,7 @@ def compare(model, ceilings: Ceilings, batch_sizes=(1,), prompt_lengths=(), cont
             measured = measure_prefill(model, t, b)
         predicted = cost.time(peak, ceilings.bandwidth)
         rows.append({
-            "kind": kind, "dtype": dtype, "compiled": kind == "decode" and is_compiled(model),
+            "kind": kind, "dtype": dtype, "compiled": kind == "decode" and model.compiled,
             "batch_size": b, "tokens": cost.tokens, "flops": cost.flops,
             "bytes": cost.bytes, "intensity": cost.intensity, "bound": cost.bound(peak, ceilings.bandwidth),
             "predicted_s": predicted, "measured_s": measured,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from ..compiled import compile_decode
+from ..fast.compiled import compile_decode
 from ..kv_cache import kv_cache_bytes
 from ..options import add_model_args, int_list, load, print_json
 from ..timing import available_memory, check_fits, machine, measure_decode

@@ -30,6 +30,9 @@ import torch.nn.functional as F
 from torch._C._functorch import is_functorch_wrapped_tensor as _is_functorch_wrapped
 from torch.autograd import forward_ad as _forward_ad
 
+from ...model import apply_rope
+from ...quant.qlinear import round_q8
+
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu.cpp", "paged_attention.cpp", "layer.cpp", "dense.cpp",
                                                        "w4a8.cpp")]
 HEADERS = [Path(__file__).with_name("simd.h")]
@@ -161,7 +164,7 @@ def _(x, shards, lanes, tiles=False):
 
 def _no_backward(ctx, *grads):
     raise RuntimeError("minillm's kernels have no backward: differentiate through the naive twins (QuantLinear's "
-                       "reference path, Linear's shards) instead")
+                       "reference path, FastLinear's shards) instead")
 
 
 for _name in ("int4_linear", "int4_a8_linear", "int8_linear", "paged_attention", "f32_linear"):
@@ -297,21 +300,21 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_pool: 
 
 # ---- a float32 product of few rows (dense.cpp) -------------------------------------------------------------
 def f32_linear(x: torch.Tensor, shards: torch.Tensor, lanes: int = 0, tiles: bool = False) -> torch.Tensor:
-    """``x W^T`` for x (M, K) float32 and W held as ``Linear.weight_shards`` (S, K, Ns), Ns a multiple of 32:
+    """``x W^T`` for x (M, K) float32 and W held as ``FastLinear.weight_shards`` (S, K, Ns), Ns a multiple of 32:
     shard s is ``W^T[:, s Ns:(s + 1) Ns]``. Returns (M, S Ns). Each output adds its K products in ascending k
     whatever M, so a row's result does not depend on the other rows. lanes: 16 (AVX-512), 8 (AVX2) or 0 (the
     widest the CPU has). tiles: read W^T in tiles of columns, each over all K rows with its sums in registers,
-    else in blocks of rows (``linear.KERNEL_TILES``, dense.cpp). Every lanes and order gives the same floats.
+    else in blocks of rows (``minillm.fast.linear.KERNEL_TILES``, dense.cpp). Every lanes and order gives the same floats.
 
     Raises:
-        RuntimeError: something differentiates through x or the shards (the kernel has no backward: ``Linear``
+        RuntimeError: something differentiates through x or the shards (the kernel has no backward: ``FastLinear``
             uses torch's product then), or the shapes, dtypes or lanes the kernel's own checks name.
     """
     if torch.compiler.is_compiling():
         return _f32_op(x.contiguous(), shards, lanes, tiles)
     if differentiated(x, shards):
         raise RuntimeError("f32_linear: the kernel has no backward; under autograd, forward-mode AD or torch.func use "
-                           "x @ W^T (Linear does so by itself)")
+                           "x @ W^T (FastLinear does so by itself)")
     return _loaded().f32_linear(x, shards, lanes, tiles)  # eager: without the custom op's dispatch
 
 
@@ -339,8 +342,6 @@ def silu_mul_naive(gate_up) -> torch.Tensor:
 
 def rope_write_naive(qkv, cos, sin, k_pool, v_pool, slots) -> torch.Tensor:
     """The baseline of ``rope_write``: split the heads, ``minillm.model.apply_rope``, ``index_copy_`` into the pools."""
-    from ..model import apply_rope  # the model imports this module
-
     Hkv, D = k_pool.shape[2], k_pool.shape[3]
     heads = qkv.view(qkv.shape[0], -1, D).transpose(0, 1)  # (H + 2 Hkv, N, D)
     H = heads.shape[0] - 2 * Hkv
@@ -368,21 +369,6 @@ def int4_a8_panels(codes: torch.Tensor) -> torch.Tensor:
     c = codes.to(torch.uint8).reshape(n // TILE, 4, 8, k // 32, 2, 4, 4)  # (t, j, c, b, half, l, i)
     byte = c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)  # (t, j, c, b, l, i)
     return byte.permute(0, 3, 1, 4, 2, 5).reshape(n // TILE, k // 32, 512).contiguous()
-
-
-def quantize_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """x (..., K) float32 -> (codes, d): int8 codes (..., K) and one scale per block of ``block`` inputs (..., K /
-    block), d = max |x| / 127 and codes = round(x / d) (0 where a block is all zero): llama.cpp's Q8_0."""
-    xb = x.reshape(*x.shape[:-1], -1, block)
-    d = xb.abs().amax(-1) / 127
-    q = torch.where(d[..., None] == 0, torch.zeros_like(xb), torch.round(xb / d[..., None]))
-    return q.to(torch.int8).reshape(x.shape), d
-
-
-def round_q8(x: torch.Tensor) -> torch.Tensor:
-    """x as ``int4_a8_linear`` sees it: ``quantize_q8``'s codes times their block's scale, in x's dtype."""
-    q, d = quantize_q8(x.float())
-    return (q.float().reshape(*d.shape, -1) * d[..., None]).reshape(x.shape).to(x.dtype)
 
 
 def int4_a8_linear_naive(x, codes, scales, zeros, group_size) -> torch.Tensor:

@@ -1,5 +1,5 @@
-"""``python -m minillm.kernels``: build the kernels now (``make setup`` does) and say whether they loaded.
-Exits 0 either way: without them the library runs on torch's kernels."""
+"""``python -m minillm.fast.kernels``: build the kernels now (``make setup`` does) and say whether they loaded.
+Exits 0 either way: without them the speed layer keeps torch's kernels."""
 
 from . import available, why_unavailable
 

@@ -1,0 +1,68 @@
+"""The speed layer: what makes the library fast on one kind of machine, swapped in from outside.
+
+The library (``minillm.model``, ``minillm.linear``, the caches, ``minillm.paged``, ``minillm.quant``) is plain torch,
+read as the papers are. This package holds what a CPU needs on top, each piece with its library twin and a test that
+they agree: minillm's C++ kernels (``kernels``), the linear layer laid out per core with a few-row kernel and oneDNN's
+packed weights (``linear.FastLinear``), a layer's fused small operations (``layers``), the engine's fast reads of the
+KV block pool (``paged``), the int4/int8 kernels of quantized layers (``quant``), the thread policy of a shared CPU
+(``threads``) and the compiled decode step (``compiled``). The library never imports it (import-linter), except
+``load_model(fast=True)``, which hands the model to ``accelerate``.
+
+``accelerate(model)`` works as gpt-fast's module swap: each ``Linear`` becomes a ``FastLinear`` holding the same
+weights, each ``QuantLinear`` and each norm, MLP, attention and block takes its speed-layer class (same state,
+another ``forward``), and the engine's reads register, so ``LLM(model)`` serves it through "bucketed".
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..linear import Linear
+from ..model import Decoder
+from ..quant.qlinear import QuantLinear
+from .layers import TWINS, swap
+from .linear import FastLinear
+from .paged import register as register_paged_reads
+from .quant import FastQuantLinear
+from .threads import GOVERNOR, usable_cores
+
+__all__ = ["accelerate"]
+
+
+def accelerate(model: Decoder, n_shards: int | None = None) -> Decoder:
+    """Swap the speed layer into ``model`` in place; returns it. Calling it again changes nothing.
+
+    Args:
+        model: a ``Decoder`` (float or quantized, any device).
+        n_shards: column blocks of each ``FastLinear``; default the cores this process may use on a CPU
+            (``threads.usable_cores``), 1 elsewhere. On a CPU the threads are then fitted to the cores other
+            processes leave free, and refitted every few seconds from the forwards (``threads.GOVERNOR``).
+
+    Raises:
+        TypeError: ``model`` is not a ``Decoder``.
+    """
+    if not isinstance(model, Decoder):
+        raise TypeError(f"model: expected a minillm Decoder, got {type(model).__name__}")
+    cpu = model.device.type == "cpu"
+    n_shards = n_shards or (usable_cores() if cpu else 1)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is Linear:
+                setattr(module, name, FastLinear.from_linear(child, n_shards))
+            elif type(child) is QuantLinear:
+                swap(child, FastQuantLinear)
+                if child.want_fast:
+                    child.prepare_fast()  # minillm's kernels where the layout allows
+        if type(module) in TWINS:
+            swap(module, TWINS[type(module)])
+    register_paged_reads()
+    model.paged_backend = "bucketed"
+    if cpu and not model.accelerated:
+        GOVERNOR.fit()  # threads for the cores other processes leave free (a 0.1 s probe)
+        model.register_forward_pre_hook(_tick)
+    model.accelerated = True
+    return model
+
+
+def _tick(module: nn.Module, args) -> None:
+    GOVERNOR.tick()  # every few seconds: threads for the cores other processes leave free
