@@ -22,6 +22,7 @@ from .formats import hf_export as export_hf_cli
 from .generation import check_prompt, generate
 from .lab import fragmentation as fragmentation_cli
 from .lab import quant as bench_quant_cli
+from .lab import replay as trace_cli
 from .lab import serve_bench_cli
 from .lab import spec as bench_spec_cli
 from .lab import products as bench_products_cli
@@ -235,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_quant_cli.register(bench)
     fragmentation_cli.register(sub)
     serve_bench_cli.register(sub)
+    trace_cli.register(sub)
     server_cli.register(sub)
     exercises_cli.register(sub)
     export_hf_cli.register(sub)

@@ -21,6 +21,7 @@ from .beam import BeamSearchOutput, BeamSearchParams
 from .config import check_engine_args
 from .engine import LLMEngine
 from .sequence import RequestOutput
+from .trace import check_trace_path
 
 
 class LLM:
@@ -29,7 +30,8 @@ class LLM:
     Args:
         model: None (the embedded SmolLM2-135M-Instruct), a path ``load_model`` takes, or a loaded
             ``minillm.model.Decoder`` (then pass its ``tokenizer``, or None for token-id prompts).
-        block_size ... max_num_batched_tokens, **engine_kwargs: as ``LLMEngine``.
+        block_size ... max_num_batched_tokens, **engine_kwargs: as ``LLMEngine`` (``trace=PATH`` writes the
+            engine's steps, one JSON line each: docs/trace.md).
         dtype, device, fast, n_shards: how ``load_model`` loads a path (ignored for a loaded model): ``fast=False``
             serves the plain model (the library's torch only, the "blockwise" read).
 
@@ -47,6 +49,8 @@ class LLM:
                  n_shards: int | None = None, **engine_kwargs):
         check_engine_args(block_size, num_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens,
                           engine_kwargs.get("max_seq_len"))
+        if engine_kwargs.get("trace") is not None:
+            check_trace_path(engine_kwargs["trace"])  # before loading: a bad path costs nothing
         if model is None or isinstance(model, (str, Path)):
             model, tokenizer = load_model(model, dtype=dtype, device=device, fast=fast, n_shards=n_shards)
         self.model, self.tokenizer = model, tokenizer
