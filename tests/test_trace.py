@@ -4,6 +4,7 @@ every step, through prefix hits, forks with copy-on-write, preemption and specul
 the engine computes or caches; bad files and paths are refused by name."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -241,3 +242,37 @@ def test_png_refuses_steps_the_trace_does_not_hold(traced, tmp_path):
         write_png(trace, [0, 9999], tmp_path / "x.png")
     write_html(trace, tmp_path / "ok.html")
     assert (tmp_path / "ok.html").stat().st_size > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A tiny random llama with a tokenizer, as a file the commands load."""
+    from helpers import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+def test_serve_bench_writes_the_engine_runs_trace(tiny_gguf, tmp_path, capsys):
+    path = tmp_path / "bench.jsonl"
+    assert main(["serve-bench", "--model", str(tiny_gguf), "--quick", "--requests", "3", "--scale", "0.0625",
+                 "--no-spec-row", "--json", "--threads", "1", "--trace-out", str(path)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    trace = read_trace(path)
+    assert len(trace.steps) == report["modes"]["engine"]["steps"]
+    assert {r["request"] for s in trace.steps for r in s["batch"]} == {"0", "1", "2"}
+    assert trace.steps[-1]["seqs"] == [] and trace.steps[-1]["free"] == trace.header["num_blocks"]
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--trace-out", "{tmp}/missing/t.jsonl"], "trace: the folder .*missing does not exist"),
+    (["--trace-out", "{tmp}"], "is a folder; give a file path"),
+    (["--trace-out", "{tmp}/t.jsonl", "--online"], "--trace-out: records the engine's run of the offline benchmark; "
+                                                   "--online runs other engines"),
+])
+def test_serve_bench_refuses_a_bad_trace_out_before_loading(tmp_path, capsys, extra, message):
+    argv = ["serve-bench", "--model", str(tmp_path / "no-model.gguf"), *[a.format(tmp=tmp_path) for a in extra]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "no-model" not in err  # refused before the model is looked for

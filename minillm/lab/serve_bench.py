@@ -157,12 +157,13 @@ def drive_engine(engine, reqs: list[BenchRequest], progress=None):
 
 def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blocks: int | None = None,
                max_num_seqs: int = 64, max_num_batched_tokens: int = 256, progress=None,
-               speculative_config: dict | None = None) -> dict:
+               speculative_config: dict | None = None, trace=None) -> dict:
     """The engine, every request added at time 0; adds its memory figures, the lab's prediction and
     ``rows_per_step_mean`` (sequences in a step's forward, the mean over steps); with ``speculative_config``,
-    the drafts' acceptance instead of the linear layers' floor."""
+    the drafts' acceptance instead of the linear layers' floor; ``trace``: the engine's trace file, or None."""
     engine = LLMEngine(model, block_size=block_size, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=max_num_batched_tokens, speculative_config=speculative_config)
+                       max_num_batched_tokens=max_num_batched_tokens, speculative_config=speculative_config,
+                       trace=trace)
     outs, wall, ttft, tpot = drive_engine(engine, reqs, progress)
     report = _summary(reqs, wall, ttft, tpot, [o.outputs[0].token_ids for o in outs])
     mem = engine.stats.summary(block_size)
@@ -270,12 +271,13 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
                 block_size: int = 16, num_blocks: int | None = None, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 256, peer: bool = False, sharing_requests: int = 8,
                 memory_requests: int = 64, progress: bool = True, speculative_config: dict | None = None,
-                peer_repeats: int = 1) -> dict:
+                peer_repeats: int = 1, trace_out=None) -> dict:
     """Every mode on the same requests, then the memory and sharing runs; the report described in the
     module docstring (``modes`` keyed engine / engine+spec / static / sequential / transformers; engine+spec only
     with ``speculative_config``, the engine's with speculation). With ``peer`` and ``peer_repeats`` > 1 the engine
     and transformers run that many turns, one after the other: each keeps its run of median tokens/s, and the
-    goal is the median of the turns' ratios (the peer's speed moves by up to a quarter between runs here)."""
+    goal is the median of the turns' ratios (the peer's speed moves by up to a quarter between runs here).
+    ``trace_out``: the first engine run's trace (``LLMEngine(trace=...)``), or None."""
     reqs = make_requests(tokenizer, num_requests, trace, scale)
     generate_cached(model, reqs[0].prompt_token_ids, _greedy(2))  # warm-up
     modes = {}
@@ -292,7 +294,8 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
             if name in ("engine", "engine+spec"):
                 run = run_engine(model, reqs, block_size=block_size, num_blocks=num_blocks,
                                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                 progress=bar, speculative_config=speculative_config if name != "engine" else None)
+                                 progress=bar, speculative_config=speculative_config if name != "engine" else None,
+                                 trace=trace_out if name == "engine" and not runs["engine"] else None)
             elif name == "sequential":
                 run = run_sequential(model, reqs)
             elif name == "static":

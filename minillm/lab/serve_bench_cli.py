@@ -14,6 +14,7 @@ from ..options import add_model_args, at_least, load, print_json
 from ..paged.block_manager import blocks_for
 from ..paged.engine import DEFAULT_KV_BYTES
 from ..paged.fragmentation import MAX_SEQ_LEN, TRACES
+from ..paged.trace import check_trace_path
 from ..timing import available_memory
 from ..fast.threads import fix_threads
 from .background import background_load, check_load
@@ -50,7 +51,8 @@ def serve_bench_kwargs(args) -> tuple[dict, list[tuple[int, int]]]:
     kwargs.update(trace=args.trace, block_size=args.block_size, num_blocks=args.num_blocks,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   peer=args.peer, peer_repeats=args.peer_repeats, progress=not args.json,
-                  speculative_config=None if args.no_spec_row else SPEC_ROW)
+                  speculative_config=None if args.no_spec_row else SPEC_ROW,
+                  trace_out=None if args.trace_out is None else check_trace_path(args.trace_out))
     if args.block_size > MAX_SEQ_LEN:
         # the memory run replays the traces' full lengths with this block size, and no sequence is longer
         raise ValueError(f"--block-size: {args.block_size} tokens per block is more than the longest sequence "
@@ -106,6 +108,10 @@ def cmd_serve_bench(args) -> int:
         raise ValueError(f"--peer-repeats: {args.peer_repeats} turns of the engine against transformers are for the "
                          "offline run with --peer" + ("; with --spec the turns are --spec-repeats" if args.spec else
                                                        ", not --online" if args.online else "; add --peer"))
+    if args.trace_out is not None and (args.simulate or args.spec or args.online):
+        mode = "--simulate" if args.simulate else "--spec" if args.spec else "--online"
+        raise ValueError(f"--trace-out: records the engine's run of the offline benchmark; {mode} runs other "
+                         "engines, so leave one of the two out")
     if args.simulate:  # the real scheduler, the forward priced by the cost model (minillm.lab.simulate)
         return cmd_simulate(args)
     if args.spec:  # plain vs speculative engine (minillm.lab.serve_spec)
@@ -165,6 +171,8 @@ def register(sub) -> None:
     p.add_argument("--background-load", type=at_least(0), default=0, metavar="N", help="run N CPU-bound processes "
                    "beside the benchmark (started and stopped by the command, at most 30 minutes): the figures of a "
                    "machine that other programs share (default 0)")
+    p.add_argument("--trace-out", default=None, metavar="PATH", help="write the engine run's steps to PATH (JSON "
+                   "lines, docs/trace.md) for `python -m minillm trace replay PATH`")
     p.add_argument("--quick", action="store_true", help="a smoke run for CI: 4 short requests (scale 1/32) unless "
                    "--requests / --scale say otherwise, and small sharing and memory runs")
     o = p.add_argument_group("online (--online: requests arrive over time; minillm.lab.online)")
