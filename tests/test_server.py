@@ -248,8 +248,10 @@ BAD = [  # (path, body, status, the field the message names, code)
     ("/v1/completions", {"prompt": "hi", "seed": -5}, 400, "seed", None),
     ("/v1/completions", {"prompt": "hi", "stop": [3]}, 400, "stop", None),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "many"}, 400, "max_tokens", None),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 3}, 400, "logprobs", None),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", None),
     ("/v1/completions", {"prompt": [5, 99999]}, 400, "prompt", None),  # refused by the engine's add_request
+    ("/v1/completions", {"prompt": [[5, 6] * 100, [5, 99999]], "max_tokens": 500}, 400, "prompt", None),  # the first
+    # was running when the second was refused: it is aborted (every block free at the end)
     ("/v1/completions", {"prompt": "hi", "max_tokens": 2000}, 400, "max_tokens", None),  # past the KV pool
     ("/v1/completions", {"prompt": [5] * 1100}, 400, "prompt", None),  # the prompt alone past the KV pool
     ("/v1/completions", '{"prompt": "hi \\ud83d"}', 400, "prompt", None),  # valid JSON, a lone surrogate

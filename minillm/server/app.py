@@ -17,17 +17,21 @@ import math
 import threading
 import time
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from .loop import EngineLoop, Overloaded, RequestFailed, RequestRefused
+from ..paged.sequence import CompletionOutput
+from .logprobs import Scorer, chat_logprobs, completion_logprobs
+from .loop import EngineLoop, Overloaded, RequestFailed, RequestRefused, RequestStream
 from .metrics import CONTENT_TYPE, ServerMetrics
-from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, brief, chat_prompt, chunk, chunk_choice,
-                       completion_prompt, completion_response, error_body, new_id, param_of, sampling_params,
-                       usage, TextStream)
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LogprobsWanted,
+                       TextStream, TokenizeRequest, brief, chat_prompt, choice, chunk, chunk_choice,
+                       completion_prompts, completion_response, detokenize_response, error_body, logprobs_wanted,
+                       new_id, param_of, sampling_params, tokenize_response, tokenizer_info_response, usage)
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -118,18 +122,68 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         _check_model(req.model, model_name)
         # tokenizing is work in proportion to the prompt (a 20 MB prompt takes over a second): on a worker thread,
         # the event loop keeps relaying every other client's stream meanwhile
-        text, ids = await asyncio.to_thread(completion_prompt, req, loop.tokenizer)
-        return await _serve(request, req, text, ids, chat=False)
+        prompts = await asyncio.to_thread(completion_prompts, req, loop.tokenizer)
+        return await _serve(request, req, prompts, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         _check_model(req.model, model_name)
-        text, ids = await asyncio.to_thread(chat_prompt, req, loop.tokenizer)  # off the event loop, as above
-        return await _serve(request, req, text, ids, chat=True)
+        prompt = await asyncio.to_thread(chat_prompt, req, loop.tokenizer)  # off the event loop, as above
+        return await _serve(request, req, [prompt], chat=True)
 
-    async def _serve(request: Request, req, text, ids, chat: bool):
-        params = sampling_params(req, len(ids), loop.max_seq_len, pool_tokens)
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeRequest):
+        _check_model(req.model, model_name)
+        return await asyncio.to_thread(tokenize_response, req, loop.tokenizer, loop.max_seq_len)
+
+    @app.post("/detokenize")
+    async def detokenize(req: DetokenizeRequest):
+        _check_model(req.model, model_name)
+        return await asyncio.to_thread(detokenize_response, req, loop.tokenizer, loop.vocab_size)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenizer_info_response(loop.tokenizer, loop.max_seq_len)
+
+    async def _serve(request: Request, req, prompts: list[tuple[str | None, list[int]]], chat: bool):
+        wanted = logprobs_wanted(req, loop.tokenizer is not None)
+        params = [sampling_params(req, len(ids), loop.max_seq_len, pool_tokens, wanted.echo) for _, ids in prompts]
         rid = new_id("chatcmpl" if chat else "cmpl")
+        streams = []  # one engine request per prompt (None: a prompt scored only, max_tokens 0)
+        try:
+            for p, ((text, ids), par) in enumerate(zip(prompts, params)):
+                sub = rid if len(prompts) == 1 else f"{rid}-{p}"
+                streams.append(None if par is None else await _submit(sub, text, ids, par))
+        except BaseException:
+            for stream in streams:
+                if stream is not None:
+                    stream.close()
+            raise
+        live = [s for s in streams if s is not None]
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            continuous = include_usage and req.stream_options.continuous_usage_stats
+            events = _events(live, prompts, rid, params, req.n or 1, chat, wanted, include_usage, continuous)
+            return EngineStreamingResponse(events, lambda: [s.close() for s in live])
+        try:
+            finals = await _unless_disconnected(request, asyncio.gather(*(s.final() for s in live)))
+        except RequestFailed as e:
+            raise APIError(500, str(e)) from None
+        finally:
+            for stream in live:
+                stream.close()
+        if finals is None:  # the client left; nobody reads this
+            return Response(status_code=499)
+        finals = iter(finals)
+        outs = [next(finals) if s is not None else Scored(ids, req.n or 1) for s, (_, ids) in zip(streams, prompts)]
+        choices = []
+        for p, ((text, ids), out) in enumerate(zip(prompts, outs)):
+            for c in out.outputs:
+                choices.append(await _choice(p * (req.n or 1) + c.index, text, ids, c, chat, wanted))
+        return completion_response(rid, model_name, choices, usage(outs), chat)
+
+    async def _submit(rid: str, text, ids, params) -> RequestStream:
+        """Hand one prompt to the engine and wait for its verdict; the stream of its outputs."""
         try:
             stream = loop.submit(rid, {"prompt_token_ids": ids, "prompt": text}, params)
         except Overloaded as e:
@@ -147,43 +201,81 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         finally:
             if stream.finished:
                 stream.close()
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return EngineStreamingResponse(_events(stream, rid, params, chat, include_usage), stream.close)
-        try:
-            out = await _unless_disconnected(request, stream.final())
-        except RequestFailed as e:
-            raise APIError(500, str(e)) from None
-        finally:
-            stream.close()
-        if out is None:  # the client left; nobody reads this
-            return Response(status_code=499)
-        return completion_response(rid, model_name, out, chat)
+        return stream
 
-    async def _events(stream, rid: str, params, chat: bool, include_usage: bool):
+    async def _on_engine(fn):
+        """``fn(engine)`` on the engine thread, between steps (the one thread that runs the model)."""
+        if not loop.running:
+            raise RequestFailed("the server is shutting down")
+        future = loop.call(fn)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if future.cancelled():  # the loop stopped before it ran
+                raise RequestFailed("the server is shutting down") from None
+            raise
+
+    async def _choice(index: int, text, ids: list[int], c, chat: bool, wanted: LogprobsWanted) -> dict:
+        """One whole choice: its text (after the prompt's, with echo) and its logprobs."""
+        prompt_text = (text if text is not None else loop.tokenizer.decode(ids)) if wanted.echo else ""
+        logprobs = None
+        if wanted.top is not None:
+            def score(engine):
+                scorer = Scorer(engine.model, len(ids) + len(c.token_ids), wanted.top)
+                return scorer.extend(ids, want=wanted.echo), scorer.extend(c.token_ids)
+
+            try:
+                prompt_entries, entries = await _on_engine(score)
+            except RequestFailed as e:
+                raise APIError(500, str(e)) from None
+            if chat:
+                logprobs = chat_logprobs(loop.tokenizer, c.token_ids, entries, wanted.top)
+            else:
+                scored = (ids if wanted.echo else []) + c.token_ids
+                logprobs = completion_logprobs(loop.tokenizer, scored, prompt_entries + entries, wanted.top)
+        return choice(index, prompt_text + c.text, c.finish_reason, c.stop_reason, chat, logprobs)
+
+    async def _events(streams, prompts, rid: str, params, n: int, chat: bool, wanted: LogprobsWanted,
+                      include_usage: bool, continuous: bool):
         created = int(time.time())
-        texts = {i: TextStream(params.stop) for i in range(params.n)}
-        done: set[int] = set()
-        last = None
+        keys = [(p, i) for p in range(len(prompts)) for i in range(n)]
+        texts = {key: TextStream(params[key[0]].stop) for key in keys}
+        scored = dict.fromkeys(keys, 0)  # tokens whose logprobs were sent
+        offsets = dict.fromkeys(keys, 0)  # text_offset of the next token
+        scorers = {}
+        done: set[tuple[int, int]] = set()
+        last = {}
         try:
             if chat:  # the first chunk gives the role, as OpenAI's does
                 yield _sse(chunk(rid, model_name, created, [chunk_choice(i, "", None, True, first=True)
-                                                            for i in range(params.n)], True))
-            async for last in stream.outputs():
+                                                            for i in range(n)], True))
+            async for p, out in _merged(streams):
+                last[p] = out
                 choices = []
-                for c in last.outputs:
-                    if c.index in done:
+                for c in out.outputs:
+                    key = (p, c.index)
+                    if key in done:
                         continue
                     finished = c.finish_reason is not None
-                    delta = texts[c.index].delta(c.text, finished)
-                    if delta or finished:
-                        choices.append(chunk_choice(c.index, delta, c.finish_reason, chat))
+                    delta = texts[key].delta(c.text, finished)
+                    logprobs, new = None, c.token_ids[scored[key]:]
+                    if wanted.top is not None and new:
+                        entries = await _on_engine(_scoring(scorers, key, prompts[p][1], params[p], new, wanted.top))
+                        scored[key] += len(new)
+                        if chat:
+                            logprobs = chat_logprobs(loop.tokenizer, new, entries, wanted.top)
+                        else:
+                            logprobs = completion_logprobs(loop.tokenizer, new, entries, wanted.top, offsets[key])
+                            offsets[key] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+                    if delta or finished or logprobs:
+                        choices.append(chunk_choice(p * n + c.index, delta, c.finish_reason, chat, logprobs=logprobs))
                     if finished:
-                        done.add(c.index)
+                        done.add(key)
+                        scorers.pop(key, None)  # its KV cache goes with it
                 if choices:
-                    yield _sse(chunk(rid, model_name, created, choices, chat))
-            if include_usage and last is not None:
-                yield _sse(chunk(rid, model_name, created, [], chat, usage(last)))
+                    yield _sse(chunk(rid, model_name, created, choices, chat, usage([out]) if continuous else None))
+            if include_usage and last:
+                yield _sse(chunk(rid, model_name, created, [], chat, usage(list(last.values()))))
         except RequestFailed as e:
             yield _sse(error_body(500, str(e)))
         yield "data: [DONE]\n\n"
@@ -209,6 +301,62 @@ class JSONBodiesOnly:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _scoring(scorers: dict, key, prompt_ids: list[int], params, new: list[int], top: int):
+    """What the engine thread runs for a streamed choice's new tokens: their entries, through the choice's scorer
+    (made at its first tokens, with the prompt fed)."""
+    def run(engine):
+        if key not in scorers:
+            scorers[key] = Scorer(engine.model, len(prompt_ids) + params.max_new_tokens, top)
+            scorers[key].extend(prompt_ids, want=False)
+        return scorers[key].extend(new)
+    return run
+
+
+async def _merged(streams):
+    """(prompt number, output) from every stream as they come; a stream's ``RequestFailed`` is raised. Each
+    stream's pump waits for room in a queue of one place per stream, so a stalled reader holds a bounded number."""
+    if len(streams) == 1:
+        async for out in streams[0].outputs():
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
+
+    async def pump(p, stream):
+        try:
+            async for out in stream.outputs():
+                await queue.put((p, out))
+            await queue.put((p, None))
+        except RequestFailed as e:
+            await queue.put((p, e))
+
+    pumps = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            p, item = await queue.get()
+            if isinstance(item, RequestFailed):
+                raise item
+            if item is None:
+                left -= 1
+            else:
+                yield p, item
+    finally:
+        for task in pumps:
+            task.cancel()
+
+
+@dataclass
+class Scored:
+    """A prompt that is scored only (max_tokens 0 with echo): a ``RequestOutput``'s fields, n empty choices."""
+
+    prompt_token_ids: list[int]
+    n: int
+
+    @property
+    def outputs(self):
+        return [CompletionOutput(i, "", [], None, "length") for i in range(self.n)]
 
 
 def _sse(body: dict) -> str:

@@ -8,6 +8,7 @@ thread stops and the process exits with status 0.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -33,7 +34,8 @@ def build_engine(model, tokenizer, args):
 
     return LLMEngine(model, tokenizer, block_size=args.block_size, num_blocks=args.num_blocks,
                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                     max_seq_len=args.max_seq_len, enable_prefix_caching=not args.no_prefix_caching)
+                     max_seq_len=args.max_seq_len, enable_prefix_caching=not args.no_prefix_caching,
+                     speculative_config=args.speculative_config, trace=args.trace_out)
 
 
 def seconds(text: str) -> float:
@@ -44,6 +46,17 @@ def seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {text!r}")
+    return value
+
+
+def json_object(text: str) -> dict:
+    """argparse type: a JSON object (vLLM's --speculative-config)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
 
 
@@ -64,6 +77,10 @@ def cmd_serve(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.trace_out is not None:
+        from ..paged.trace import check_trace_path
+
+        check_trace_path(args.trace_out)  # before loading: a bad path costs nothing
     model, tokenizer = load(args)
     check_max_seq_len(args.max_seq_len, model)
     engine = build_engine(model, tokenizer, args)
@@ -117,6 +134,10 @@ def register(sub) -> None:
     p.add_argument("--max-num-seqs", type=at_least(1), default=64, help="sequences in a step at most")
     p.add_argument("--max-num-batched-tokens", type=at_least(1), default=256, help="tokens per engine step")
     p.add_argument("--max-seq-len", type=at_least(2), default=None, help="context to use (default and at most: the model's)")
+    p.add_argument("--speculative-config", type=json_object, default=None, help="speculate, as vLLM's option: "
+                   "e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' (counters in /metrics)")
+    p.add_argument("--trace-out", default=None, metavar="PATH", help="write the engine's steps to PATH (JSON lines, "
+                   "docs/trace.md) for `python -m minillm trace replay PATH`")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse prompt blocks across requests")
     p.add_argument("--max-queue", type=at_least(0), default=256, help="requests that may wait beyond "
                    "--max-num-seqs; past them new requests get 503 (default 256)")

@@ -44,7 +44,9 @@ class EngineSnapshot:
 
     Counts of requests (not sequences): running and waiting; KV blocks in use of num_blocks; prompt tokens
     and those served from the prefix cache (first admission of each request); output tokens generated;
-    preemptions; steps; failed steps; finished requests by reason (stop, length, abort, error)."""
+    preemptions; steps; failed steps; finished requests by reason (stop, length, abort, error); with speculation,
+    vLLM's counters: drafts (sequences that carried a draft into a step), draft tokens, accepted tokens, and
+    accepted tokens by draft position."""
 
     num_requests_running: int = 0
     num_requests_waiting: int = 0
@@ -57,6 +59,11 @@ class EngineSnapshot:
     steps: int = 0
     step_failures: int = 0
     finished: tuple[tuple[str, int], ...] = ()
+    speculating: bool = False
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def kv_cache_usage(self) -> float:
@@ -350,4 +357,13 @@ class EngineLoop:
             num_blocks_used=self.engine.manager.num_used_blocks, num_blocks=self.num_blocks,
             prompt_tokens=stats.prompt_tokens, cached_prompt_tokens=stats.cached_tokens,
             generation_tokens=self._generated, preemptions=stats.preemptions, steps=stats.steps,
-            step_failures=self._failures, finished=tuple(sorted(self._finished.items())))
+            step_failures=self._failures, finished=tuple(sorted(self._finished.items())),
+            **_spec_counters(stats.spec_decoding))
+
+
+def _spec_counters(spec) -> dict:
+    if spec is None:
+        return {}
+    return {"speculating": True, "spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
+            "spec_accepted_tokens": spec.num_accepted_tokens,
+            "spec_accepted_per_pos": tuple(spec.num_accepted_tokens_per_pos)}

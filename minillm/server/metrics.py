@@ -55,6 +55,15 @@ class _SnapshotCollector:
         yield counter("engine_steps", "Engine steps run.", s.steps)
         yield counter("engine_step_failures", "Engine steps that raised (their requests were aborted).",
                       s.step_failures)
+        if s.speculating:  # vLLM's spec_decode counters, exported as vLLM does only when the engine speculates
+            yield counter("spec_decode_num_drafts", "Sequences that carried a draft into a step.", s.spec_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens)
+            per_pos = CounterMetricFamily("minillm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted "
+                                          "at each draft position.", labels=names + ["position"])
+            for pos, n in enumerate(s.spec_accepted_per_pos):
+                per_pos.add_metric(label + [str(pos)], n)
+            yield per_pos
         done = CounterMetricFamily("minillm:request_success", "Finished requests by reason (abort: the client "
                                    "left; error: a failed step or shutdown).", labels=names + ["finished_reason"])
         for reason, n in s.finished:

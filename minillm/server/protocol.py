@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
 from ..sampling import SamplingParams
+from .logprobs import MAX_LOGPROBS, token_text
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error",
                503: "service_unavailable_error"}
@@ -52,6 +54,7 @@ def param_of(message: str) -> str | None:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True)
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries its prompt's usage so far
 
 
 class _Sampling(BaseModel):
@@ -83,7 +86,7 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    """``POST /v1/completions``: one prompt, as text or token ids (a list of one prompt is taken too)."""
+    """``POST /v1/completions``: a prompt as text or token ids, or a list of them (one choice per prompt and n)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's default for completions
@@ -102,17 +105,38 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens
+    top_logprobs: int | None = None  # alternatives per token, with logprobs: true
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's): a prompt, or chat messages through the chat template."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = True  # accepted; the ids are those /v1/completions gets, which adds none
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's): token ids to text."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[int]
 
 
 # field -> the values that change nothing (which pass: some clients always send them); any other is refused, naming
 # the field. The first are fields of this server's requests; the others (tools, structured output, vLLM's sampling
 # extensions) are unknown to it, and refused rather than ignored as other unknown fields are: a client asking for
 # tool calls or JSON must not get plain text
-UNSUPPORTED = {"logprobs": (None, False, 0), "presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
-               "logit_bias": (None, {}), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+UNSUPPORTED = {"presence_penalty": (None, 0.0), "frequency_penalty": (None, 0.0),
+               "logit_bias": (None, {}), "best_of": (None, 1), "suffix": (None, ""),
                "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
                "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
-               "top_logprobs": (None, 0), "guided_json": (None,), "guided_choice": (None,), "guided_regex": (None,),
+               "guided_json": (None,), "guided_choice": (None,), "guided_regex": (None,),
                "guided_grammar": (None,), "structured_outputs": (None,), "repetition_penalty": (None, 1, 1.0),
                "min_tokens": (None, 0), "min_p": (None, 0, 0.0)}
 # stop strings per request (OpenAI allows 4) and characters per string: each is checked against the text's tail at
@@ -134,30 +158,79 @@ def check_supported(req: _Sampling) -> None:
             raise APIError(400, f"{name}: not supported by minillm's server (got {brief(value)}); leave it out", name)
 
 
-def completion_prompt(req: CompletionRequest, tokenizer) -> tuple[str | None, list[int]]:
-    """(text or None, token ids) of the one prompt."""
+def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[str | None, list[int]]]:
+    """(text or None, token ids) of each prompt: one string or id list, or a list of them."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise APIError(400, f"prompt: a batch of {len(prompt)} prompts is not supported; send one request per "
-                                "prompt (they are batched in the engine all the same)", "prompt")
-        prompt = prompt[0]
+    if isinstance(prompt, list) and not prompt:
+        raise APIError(400, "prompt: the list is empty; give a prompt (text or token ids) or a list of them", "prompt")
+    batch = prompt if isinstance(prompt, list) and isinstance(prompt[0], (str, list)) else [prompt]
+    return [_one_prompt(p, tokenizer, f"prompt[{i}]" if len(batch) > 1 else "prompt") for i, p in enumerate(batch)]
+
+
+def _one_prompt(prompt, tokenizer, name: str) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise APIError(400, "prompt: this model has no tokenizer; send token ids", "prompt")
+            raise APIError(400, f"{name}: this model has no tokenizer; send token ids", "prompt")
         try:
             ids = tokenizer.encode(prompt)
         except ValueError as e:  # text the tokenizer cannot encode (a lone UTF-16 surrogate)
-            raise APIError(400, f"prompt: {e}", "prompt") from None
+            raise APIError(400, f"{name}: {e}", "prompt") from None
         text = prompt
     else:
         ids, text = list(prompt), None
     if not ids:
-        raise APIError(400, "prompt: is empty; give at least one token", "prompt")
+        raise APIError(400, f"{name}: is empty; give at least one token", "prompt")
     return text, ids
 
 
-def chat_prompt(req: ChatCompletionRequest, tokenizer) -> tuple[str, list[int]]:
+@dataclass(frozen=True)
+class LogprobsWanted:
+    """What a request asks of log-probabilities: ``top`` alternatives per token (None: no logprobs) and ``echo``
+    (a completion's prompt returned before its text, with its tokens' logprobs when ``top`` is set)."""
+
+    top: int | None = None
+    echo: bool = False
+
+
+def logprobs_wanted(req: _Sampling, has_tokenizer: bool) -> LogprobsWanted:
+    """Check ``logprobs``, ``top_logprobs`` and ``echo`` (limits: 0..``MAX_LOGPROBS`` alternatives; echo with
+    completions only, not streamed).
+
+    Raises:
+        APIError: 400 naming the field.
+    """
+    chat = isinstance(req, ChatCompletionRequest)
+    given = req.logprobs
+    if chat:
+        if given is not None and type(given) is not bool:
+            raise APIError(400, f"logprobs: true or false in chat completions (got {brief(given)}); top_logprobs "
+                                "gives the alternatives per token", "logprobs")
+        top = req.top_logprobs
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        if top and not given:
+            raise APIError(400, "top_logprobs: needs logprobs: true", "top_logprobs")
+        top = (top or 0) if given else None
+        if (req.model_extra or {}).get("echo") not in (None, False):
+            raise APIError(400, "echo: only /v1/completions echoes its prompt; leave it out of chat completions", "echo")
+        echo = False
+    else:
+        if type(given) is bool and given:
+            raise APIError(400, f"logprobs: the number of alternatives per token in completions, an integer in [0, "
+                                f"{MAX_LOGPROBS}] (got true)", "logprobs")
+        if type(given) is int and not 0 <= given <= MAX_LOGPROBS:
+            raise APIError(400, f"logprobs: at most {MAX_LOGPROBS} alternatives per token, and not negative (got "
+                                f"{given})", "logprobs")
+        top = given if type(given) is int else None
+        echo = bool(req.echo)
+        if echo and req.stream:
+            raise APIError(400, "echo: not with stream: true on this server; ask for the whole response", "echo")
+    if top is not None and not has_tokenizer:
+        raise APIError(400, "logprobs: this model has no tokenizer to name the tokens", "logprobs")
+    return LogprobsWanted(top, echo)
+
+
+def chat_prompt(req: ChatCompletionRequest, tokenizer, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
     """(rendered text, token ids) of the conversation through the chat template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise APIError(400, "messages: this model has no chat template; use /v1/completions", "messages")
@@ -172,16 +245,63 @@ def chat_prompt(req: ChatCompletionRequest, tokenizer) -> tuple[str, list[int]]:
             content = "".join(p["text"] for p in content)
         messages.append({"role": m.role, "content": content})
     try:
-        ids = tokenizer.apply_chat_template(messages)
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     return tokenizer.decode(ids), ids
 
 
-def sampling_params(req: _Sampling, num_prompt_tokens: int, max_seq_len: int, pool_tokens: int) -> SamplingParams:
+def tokenize_response(req: TokenizeRequest, tokenizer, max_seq_len: int) -> dict:
+    """vLLM's ``/tokenize`` body: ``count``, ``max_model_len``, ``tokens`` and ``token_strs`` (None unless asked):
+    the ids that /v1/completions (a prompt) or /v1/chat/completions (messages) would run.
+
+    Raises:
+        APIError: 400 naming prompt or messages (neither or both given, no tokenizer, text it cannot encode).
+    """
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "prompt: give a prompt (text) or messages (a chat), not both or neither", "prompt")
+    if req.prompt is not None:
+        _, ids = (None, []) if req.prompt == "" else _one_prompt(req.prompt, tokenizer, "prompt")
+    else:
+        _, ids = chat_prompt(ChatCompletionRequest(messages=req.messages), tokenizer, req.add_generation_prompt)
+    strs = [token_text(tokenizer, i) for i in ids] if req.return_token_strs else None
+    return {"count": len(ids), "max_model_len": max_seq_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize_response(req: DetokenizeRequest, tokenizer, vocab_size: int) -> dict:
+    """vLLM's ``/detokenize`` body: ``{"prompt": text}``.
+
+    Raises:
+        APIError: 400 naming tokens (an id outside the vocabulary, or no tokenizer).
+    """
+    if tokenizer is None:
+        raise APIError(400, "tokens: this model has no tokenizer", "tokens")
+    bad = next((t for t in req.tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"tokens: {bad} is not a token id of this model (0 to {vocab_size - 1})", "tokens")
+    return {"prompt": tokenizer.decode(req.tokens)}
+
+
+def tokenizer_info_response(tokenizer, max_seq_len: int) -> dict:
+    """vLLM's ``/tokenizer_info``: the tokenizer's special tokens, chat template and context."""
+    if tokenizer is None:
+        raise APIError(404, "this model has no tokenizer; send token ids")
+
+    def special(token_id):
+        return next((t for t, i in tokenizer.special_tokens.items() if i == token_id), None)
+
+    return {"tokenizer_class": "minillm.tokenizer.Tokenizer", "eos_token": special(tokenizer.eos_id),
+            "eos_token_id": tokenizer.eos_id, "bos_token": special(tokenizer.bos_id), "bos_token_id": tokenizer.bos_id,
+            "pad_token": None, "chat_template": tokenizer.chat_template, "model_max_length": max_seq_len,
+            "vocab_size": tokenizer.vocab_size, "add_bos_token": False, "add_eos_token": False}
+
+
+def sampling_params(req: _Sampling, num_prompt_tokens: int, max_seq_len: int, pool_tokens: int,
+                    echo: bool = False) -> SamplingParams | None:
     """The engine's ``SamplingParams`` for ``req``; an unset max_tokens (chat) is what the context and the
     KV pool leave after the prompt. ``pool_tokens``: num_blocks * block_size, what one sequence could
-    hold with the whole pool (the engine refuses a request past it).
+    hold with the whole pool (the engine refuses a request past it). None for max_tokens 0 with ``echo``:
+    the prompt is scored, nothing is generated.
 
     Raises:
         APIError: 400 naming the field: an unsupported field, a sampling value out of range, a prompt or
@@ -198,6 +318,11 @@ def sampling_params(req: _Sampling, num_prompt_tokens: int, max_seq_len: int, po
         max_tokens = req.max_completion_tokens
     if max_tokens is None:
         max_tokens = max(1, min(ctx_left, pool_tokens - num_prompt_tokens))
+    elif max_tokens == 0 and echo:
+        return None
+    elif max_tokens == 0:
+        raise APIError(400, "max_tokens: 0 generates nothing; it is allowed with echo: true only (scoring the "
+                            "prompt); ask for at least 1 token", "max_tokens")
     elif max_tokens > ctx_left:
         raise APIError(400, f"max_tokens: {max_tokens} tokens after a {num_prompt_tokens}-token prompt exceed the "
                             f"model's context of {max_seq_len} tokens; ask for at most {ctx_left}", "max_tokens",
@@ -233,22 +358,26 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(out) -> dict:
-    completion = sum(len(c.token_ids) for c in out.outputs)
-    return {"prompt_tokens": len(out.prompt_token_ids), "completion_tokens": completion,
-            "total_tokens": len(out.prompt_token_ids) + completion}
+def usage(outs) -> dict:
+    """OpenAI's usage of ``RequestOutput``s (one per prompt; a prompt scored only is a (prompt ids, []) pair)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    completion = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_response(rid: str, model: str, out, chat: bool) -> dict:
-    """The non-streamed body of a finished ``RequestOutput``."""
+def choice(index: int, text: str, finish_reason: str | None, stop_reason, chat: bool, logprobs: dict | None) -> dict:
+    """One choice of a whole (not streamed) response."""
     if chat:
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in out.outputs]
-    else:
-        choices = [{"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason} for c in out.outputs]
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason, "stop_reason": stop_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
+
+
+def completion_response(rid: str, model: str, choices: list[dict], usage_: dict, chat: bool) -> dict:
+    """The non-streamed body."""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": choices, "usage": usage(out)}
+            "model": model, "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage_}
 
 
 def chunk(rid: str, model: str, created: int, choices: list[dict], chat: bool, usage_: dict | None = None) -> dict:
@@ -259,11 +388,12 @@ def chunk(rid: str, model: str, created: int, choices: list[dict], chat: bool, u
     return body
 
 
-def chunk_choice(index: int, text: str, finish_reason: str | None, chat: bool, first: bool = False) -> dict:
+def chunk_choice(index: int, text: str, finish_reason: str | None, chat: bool, first: bool = False,
+                 logprobs: dict | None = None) -> dict:
     if chat:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def safe_length(text: str, stop: tuple[str, ...]) -> int:
