@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,14 +240,26 @@ def _read(path: Path) -> nbformat.NotebookNode:
         NotANotebookError: no such file, not notebook JSON, or a notebook nbformat rejects.
     """
     try:
-        nb = nbformat.read(path, as_version=4)
-        nbformat.validate(nb)
+        with warnings.catch_warnings():  # a cell without an id: nbformat warns, and adds one
+            warnings.simplefilter("ignore")
+            nb = nbformat.read(path, as_version=4)
+            nbformat.validate(nb)
     except (OSError, UnicodeDecodeError, nbformat.reader.NotJSONError) as e:
         raise NotANotebookError(f"{path}: not a notebook ({e})") from None
     except Exception as e:  # nbformat's schema errors, and what its upgrade of an odd file raises
-        message = (getattr(e, "message", None) or str(e)).splitlines()[0][:200]
-        raise NotANotebookError(f"{path}: not a valid notebook ({type(e).__name__}: {message})") from None
+        raise NotANotebookError(f"{path}: not a valid notebook ({_schema_error(e)}); open it in Jupyter, fix "
+                                "or delete that cell, and save it again") from None
     return nb
+
+
+def _schema_error(e: Exception) -> str:
+    """Where nbformat's schema error is ("cell 3's source") and what it says, in one line."""
+    where = list(getattr(e, "absolute_path", None) or [])
+    message = (getattr(e, "message", None) or str(e) or type(e).__name__).splitlines()[0][:200]
+    if len(where) >= 2 and where[0] == "cells" and isinstance(where[1], int):
+        field = ".".join(map(str, where[2:])) or "cell"
+        return f"cell {where[1] + 1}'s {field}: {message}"
+    return f"{'.'.join(map(str, where))}: {message}" if where else f"{type(e).__name__}: {message}"
 
 
 # ---------------------------------------------------------------------------------------------
