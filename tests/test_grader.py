@@ -21,7 +21,7 @@ import torch
 
 from minillm.exercises import EXERCISES
 from minillm.exercises.checker import Answer, answer, grade
-from minillm.exercises.grading import _read_answers
+from minillm.exercises.isolate import _read_answers
 from test_exercises import cli
 
 REPO = Path(__file__).resolve().parents[1]

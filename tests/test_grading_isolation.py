@@ -20,7 +20,7 @@ import minillm
 
 from minillm.exercises import EXERCISES
 from minillm.exercises.checker import grade
-from minillm.exercises.grading import Source, call_in_fresh_process, sources
+from minillm.exercises.isolate import call_in_fresh_process, sources
 from minillm.exercises.notebooks import SOLUTIONS_DIR
 from test_exercises import cli
 from test_grader import notebook
