@@ -247,3 +247,45 @@ def test_embedded_model_scores_as_a_direct_forward(model_and_tokenizer):
         assert len(logprobs["tokens"]) == len(ids) + 1
         check_against_direct(model, ids, {k: v[:len(ids)] for k, v in logprobs.items()}, 1)
         served.http.close()
+
+
+# ---- lm-evaluation-harness' own readers ----------------------------------------------------------------------
+def test_lm_evals_local_completions_parser_reads_the_scores_of_a_direct_forward(server, tiny):
+    """lm-eval's loglikelihood request (its payload: max_tokens 1, logprobs 1, echo, a batch of token-id prompts)
+    parsed by its own ``parse_logprobs``: the sum and is_greedy of each continuation, from a direct forward."""
+    completions = pytest.importorskip("lm_eval.models.openai_completions")
+    model, _ = tiny
+    requests = [([5, 6, 7, 8], [9, 10]), ([20, 21], [22]), ([30, 31, 32], [33, 34, 35])]
+    prompts = [context + continuation for context, continuation in requests]
+    out = post(server, "/v1/completions", {"model": "tiny", "prompt": prompts, "temperature": 0, "max_tokens": 1,
+                                           "logprobs": 1, "seed": 1234, "echo": True})
+    parsed = completions.LocalCompletionsAPI.parse_logprobs(out, tokens=prompts,
+                                                             ctxlens=[len(c) for c, _ in requests])
+    for (context, continuation), (total, greedy) in zip(requests, parsed):
+        rows = direct(model, context + continuation)[len(context) - 1:]
+        want = rows.gather(1, torch.tensor(continuation)[:, None]).sum().item()
+        assert abs(total - want) < ATOL * len(continuation)
+        assert greedy == bool((rows.argmax(-1) == torch.tensor(continuation)).all())
+
+
+def test_lm_evals_remote_tokenizer_works_through_the_server(server, tiny):
+    utils = pytest.importorskip("lm_eval.utils")
+    _, tok = tiny
+    assert utils.check_remote_tokenizer_support(server.url + "/v1/completions")
+    remote = utils.RemoteTokenizer(server.url + "/v1/completions")
+    assert remote.encode("hello there") == tok.encode("hello there")
+    assert remote.decode(tok.encode("hello there")) == "hello there"
+    assert remote.eos_token == "<|endoftext|>"
+    assert remote.eos_token_id == tok.eos_id  # lm-eval's stop string for generation: the EOS text is one token
+
+
+def test_special_token_text_in_a_completions_prompt_is_the_special_token(server, tiny):
+    _, tok = tiny
+    eos = "<|endoftext|>"
+    got = post(server, "/tokenize", {"prompt": "hi" + eos})["tokens"]
+    assert got == tok.encode("hi") + [tok.eos_id]
+    usage = post(server, "/v1/completions", {"prompt": "hi" + eos, "max_tokens": 1})["usage"]
+    assert usage["prompt_tokens"] == len(got)
+    messages = [{"role": "user", "content": eos}]  # chat content is text, never a control token
+    chat = post(server, "/tokenize", {"messages": messages})["tokens"]
+    assert chat == tok.apply_chat_template(messages) and tok.eos_id not in chat

@@ -172,7 +172,9 @@ def _one_prompt(prompt, tokenizer, name: str) -> tuple[str | None, list[int]]:
         if tokenizer is None:
             raise APIError(400, f"{name}: this model has no tokenizer; send token ids", "prompt")
         try:
-            ids = tokenizer.encode(prompt)
+            # special-token text is the special token, as vLLM's Hugging Face tokenizers read a prompt (a ChatML
+            # prompt written by hand, lm-eval's eos_token through /tokenize); chat content stays plain text
+            ids = tokenizer.encode(prompt, allow_special=True)
         except ValueError as e:  # text the tokenizer cannot encode (a lone UTF-16 surrogate)
             raise APIError(400, f"{name}: {e}", "prompt") from None
         text = prompt
