@@ -82,6 +82,15 @@ def test_cpu_device_from_roofline_rows():
         {"kind": "prefill", "dtype": "float32", "batch_size": 1, "measured_s": 0.325, "flops": 3e10, "tokens": 128}]}
     d = cpu_device(report)
     assert d.step_overhead == pytest.approx(0.025) and d.flops == pytest.approx(1e11) and d.memory is None
+    assert d.flops_at(32) == pytest.approx(1e11)  # one point: the prefill's rate at every size
+    # decode B=8: 2e9 FLOPs in 125 ms, less the 25 ms overhead -> 2e10 FLOP/s at 8 rows
+    report["rows"].append({"kind": "decode", "dtype": "float32", "batch_size": 8, "measured_s": 0.125, "flops": 2e9,
+                           "bytes": 5e8, "tokens": 8})
+    d = cpu_device(report)
+    assert [x for point in d.flops_by_rows for x in point] == pytest.approx([8, 2e10, 128, 1e11])
+    # linear in log2(rows): 32 rows is half way from 8 to 128; held at the ends
+    assert d.flops_at(32) == pytest.approx(6e10)
+    assert d.flops_at(2) == pytest.approx(2e10) and d.flops_at(1000) == pytest.approx(1e11)
     with pytest.raises(ValueError, match="roofline"):
         cpu_device({"bandwidth": 1, "rows": []})
 
@@ -192,3 +201,14 @@ def test_serve_bench_simulate_refuses_bad_options(capsys):
     assert "--simulate: 'tpu'" in capsys.readouterr().err
     assert main(["serve-bench", "--simulate", "h100", "--sim-model", "llama-3.1-70b", "--requests", "2"]) != 0
     assert "use --tp 2 or more" in capsys.readouterr().err
+
+
+def test_mean_of_two_calibrations():
+    from minillm.lab.sim_fidelity import mean_device
+    a = device(bandwidth=10.0, flops=100.0, step_overhead=0.5, sources={"bandwidth": "a", "flops": "a",
+                                                                        "step_overhead": "a"})
+    b = device(bandwidth=30.0, flops=300.0, step_overhead=1.5, sources={"bandwidth": "b", "flops": "b",
+                                                                        "step_overhead": "b"})
+    m = mean_device([a, b])
+    assert (m.bandwidth, m.flops, m.step_overhead, m.memory) == (20.0, 200.0, 1.0, a.memory)
+    assert "mean of 2 roofline runs" in m.sources["flops"]

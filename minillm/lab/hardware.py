@@ -8,6 +8,7 @@ against measured runs before it predicts (docs/cluster.md). Where a number is an
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ..model import ModelConfig
@@ -29,6 +30,8 @@ class Device:
         link_latency: seconds per hop of a collective (the latency x log2 p term).
         step_overhead: seconds every engine step costs beyond its bytes and FLOPs (launches, host work).
         dtype: the weights' and KV cache's dtype the peaks are for; sources: field -> where it comes from.
+        flops_by_rows: ((rows, FLOP/s), ...) measured at a few matmul row counts, rows ascending (this CPU: a
+            product of few rows runs far below the peak); empty: ``flops`` at every size.
     """
 
     name: str
@@ -40,6 +43,7 @@ class Device:
     step_overhead: float
     dtype: str = "bfloat16"
     sources: dict[str, str] = field(default_factory=dict, compare=False)
+    flops_by_rows: tuple = ()
 
     def __post_init__(self):
         for name in ("bandwidth", "flops", "link_bandwidth"):
@@ -48,6 +52,20 @@ class Device:
         for name in ("link_latency", "step_overhead"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{self.name}: {name} must be >= 0 seconds, got {getattr(self, name)}")
+
+    def flops_at(self, rows: int) -> float:
+        """FLOP/s of a product of ``rows`` rows: ``flops_by_rows`` interpolated linearly in log2(rows) between
+        its points and held at its ends; ``flops`` where it is empty."""
+        points = self.flops_by_rows
+        if not points:
+            return self.flops
+        if rows <= points[0][0]:
+            return points[0][1]
+        for (r0, f0), (r1, f1) in zip(points, points[1:]):
+            if rows <= r1:
+                w = math.log2(rows / r0) / math.log2(r1 / r0)
+                return f0 + w * (f1 - f0)
+        return points[-1][1]
 
 
 # One CUDA-graph replay plus the engine's host work per step. Not measured here (no GPU is lent to this
@@ -130,28 +148,32 @@ def model_named(name: str) -> ModelConfig:
 
 
 def cpu_device(roofline: dict, name: str = "this CPU") -> Device:
-    """This CPU from ``python -m minillm roofline --json``'s report (float32): its measured streaming
-    bandwidth; the overhead is what its batch-1 decode took beyond the bandwidth's bound, and the matmul
-    throughput what its prefill row reached with that overhead taken off (both from that report's rows,
-    never from a serving run). No device memory: the simulation takes the engine's default KV pool.
+    """This CPU from ``python -m minillm roofline --json``'s report (float32, its default rows: decode at batch 1
+    and 8, prefill of 128): its measured streaming bandwidth; the overhead is what its batch-1 decode took beyond
+    the bandwidth's bound; the matmul throughput at 8 rows what its batch-8 decode took beyond the overhead, at
+    T rows what its prefill took (both from that report's rows, never from a serving run). No device memory: the
+    simulation takes the engine's default KV pool.
 
     Raises:
         ValueError: a report without a float32 decode row at batch 1 and a prefill row.
     """
     rows = [r for r in roofline.get("rows", []) if r.get("dtype") == "float32"]
-    decode = next((r for r in rows if r["kind"] == "decode" and r["batch_size"] == 1), None)
+    decode = {r["batch_size"]: r for r in rows if r["kind"] == "decode"}
     prefill = max((r for r in rows if r["kind"] == "prefill"), key=lambda r: r["tokens"], default=None)
-    if decode is None or prefill is None:
+    if 1 not in decode or prefill is None:
         raise ValueError("roofline: the report needs a float32 decode row at batch 1 and a prefill row; run "
-                         "python -m minillm roofline --batch-sizes 1 --prompt-lengths 128 --json")
+                         "python -m minillm roofline --batch-sizes 1,8 --prompt-lengths 128 --json")
     bandwidth = roofline["bandwidth"]
-    overhead = max(0.0, decode["measured_s"] - decode["bytes"] / bandwidth)
+    overhead = max(0.0, decode[1]["measured_s"] - decode[1]["bytes"] / bandwidth)
     flops = prefill["flops"] / max(prefill["measured_s"] - overhead, 1e-9)
+    by_rows = tuple((b, decode[b]["flops"] / max(decode[b]["measured_s"] - overhead, 1e-9))
+                    for b in sorted(decode) if 1 < b < prefill["tokens"]) + ((prefill["tokens"], flops),)
     when = f"python -m minillm roofline on {roofline.get('machine', 'this machine')}"
-    return Device(name, None, bandwidth, flops, 1e12, 0.0, overhead, dtype="float32", sources={
+    return Device(name, None, bandwidth, flops, 1e12, 0.0, overhead, dtype="float32", flops_by_rows=by_rows, sources={
         "bandwidth": f"{when}: streaming bandwidth {bandwidth / GB:.1f} GB/s",
-        "flops": f"{when}: prefill T={prefill['tokens']} reached {flops / 1e9:.1f} GFLOP/s (its time less the overhead)",
-        "step_overhead": f"{when}: decode B=1 took {decode['measured_s'] * 1e3:.1f} ms, "
+        "flops": f"{when}: " + ", ".join(f"{f / 1e9:.1f} GFLOP/s at {r} rows" for r, f in by_rows)
+                 + " (decode B and prefill T rows, each time less the overhead)",
+        "step_overhead": f"{when}: decode B=1 took {decode[1]['measured_s'] * 1e3:.1f} ms, "
                          f"{overhead * 1e3:.1f} ms beyond its bytes / bandwidth",
         "memory": "the engine's default KV pool (minillm.paged.config.DEFAULT_KV_BYTES)",
         "link_bandwidth": "one CPU: no tensor parallelism", "link_latency": "one CPU"})

@@ -3,20 +3,23 @@ the simulation's only calibration), then serve-bench's engine run on each trace,
 same requests with the same settings; the table sets measured and simulated side by side.
 
 Nothing is fitted to the runs compared: the CPU's bandwidth, matmul throughput and per-step overhead come from
-``roofline``'s own rows (``hardware.cpu_device``), and the host time of scheduling is the simulation's own.
+``roofline``'s own rows (``hardware.cpu_device``), and the host time of scheduling is the simulation's own. On a
+machine shared with other work the ceilings move from minute to minute, so roofline runs right before and right
+after each measured run, and the simulation takes the mean of the two calibrations.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 
 from ..paged.engine import LLMEngine
 from ..roofline.ceilings import compare, measure
 from ..timing import busy_cores, machine
-from .hardware import cpu_device
+from .hardware import Device, cpu_device
 from .online import arrival_times, run_engine as run_engine_online
 from .serve_bench import _summary, drive_engine, make_requests
 from .simulate import simulate
@@ -24,14 +27,26 @@ from .simulate import simulate
 __all__ = ["FIDELITY_BOUND", "fidelity"]
 
 FIDELITY_BOUND = 0.25  # simulated within 25% of measured, on throughput and median TPOT
-DEFAULT_TRACES = (("sharegpt", 64, 0.25, None), ("alpaca", 64, 1.0, None), ("sharegpt", 20, 0.25, 2.0))
+DEFAULT_TRACES = (("sharegpt", 32, 0.25, None), ("alpaca", 32, 1.0, None), ("sharegpt", 16, 0.25, 1.0))
 
 
 def roofline_report(model) -> dict:
-    """What ``python -m minillm roofline --batch-sizes 1,8 --prompt-lengths 128 --json`` reports, for this model."""
+    """What ``python -m minillm roofline --json`` reports (its default rows: decode B=1 and 8, prefill T=128)."""
     ceilings = measure("cpu", dtypes=("float32",))
     rows = compare(model, ceilings, (1, 8), (128,))
     return {"machine": machine(), "bandwidth": ceilings.bandwidth, "matmul_flops": ceilings.matmul_flops, "rows": rows}
+
+
+def mean_device(devices: list[Device]) -> Device:
+    """One device whose bandwidth, matmul throughput and overhead are the means of ``devices``' (calibrations
+    of the same machine taken minutes apart); its sources say so."""
+    first = devices[0]
+    mean = {k: float(np.mean([getattr(d, k) for d in devices])) for k in ("bandwidth", "flops", "step_overhead")}
+    mean["flops_by_rows"] = tuple((r, float(np.mean([d.flops_by_rows[i][1] for d in devices])))
+                                  for i, (r, _) in enumerate(first.flops_by_rows))
+    sources = dict(first.sources, **{k: f"the mean of {len(devices)} roofline runs around the measured run: " + "; ".join(
+        d.sources[k] for d in devices) for k in ("bandwidth", "flops", "step_overhead")})
+    return replace(first, **mean, sources=sources)
 
 
 def measured_run(model, reqs, arrivals, engine_kwargs: dict) -> dict:
@@ -51,45 +66,52 @@ def measured_run(model, reqs, arrivals, engine_kwargs: dict) -> dict:
 
 def fidelity(model, tokenizer, traces=DEFAULT_TRACES, block_size: int = 16, max_num_seqs: int = 64,
              max_num_batched_tokens: int = 256) -> dict:
-    """Roofline first, then for each (trace, requests, scale, rate or None) the measured engine and the
-    simulation; returns {"device", "roofline", "rows", "load"} where each row has both and their ratios."""
+    """For each (trace, requests, scale, rate or None): roofline, the measured engine, roofline again, then the
+    simulation on the two calibrations' mean; returns {"machine", "rows", "load"}, each row with both runs, their
+    ratios, its calibration and roofline reports."""
     load_before = os.getloadavg()
     busy = busy_cores()
-    report = roofline_report(model)
-    device = cpu_device(report)
     kwargs = dict(block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
     rows = []
     for trace, n, scale, rate in traces:
         reqs = make_requests(tokenizer, n, trace, scale)
         arrivals = None if rate is None else arrival_times(n, rate)
         started = time.time()
+        before = roofline_report(model)
         real = measured_run(model, reqs, arrivals, kwargs)
+        after = roofline_report(model)
+        device = mean_device([cpu_device(before), cpu_device(after)])
         sim = simulate(model.config, device, [(r.prompt_token_ids, r.max_tokens) for r in reqs], arrivals,
                        host_time=True, **kwargs)
         rows.append({"trace": trace, "requests": n, "scale": scale, "rate": rate, "measured": real, "simulated": sim,
                      "throughput_ratio": sim["output_tokens_per_s"] / real["output_tokens_per_s"],
-                     "tpot_ratio": sim["tpot_p50_s"] / real["tpot_p50_s"], "seconds": time.time() - started})
+                     "tpot_ratio": sim["tpot_p50_s"] / real["tpot_p50_s"], "seconds": time.time() - started,
+                     "device": _device_record(device), "roofline": [before, after], "load_after": os.getloadavg()})
     for row in rows:
         row["within"] = all(abs(row[k] - 1) <= FIDELITY_BOUND for k in ("throughput_ratio", "tpot_ratio"))
-    return {"device": {"name": device.name, "bandwidth": device.bandwidth, "flops": device.flops,
-                       "step_overhead": device.step_overhead, "sources": device.sources},
-            "roofline": report, "rows": rows,
+    return {"machine": machine(), "rows": rows,
             "load": {"before": load_before, "after": os.getloadavg(), "busy_cores_before": busy}}
+
+
+def _device_record(device: Device) -> dict:
+    return {"name": device.name, "bandwidth": device.bandwidth, "flops": device.flops,
+            "step_overhead": device.step_overhead, "flops_by_rows": device.flops_by_rows, "sources": device.sources}
 
 
 def format_fidelity(report: dict) -> str:
     """The fidelity table, one row per trace."""
-    d = report["device"]
-    lines = [f"calibration (roofline): bandwidth {d['bandwidth'] / 1e9:.1f} GB/s, matmul {d['flops'] / 1e9:.1f} "
-             f"GFLOP/s, overhead {d['step_overhead'] * 1e3:.1f} ms/step; load {report['load']['before']} -> "
-             f"{report['load']['after']}",
-             f"{'trace':<28}{'meas tok/s':>11}{'sim tok/s':>10}{'ratio':>7}{'meas TPOT':>10}{'sim TPOT':>9}{'ratio':>7}  ok"]
+    load = report["load"]
+    lines = [f"{report['machine']}; load average (1/5/15 min) {', '.join(f'{x:.2f}' for x in load['before'])} before, "
+             f"{', '.join(f'{x:.2f}' for x in load['after'])} after",
+             f"{'trace':<28}{'meas tok/s':>11}{'sim tok/s':>10}{'ratio':>7}{'meas TPOT':>10}{'sim TPOT':>9}{'ratio':>7}  ok"
+             "  calibration (GB/s, GFLOP/s, ms/step)"]
     for r in report["rows"]:
         name = f"{r['trace']} x{r['scale']} {r['requests']} req" + (f" @{r['rate']}/s" if r["rate"] else "")
         m, s = r["measured"], r["simulated"]
         lines.append(f"{name:<28}{m['output_tokens_per_s']:>11.1f}{s['output_tokens_per_s']:>10.1f}"
                      f"{r['throughput_ratio']:>7.2f}{m['tpot_p50_s'] * 1e3:>10.1f}{s['tpot_p50_s'] * 1e3:>9.1f}"
-                     f"{r['tpot_ratio']:>7.2f}  {'yes' if r['within'] else 'NO'}")
+                     f"{r['tpot_ratio']:>7.2f}  {'yes' if r['within'] else 'NO ':<3}  {r['device']['bandwidth'] / 1e9:.1f}, "
+                     f"{r['device']['flops'] / 1e9:.1f}, {r['device']['step_overhead'] * 1e3:.1f}")
     return "\n".join(lines)
 
 

@@ -98,7 +98,7 @@ def step_cost(config: ModelConfig, device: Device, spans: list[tuple[int, int]],
              + 2 * sampled * head)
     weights = (config.n_layers * per_layer + head) * nbytes / tp  # each device reads its shard once
     kv = kv_token_bytes(config, nbytes, tp) * sum(c + n for c, n in spans)  # read the context, write the new
-    compute_s, memory_s = flops / tp / device.flops, (weights + kv) / device.bandwidth
+    compute_s, memory_s = flops / tp / device.flops_at(tokens), (weights + kv) / device.bandwidth
     all_reduce_s = 2 * config.n_layers * all_reduce_time(tokens * config.dim * nbytes, tp, device.link_bandwidth,
                                                          device.link_latency)
     overhead_s = device.step_overhead if overhead is None else overhead
