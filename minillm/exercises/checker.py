@@ -138,6 +138,9 @@ class Exercise:
         error_hint: (case, the error's name, its first line) -> a hint for a function that raised, or None.
         forbidden: dotted paths of the package functions the student's function replaces: while its cases
             run they raise (``forbid.py``; the checker's own ``ex_*`` functions always do).
+        tools: dotted paths of the package modules, classes or functions the exercise hands the student (its
+            docstring names them): they stay on when grading switches the rest of the package off
+            (``runner.py``).
     """
 
     name: str
@@ -150,6 +153,7 @@ class Exercise:
     judge: Callable[[Case, Any, Any, tuple], Failure | None]
     error_hint: Callable[[Case, str, str], str | None] = lambda case, error, message: None
     forbidden: tuple[str, ...] = ()
+    tools: tuple[str, ...] = ()
 
     def cases(self) -> list[Case]:
         """The practice cases: hand-made, then random (the same at every call: seeded with ``SEED``)."""

@@ -248,6 +248,7 @@ AWQ = Exercise(
     follows="minillm.quant.awq.search_scales",
     reference=reference_awq,
     forbidden=("minillm.quant.awq.search_scales",),
+    tools=("minillm.quant.rtn",),  # the docstring's Q(M) = rtn_quantize(M, config).dequantize()
     hand_cases=awq_cases,
     random_cases=awq_random,
     judge=judge_awq,

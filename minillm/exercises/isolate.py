@@ -140,7 +140,7 @@ def call_in_fresh_process(name: str, source: Source, cases: list[Case], timeout:
     process's start (imports and the package's switch-off, ``start_timeout`` at most)."""
     job = io.BytesIO()
     torch.save({"name": name, "imports": source.imports, "definitions": source.definitions,
-                "cells": source.cells, "cases": [c.args for c in cases]}, job)
+                "cells": source.cells, "cases": [c.args for c in cases], "tools": EXERCISES[name].tools}, job)
     # -I: no user site, no PYTHONPATH, and neither the working folder nor a script's folder on sys.path;
     # the source is passed with -c, so that the checker's folder is never on sys.path either
     proc = subprocess.Popen([sys.executable, "-I", "-c", Path(runner.__file__).read_text(encoding="utf-8")],

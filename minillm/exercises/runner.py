@@ -157,15 +157,21 @@ def raiser_code(code: types.CodeType, raise_statement: str) -> types.CodeType:
     return namespace["_outer"]().__code__
 
 
-def _allowed(fn: types.FunctionType) -> bool:
+def _allowed(fn: types.FunctionType, tools: tuple[str, ...]) -> bool:
+    """Whether ``fn`` stays on: a method of an ``ALLOWED`` class, or code under one of the exercise's ``tools``
+    (a module, a class or a function, by dotted path)."""
     module, qualname = getattr(fn, "__module__", "") or "", fn.__qualname__
-    return any(module == path.rpartition(".")[0] and qualname.startswith(path.rpartition(".")[2] + ".")
-               for path in ALLOWED)
+    if any(module == path.rpartition(".")[0] and qualname.startswith(path.rpartition(".")[2] + ".")
+           for path in ALLOWED):
+        return True
+    full = f"{module}.{qualname}"
+    return any(name == tool or name.startswith(tool + ".") for tool in tools for name in (module, full))
 
 
-def switch_off(exercise: str) -> int:
+def switch_off(exercise: str, tools: tuple[str, ...] = ()) -> int:
     """Swap the code of every function of the loaded minillm modules (their methods, properties and closures
-    included; ``ALLOWED`` classes excepted) for code that calls ``__main__.switched_off`` with its name.
+    included; ``ALLOWED`` classes and the exercise's ``tools`` excepted) for code that calls
+    ``__main__.switched_off`` with its name.
     The original code objects are dropped. Returns how many functions were switched off."""
     import gc
 
@@ -174,7 +180,7 @@ def switch_off(exercise: str) -> int:
         if type(obj) is not types.FunctionType:  # type(), not isinstance: no object's __class__ is asked
             continue
         filename = os.path.abspath(obj.__code__.co_filename)
-        if not filename.startswith(_PACKAGE + os.sep) or filename.startswith(_HERE + os.sep) or _allowed(obj):
+        if not filename.startswith(_PACKAGE + os.sep) or filename.startswith(_HERE + os.sep) or _allowed(obj, tools):
             continue
         name = f"{obj.__module__}.{obj.__qualname__}".replace(".<locals>", "")
         message = (f"{name} is switched off while {exercise} is checked: write {exercise} yourself instead of "
@@ -257,7 +263,7 @@ def main() -> None:
         raise ForbiddenCallError(message)
 
     sys.modules["__main__"].switched_off = switched_off
-    switch_off(name)
+    switch_off(name, tuple(job.get("tools", ())))
     state["cases"] = True
     for filename, source in job["cells"].items():  # so that a traceback shows the student's line
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
