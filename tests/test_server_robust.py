@@ -88,6 +88,15 @@ def test_shutdown_timeout_must_be_finite_and_not_negative(tiny_path, value):
     assert "--shutdown-timeout" in out.stderr and value in out.stderr
 
 
+@pytest.mark.parametrize("value, named", [("[1]", "--speculative-config"), ("{bad", "--speculative-config"),
+                                          ('{"method": "nope"}', "method")])
+def test_a_bad_speculative_config_is_refused_naming_it(tiny_path, value, named):
+    out = subprocess.run(serve_command(tiny_path, "--speculative-config", value, "--port", "0"), capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert named in out.stderr and "Traceback" not in out.stderr
+
+
 def test_max_seq_len_past_the_models_context_is_refused_naming_it(tiny_path):
     out = subprocess.run(serve_command(tiny_path, "--max-seq-len", "100000", "--port", "0"), capture_output=True,
                          text=True, timeout=120)

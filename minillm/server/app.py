@@ -1,12 +1,14 @@
 """The HTTP routes: an OpenAI-compatible server over one engine thread (FastAPI, served by uvicorn).
 
 ``POST /v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events or one JSON body),
-``GET /v1/models``, ``/health`` and ``/metrics``. A handler checks the request, tokenizes it on a worker
-thread (never on the event loop, which relays every stream), hands it to the engine thread
-(``loop.EngineLoop``) and relays what comes back; every connection's requests meet in the engine's steps
-(continuous batching, Kwon et al. 2023, Sec. 4.5). A client that goes away, with a stream open or while
-waiting for a whole response, aborts its request, which frees its blocks before the next step. Refusals
-carry OpenAI's error body with a 4xx (503 when the queue is full).
+``POST /tokenize`` and ``/detokenize``, ``GET /tokenizer_info``, ``/v1/models``, ``/health`` and ``/metrics``.
+A handler checks the request, tokenizes it on a worker thread (never on the event loop, which relays every
+stream), hands each of its prompts to the engine thread (``loop.EngineLoop``) as one engine request and relays
+what comes back; every connection's requests meet in the engine's steps (continuous batching, Kwon et al.
+2023, Sec. 4.5). Log-probabilities are computed on the engine thread too, between steps (``logprobs.Scorer``).
+A client that goes away, with a stream open or while waiting for a whole response, aborts its requests, which
+frees their blocks before the next step. Refusals carry OpenAI's error body with a 4xx (503 when the queue is
+full).
 """
 
 from __future__ import annotations
@@ -17,14 +19,12 @@ import math
 import threading
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..paged.sequence import CompletionOutput
 from .logprobs import Scorer, chat_logprobs, completion_logprobs
 from .loop import EngineLoop, Overloaded, RequestFailed, RequestRefused, RequestStream
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -32,6 +32,7 @@ from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, Detok
                        TextStream, TokenizeRequest, brief, chat_prompt, choice, chunk, chunk_choice,
                        completion_prompts, completion_response, detokenize_response, error_body, logprobs_wanted,
                        new_id, param_of, sampling_params, tokenize_response, tokenizer_info_response, usage)
+from .relay import Scored, merged, scoring
 
 
 class EngineStreamingResponse(StreamingResponse):
@@ -249,7 +250,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             if chat:  # the first chunk gives the role, as OpenAI's does
                 yield _sse(chunk(rid, model_name, created, [chunk_choice(i, "", None, True, first=True)
                                                             for i in range(n)], True))
-            async for p, out in _merged(streams):
+            async for p, out in merged(streams):
                 last[p] = out
                 choices = []
                 for c in out.outputs:
@@ -260,7 +261,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                     delta = texts[key].delta(c.text, finished)
                     logprobs, new = None, c.token_ids[scored[key]:]
                     if wanted.top is not None and new:
-                        entries = await _on_engine(_scoring(scorers, key, prompts[p][1], params[p], new, wanted.top))
+                        entries = await _on_engine(scoring(scorers, key, prompts[p][1], params[p], new, wanted.top))
                         scored[key] += len(new)
                         if chat:
                             logprobs = chat_logprobs(loop.tokenizer, new, entries, wanted.top)
@@ -301,62 +302,6 @@ class JSONBodiesOnly:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _scoring(scorers: dict, key, prompt_ids: list[int], params, new: list[int], top: int):
-    """What the engine thread runs for a streamed choice's new tokens: their entries, through the choice's scorer
-    (made at its first tokens, with the prompt fed)."""
-    def run(engine):
-        if key not in scorers:
-            scorers[key] = Scorer(engine.model, len(prompt_ids) + params.max_new_tokens, top)
-            scorers[key].extend(prompt_ids, want=False)
-        return scorers[key].extend(new)
-    return run
-
-
-async def _merged(streams):
-    """(prompt number, output) from every stream as they come; a stream's ``RequestFailed`` is raised. Each
-    stream's pump waits for room in a queue of one place per stream, so a stalled reader holds a bounded number."""
-    if len(streams) == 1:
-        async for out in streams[0].outputs():
-            yield 0, out
-        return
-    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
-
-    async def pump(p, stream):
-        try:
-            async for out in stream.outputs():
-                await queue.put((p, out))
-            await queue.put((p, None))
-        except RequestFailed as e:
-            await queue.put((p, e))
-
-    pumps = [asyncio.ensure_future(pump(p, s)) for p, s in enumerate(streams)]
-    try:
-        left = len(streams)
-        while left:
-            p, item = await queue.get()
-            if isinstance(item, RequestFailed):
-                raise item
-            if item is None:
-                left -= 1
-            else:
-                yield p, item
-    finally:
-        for task in pumps:
-            task.cancel()
-
-
-@dataclass
-class Scored:
-    """A prompt that is scored only (max_tokens 0 with echo): a ``RequestOutput``'s fields, n empty choices."""
-
-    prompt_token_ids: list[int]
-    n: int
-
-    @property
-    def outputs(self):
-        return [CompletionOutput(i, "", [], None, "length") for i in range(self.n)]
 
 
 def _sse(body: dict) -> str:
