@@ -245,7 +245,7 @@ def read_source(path: str | Path | None, weights: bool):
 
     path = default_model_path() if path is None else Path(path)
     if path.suffix == ".safetensors" and path.is_file():
-        model, tokenizer = load_model(path)
+        model, tokenizer = load_model(path, fast=False)  # the plain layers: their weights are read
         return model.config.max_seq_len, model.config, decoder_state(model) if weights else None, tokenizer
     if path.is_dir():
         try:
