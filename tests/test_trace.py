@@ -276,3 +276,20 @@ def test_serve_bench_refuses_a_bad_trace_out_before_loading(tmp_path, capsys, ex
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert re.search(message, err) and "no-model" not in err  # refused before the model is looked for
+
+
+def test_serve_takes_trace_out(tiny, tmp_path, capsys):
+    """``serve --trace-out`` builds its engine with the trace, and refuses a bad path before loading the model."""
+    from minillm.cli import build_parser
+    from minillm.server.cli import build_engine
+
+    args = build_parser().parse_args(["serve", "--num-blocks", "16", "--trace-out", str(tmp_path / "s.jsonl")])
+    engine = build_engine(tiny, None, args)
+    engine.add_request("a", [1, 2, 3], greedy(2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(read_trace(tmp_path / "s.jsonl").steps) == 2
+    argv = ["serve", "--model", str(tmp_path / "no-model.gguf"), "--trace-out", str(tmp_path / "missing" / "s.jsonl")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "trace: the folder" in err and "no-model" not in err
