@@ -52,6 +52,16 @@ def test_a_stalled_reader_holds_one_queued_output_not_one_per_step(tiny):
     assert final.finished and [len(c.token_ids) for c in final.outputs] == [400, 400]
 
 
+def test_a_client_that_leaves_a_stream_of_several_prompts_frees_every_block(server):
+    body = {"prompt": ["hello", "the cat", "once upon"], "max_tokens": 900, "ignore_eos": True, "stream": True,
+            "logprobs": 1}
+    with server.http.stream("POST", "/v1/completions", json=body) as r:
+        first = next(sse_events(r))
+    assert json.loads(first)["choices"]
+    free, total, unfinished = server.wait_all_free()
+    assert free == total and not unfinished and server.loop.pending == 0
+
+
 # ---- bodies -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("headers", [{}, {"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}])
 def test_a_body_without_a_json_content_type_gets_400_naming_the_header(server, headers):

@@ -150,16 +150,7 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
         wanted = logprobs_wanted(req, loop.tokenizer is not None)
         params = [sampling_params(req, len(ids), loop.max_seq_len, pool_tokens, wanted.echo) for _, ids in prompts]
         rid = new_id("chatcmpl" if chat else "cmpl")
-        streams = []  # one engine request per prompt (None: a prompt scored only, max_tokens 0)
-        try:
-            for p, ((text, ids), par) in enumerate(zip(prompts, params)):
-                sub = rid if len(prompts) == 1 else f"{rid}-{p}"
-                streams.append(None if par is None else await _submit(sub, text, ids, par))
-        except BaseException:
-            for stream in streams:
-                if stream is not None:
-                    stream.close()
-            raise
+        streams = await _submit(rid, prompts, params)  # None: a prompt scored only (max_tokens 0)
         live = [s for s in streams if s is not None]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -183,26 +174,33 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
                 choices.append(await _choice(p * (req.n or 1) + c.index, text, ids, c, chat, wanted))
         return completion_response(rid, model_name, choices, usage(outs), chat)
 
-    async def _submit(rid: str, text, ids, params) -> RequestStream:
-        """Hand one prompt to the engine and wait for its verdict; the stream of its outputs."""
+    async def _submit(rid: str, prompts, params) -> list[RequestStream | None]:
+        """Hand every prompt to the engine at once (one engine request each, admitted in the same step), then wait
+        for the verdicts; if one is refused, the others are aborted and the first refusal is raised."""
+        streams = []
         try:
-            stream = loop.submit(rid, {"prompt_token_ids": ids, "prompt": text}, params)
+            for p, ((text, ids), par) in enumerate(zip(prompts, params)):
+                sub = rid if len(prompts) == 1 else f"{rid}-{p}"
+                streams.append(None if par is None else loop.submit(sub, {"prompt_token_ids": ids, "prompt": text},
+                                                                    par))
+            live = [s for s in streams if s is not None]
+            verdicts = await asyncio.gather(*(s.accepted() for s in live), return_exceptions=True)
         except Overloaded as e:
+            _close(streams)
             metrics.rejected.labels(model_name).inc()
             raise APIError(503, str(e)) from None
-        try:
-            await stream.accepted()
-        except RequestRefused as e:
-            raise APIError(400, str(e), param_of(str(e))) from None
-        except RequestFailed as e:
-            raise APIError(503, str(e)) from None
         except BaseException:
-            stream.close()
+            _close(streams)
             raise
-        finally:
-            if stream.finished:
-                stream.close()
-        return stream
+        error = next((v for v in verdicts if isinstance(v, BaseException)), None)
+        if error is not None:
+            _close(streams)
+            if isinstance(error, RequestRefused):
+                raise APIError(400, str(error), param_of(str(error))) from None
+            if isinstance(error, RequestFailed):
+                raise APIError(503, str(error)) from None
+            raise error
+        return streams
 
     async def _on_engine(fn):
         """``fn(engine)`` on the engine thread, between steps (the one thread that runs the model)."""
@@ -302,6 +300,12 @@ class JSONBodiesOnly:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _close(streams) -> None:
+    for stream in streams:
+        if stream is not None:
+            stream.close()
 
 
 def _sse(body: dict) -> str:
