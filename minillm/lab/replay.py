@@ -13,6 +13,7 @@ from __future__ import annotations
 import colorsys
 import json
 import sys
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -183,8 +184,8 @@ def write_png(trace: Trace, steps: list[int], out, columns: int | None = None) -
     num_blocks, colours = trace.header["num_blocks"], request_colours(trace)
     cols = columns or min(32, max(8, int((2 * num_blocks) ** 0.5)))
     rows = -(-num_blocks // cols)
-    fig, axes = plt.subplots(len(steps), 1, figsize=(max(6.0, 0.32 * cols + 1.5), (0.32 * rows + 1.0) * len(steps)),
-                             squeeze=False)
+    width = max(8.0, 0.32 * cols + 2.5)  # inches: the grid and the legend of requests beside it
+    fig, axes = plt.subplots(len(steps), 1, figsize=(width, (0.32 * rows + 1.3) * len(steps)), squeeze=False)
     for ax, k in zip(axes[:, 0], steps):
         state = states[k]
         owner_of = {}
@@ -204,8 +205,8 @@ def write_png(trace: Trace, steps: list[int], out, columns: int | None = None) -
         ax.set_ylim(rows, 0)
         ax.set_aspect("equal")
         ax.axis("off")
-        ax.set_title(f"step {k}: {_batch_text(state.step)}; {state.free} of {num_blocks} blocks free", fontsize=9,
-                     loc="left")
+        title = f"step {k}: {_batch_text(state.step)}; {state.free} of {num_blocks} blocks free"
+        ax.set_title(textwrap.fill(title, width=int(11 * width)), fontsize=9, loc="left")
         held = list(dict.fromkeys(state.owners[s][0] for s in state.tables))
         handles = [Rectangle((0, 0), 1, 1, color=colours[r]) for r in held]
         if handles:
@@ -218,7 +219,8 @@ def write_png(trace: Trace, steps: list[int], out, columns: int | None = None) -
 
 
 def _batch_text(step: dict) -> str:
-    """The step's batch in words: prefill / decode / recompute tokens, drafts accepted of proposed, preemptions."""
+    """The step in words: prefill / decode / recompute tokens, drafts accepted of proposed, prefix hits, copies on
+    write, preemptions."""
     kinds = {}
     for run in step["batch"]:
         kinds[run["kind"]] = kinds.get(run["kind"], 0) + run["tokens"]
@@ -226,6 +228,10 @@ def _batch_text(step: dict) -> str:
     drafts = sum(r["drafts"] for r in step["batch"])
     if drafts:
         words.append(f"drafts {sum(r['accepted'] for r in step['batch'])}/{drafts} accepted")
+    for hit in step["prefix_hits"]:
+        words.append(f"{hit['request']}#{hit['index']} found {len(hit['blocks'])} blocks in the prefix cache")
+    for src, dst in step["copied"]:
+        words.append(f"block {src} copied to {dst}")
     if step["preempted"]:
         words.append(f"preempted {', '.join(p['request'] for p in step['preempted'])}")
     return ", ".join(words) or "nothing scheduled"
