@@ -29,7 +29,7 @@ LESSONS = {"00_quickstart": "", "01_roofline": "", "01a_roofline_appendix": "opt
            "04_speculative_decoding": "", "04a_speculative_appendix": "optional",
            "05_quantization": "", "05a_kquants": "", "05b_variable_bitrate": "optional", "06_all_together": ""}
 # a lesson longer than a class is taught in parts, each starting at the markdown heading named here
-PARTS = {"05_quantization": ["## The fast 4-bit path"]}
+PARTS = {"03_paged_attention": ["## 4. The scheduler's timeline"], "05_quantization": ["## The fast 4-bit path"]}
 PREDICTION = re.compile(r"Predict before you run")
 WRITTEN = re.compile(r"\(written\)")
 
