@@ -311,8 +311,9 @@ h1{font-size:16px;margin:0 0 6px} h2{font-size:13px;margin:10px 0 4px}
 .chip.shared{outline:2px solid #000}
 table{border-collapse:collapse} td,th{padding:1px 6px;text-align:left;font-size:12px} th{border-bottom:1px solid #ccc}
 .acc{color:#137333;font-weight:bold}.rej{color:#c5221f;font-weight:bold}
-#hover{min-height:54px;max-width:560px;font-family:monospace;white-space:pre-wrap;background:#f7f7f7;padding:4px}
+#hover{min-height:54px;max-width:460px;font-family:monospace;white-space:pre-wrap;background:#f7f7f7;padding:4px}
 .legend span{display:inline-block;margin-right:10px}
+.note{font-size:11px;color:#555;max-width:460px;margin-bottom:4px}
 </style></head><body>
 <h1>minillm engine replay: <span id="source"></span></h1>
 <div id="settings"></div>
@@ -323,8 +324,8 @@ table{border-collapse:collapse} td,th{padding:1px 6px;text-align:left;font-size:
 <span><b style="color:#c5221f">recompute</b></span><span><b style="color:#137333">drafts accepted</b></span>
 <span><b style="color:#f28b82">drafts rejected</b></span><span>&#10005; preemption</span></div>
 <div id="main">
-<div class="panel"><h2>block pool <small>(colour: the request holding it; black outline and number: shared,
-reference count; teal dot: in the prefix cache; grey: free)</small></h2><svg id="pool"></svg>
+<div class="panel"><h2>block pool</h2><div class="note">colour: the request holding the block; black outline and
+number: shared, its reference count; teal dot: in the prefix cache; grey: free</div><svg id="pool"></svg>
 <h2>hover a block</h2><div id="hover">its tokens show here</div></div>
 <div class="panel"><h2>this step's batch</h2><table id="batch"></table><h2>what happened</h2><div id="events"></div>
 <h2>block tables of the sequences holding blocks</h2><div id="seqs"></div></div>
@@ -359,7 +360,7 @@ document.getElementById("settings").textContent = `${S.length} steps; a pool of 
   (H.speculative ? `; speculation: ${H.speculative}` : "") + (H.prefix_caching ? "; prefix caching on" : "");
 const slider = document.getElementById("slider");
 slider.max = Math.max(S.length - 1, 0);
-const cols = Math.min(32, Math.max(8, Math.round(Math.sqrt(2 * NB)))), CELL = 22;
+const cols = Math.min(32, Math.max(8, Math.round(Math.sqrt(2 * NB)))), CELL = NB <= 64 ? 34 : NB <= 256 ? 26 : 20;
 const pool = document.getElementById("pool");
 pool.setAttribute("width", cols * CELL + 2); pool.setAttribute("height", Math.ceil(NB / cols) * CELL + 2);
 const tl = document.getElementById("timeline"), TW = Math.max(4, Math.min(14, Math.floor(900 / Math.max(S.length, 1))));
