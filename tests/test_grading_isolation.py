@@ -9,6 +9,9 @@ import json
 import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -126,7 +129,8 @@ PACKAGE = Path(minillm.__file__).parent
      "            except Exception:\n                pass", "minillm.kv_cache.kv_cache_bytes"),
     # a copy made as the function is defined (a default argument): defined after the switch-off
     ("def kv_cache_size(config, batch_size, seq_len, dtype, _f=kv_cache_bytes.__code__):\n    import types\n"
-     f"    return types.FunctionType(_f, {{}})(config, batch_size, seq_len, {BYTES})", "minillm.kv_cache.kv_cache_bytes"),
+     f"    return types.FunctionType(_f, {{}})(config, batch_size, seq_len, {BYTES})",
+     "minillm.kv_cache.kv_cache_bytes"),
     # the call's error caught and the own formula used: the call still counts
     ("def kv_cache_size(config, batch_size, seq_len, dtype):\n    try:\n"
      "        return KVCache(config, batch_size, seq_len, dtype, device='meta').nbytes\n    except Exception:\n"
@@ -183,7 +187,8 @@ def test_a_notebook_that_breaks_its_run_fails_its_own_rows_and_the_class_is_grad
     notebook(folder / "d", own)
     code, text = cli("check", str(folder), "--csv", str(tmp_path / "grades.csv"), "--timeout", "60")
     assert code == 2, text  # one path is no notebook
-    rows = [(r["student"], r["exercise"], r["points"], r["status"]) for r in csv.DictReader(open(tmp_path / "grades.csv"))]
+    rows = [(r["student"], r["exercise"], r["points"], r["status"])
+            for r in csv.DictReader(open(tmp_path / "grades.csv"))]
     assert rows == [("a", "blocks_needed", "11", "passed"), ("b", "", "0", "not a notebook"),
                     ("c", "blocks_needed", "11", "passed"), ("d", "blocks_needed", "11", "passed")], text
     assert "stopped: the notebook's run broke off (NotebookValidationError" in text
@@ -229,3 +234,55 @@ def test_a_looping_function_costs_one_timeout(tmp_path):
     rows = [(r["exercise"], r["status"]) for r in csv.DictReader(open(tmp_path / "grades.csv"))]
     assert rows == [("blocks_needed", "stopped"), ("needs_new_block", "passed")]
     print(f"a looping notebook at --timeout 10: {elapsed:.1f} s")  # measured, never asserted (a loaded machine)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(EXERCISES))
+def test_every_solution_scores_full_marks_in_its_own_process(name):
+    # the package is off but for the config classes and the exercise's tools (AWQ's rtn_quantize)
+    ex = EXERCISES[name]
+    cases = ex.grading_cases(seed=4711)
+    nb = nbformat.read(SOLUTIONS_DIR / ex.notebook, as_version=4)
+    answers, notes = call_in_fresh_process(name, sources(nb)[name], cases, timeout=300)
+    assert answers is not None and notes == [], notes
+    report = grade(ex, cases, [ex.expected(c) for c in cases], answers)
+    assert report.passed and not any(a.calls for a in answers), report
+
+
+def runner_processes(parent: int) -> list[int]:
+    """Graded functions' processes started by ``parent`` (their command line holds the runner's text)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"minillm-runner-ready" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_function_is_graded_kills_its_process(tmp_path):
+    path = notebook(tmp_path, "def blocks_needed(num_tokens, block_size):\n    while True:\n        pass")
+    grader = subprocess.Popen([sys.executable, "-m", "minillm.exercises.cli", "check", str(path)],
+                              cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(600):  # the notebook runs (a kernel start), then the function's process starts
+            children = runner_processes(grader.pid)
+            if children:
+                break
+            time.sleep(0.5)
+        assert children, "no function's process started"
+        time.sleep(2)
+        grader.send_signal(signal.SIGTERM)
+        out, _ = grader.communicate(timeout=60)
+    finally:
+        if grader.poll() is None:
+            grader.kill()
+    assert grader.returncode == 128 + signal.SIGTERM, out
+    assert "stopped by SIGTERM" in out and "no grade" in out
+    time.sleep(1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in children)  # killed, and reaped by the grader

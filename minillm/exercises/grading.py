@@ -28,8 +28,9 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import warnings
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -339,32 +340,33 @@ def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, see
         broken = f"the notebook's run broke off ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
     found = sources(nb)
     reports, scores = {}, {}
-    for name, (ex, cases, expected) in plans.items():
-        most = sum(c.points for c in cases)
-        if name in looped:
-            reports[name] = (f"check {name}: FAILED: your function ran past the {timeout} s timeout in "
-                             f"{cell_name(nb, looped[name])} (an endless loop?); the grader does not call it "
-                             "again", False)
-            scores[name] = (0.0, most, "stopped")
-            continue
-        if name not in found:
-            reports[name], scores[name] = _not_defined(run, name), (0.0, most, "not defined")
-            continue
-        answers, notes = call_in_fresh_process(name, found[name], cases, timeout)
-        if answers is None:
-            reports[name] = (f"check {name}: FAILED: {_no_answers(notes, timeout)}", False)
-            scores[name] = (0.0, most, "stopped" if notes in ("timeout", "died") else "failed")
-            continue
-        if not answers:  # its definition raised in the fresh process
-            reports[name] = (f"check {name}: FAILED: " + "; ".join(notes), False)
-            scores[name] = (0.0, most, "failed")
-            continue
-        report = grade(ex, cases, expected, answers)
-        report.calls = list(dict.fromkeys(c for a in answers for c in a.calls))
-        text = str(report) + "".join(f"\n  note: {n}" for n in notes)
-        reports[name] = (text, report.passed)
-        status = "passed" if report.passed else "forbidden" if report.forbidden else "failed"
-        scores[name] = (report.points, report.max_points, status)
+    with _stopped_by_signals():  # a function's process is killed, and grading stops
+        for name, (ex, cases, expected) in plans.items():
+            most = sum(c.points for c in cases)
+            if name in looped:
+                reports[name] = (f"check {name}: FAILED: your function ran past the {timeout} s timeout in "
+                                 f"{cell_name(nb, looped[name])} (an endless loop?); the grader does not call it "
+                                 "again", False)
+                scores[name] = (0.0, most, "stopped")
+                continue
+            if name not in found:
+                reports[name], scores[name] = _not_defined(run, name), (0.0, most, "not defined")
+                continue
+            answers, notes = call_in_fresh_process(name, found[name], cases, timeout)
+            if answers is None:
+                reports[name] = (f"check {name}: FAILED: {_no_answers(notes, timeout)}", False)
+                scores[name] = (0.0, most, "stopped" if notes in ("timeout", "died") else "failed")
+                continue
+            if not answers:  # its definition raised in the fresh process
+                reports[name] = (f"check {name}: FAILED: " + "; ".join(notes), False)
+                scores[name] = (0.0, most, "failed")
+                continue
+            report = grade(ex, cases, expected, answers)
+            report.calls = list(dict.fromkeys(c for a in answers for c in a.calls))
+            text = str(report) + "".join(f"\n  note: {n}" for n in notes)
+            reports[name] = (text, report.passed)
+            status = "passed" if report.passed else "forbidden" if report.forbidden else "failed"
+            scores[name] = (report.points, report.max_points, status)
     n_student = len(nb.cells)
     errors = [f"{cell_name(nb, i)} raised {error_text(o)}" for i, c in enumerate(run.cells[:n_student])
               if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
@@ -372,6 +374,23 @@ def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, see
     lines = [_stop_text("its start" if index < 0 else cell_name(nb, index), why, timeout, max_output) + then
              for index, why, then in stops] + ([broken] if broken else [])
     return NotebookResult(path, reports, errors, "\n".join(lines), scores)
+
+
+@contextmanager
+def _stopped_by_signals():
+    """SIGINT and SIGTERM raise ``GradingStopped`` in the block (in the main thread), so that the process of
+    the function being graded is killed (``call_in_fresh_process``'s cleanup) before grading stops."""
+    def stop(signum, frame):
+        raise GradingStopped(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _no_answers(why: str, timeout: int) -> str:
