@@ -292,7 +292,11 @@ def _run_notebook(nb: nbformat.NotebookNode, cwd: Path, names: list[str], timeou
                     dump = Path(stacks).read_text(encoding="utf-8", errors="replace")
                 except OSError:
                     dump = ""
-                for fn in _functions_running(dump, [n for n in names if n not in looped])[:1]:
+                candidates = [n for n in names if n not in looped]
+                running = _functions_running(dump, candidates)
+                if "File " not in dump:  # no stacks came (the notebook took SIGUSR1): the functions the cell calls
+                    running = [n for n in candidates if re.search(rf"\b{n}\s*\(", run.cells[stop[0]].source)]
+                for fn in running[:1]:
                     looped[fn] = stop[0]
             if stop is None or stop[0] < 0 or attempt == MAX_RERUNS:
                 break
