@@ -84,3 +84,13 @@ def test_notebook_04a_verdict_names_the_answers_it_judges():
     verdict = note.strip().splitlines()[-1]
     assert "own words" in verdict and f"{top['measured_speedup']:.2f}x" in verdict
     assert verdict in _markdown_outputs("04a_speculative_appendix.ipynb"), "notebook 04a stores another verdict"
+
+
+def test_notebook_01_layouts_note_reads_the_speed_layers_own_layer():
+    from minillm.lab import layouts
+
+    assert f'out["{roofline_notes.OWN}"]' in Path(layouts.__file__).read_text(encoding="utf-8")
+    per = {"F.linear(x, W), W (out, in)": 20.0, "oneDNN linear, W packed (blocked)": 15.0, roofline_notes.OWN: 25.0}
+    rows = [{"kind": "decode", "batch_size": 8, "predicted_s": 0.02, "measured_over_predicted": 1.5}]
+    note = roofline_notes.layouts_note({1: per, 8: dict(per)}, 24.0, 4.25e8, rows)
+    assert "minillm's `FastLinear` 25.0 GB/s (100% of the fastest)" in note

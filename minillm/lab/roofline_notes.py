@@ -28,6 +28,9 @@ def roofline_ranking(rows: list[dict]) -> str:
             + ", ".join(f"B={r['batch_size']} {r['measured_over_predicted']:.2f}" for r in rows if r["kind"] == "decode") + ".")
 
 
+OWN = "minillm FastLinear"  # measure_linear_layouts' name for the speed layer's own layer
+
+
 def layouts_note(gbs: dict[int, dict[str, float]], ceiling_GBps: float, linear_bytes: float, rows: list[dict]) -> str:
     """Notebook 01: the weight layouts' GB/s per batch size (``gbs``) against the ceiling measured before them,
     and what batch 8's best layout means for the batch-8 bound (``rows``: the roofline's rows)."""
@@ -37,7 +40,7 @@ def layouts_note(gbs: dict[int, dict[str, float]], ceiling_GBps: float, linear_b
         fast, slow = ranked[b][0], ranked[b][-1]
         above = [n for n in ranked[b] if per[n] > ceiling_GBps]
         lines.append(f"* batch {b}: fastest **{fast}** ({per[fast]:.1f} GB/s), slowest **{slow}** ({per[slow]:.1f}); "
-                     f"minillm's `Linear` {per['minillm Linear']:.1f} GB/s ({per['minillm Linear'] / per[fast]:.0%} of the "
+                     f"minillm's `FastLinear` {per[OWN]:.1f} GB/s ({per[OWN] / per[fast]:.0%} of the "
                      "fastest); " + (f"above the ceiling: {', '.join(above)}." if above else "every layout below the ceiling."))
     onednn = next(n for n in gbs[1] if n.startswith("oneDNN"))
     b8 = next(r for r in rows if r["kind"] == "decode" and r["batch_size"] == 8)
