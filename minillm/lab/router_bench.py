@@ -127,7 +127,7 @@ def run_policy(policy: str, prompts: list[str], arrivals, max_tokens: int, base_
         for port, proc in zip(ports, replicas):
             wait_ready(f"http://{HOST}:{port}/health", proc)
         router = stack.enter_context(process(
-            [router_bin, "--host", HOST, "--port", str(base_port), "--policy", policy, "--log-level", "warn",
+            [router_bin, "launch", "--host", HOST, "--port", str(base_port), "--policy", policy, "--log-level", "warn",
              "--worker-urls", *(f"http://{HOST}:{p}" for p in ports)], f"{logs}/router-{policy}.log"))
         wait_ready(f"http://{HOST}:{base_port}/health", router, 60)
         before = [prefix_counters(f"http://{HOST}:{p}") for p in ports]
