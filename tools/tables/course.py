@@ -99,15 +99,15 @@ def lesson_times(folder: Path = FIGURES) -> str:
     rows = []
     for label, e in lesson_parts(root):
         note = LESSONS.get(label.split(",")[0], "")
-        # words to the hundred and the run to the minute, so that an edited sentence does not change the table
+        # words to the hundred and no run time (it moves with every re-execution), so that an edited sentence or
+        # a rerun leaves the table as it is unless the time it states changes
         rows.append([f"`{label}`" + (f" ({note})" if note else ""), f"{round(e['words'], -2):,.0f}", str(e["code_cells"]),
-                     str(math.ceil(e["run_s"] / 60)), str(e["predictions"]), str(e["written"]),
-                     f"**{rounded(e['minutes'])}**"])
-    lines = _table(["lesson", "words (to the 100)", "code cells", "stored run, min", "predictions", "written questions",
-                    "time, min"], ["l", "r", "r", "r", "r", "r", "r"], rows)
+                     str(e["predictions"]), str(e["written"]), f"**{rounded(e['minutes'])}**"])
+    lines = _table(["lesson", "words (to the 100)", "code cells", "predictions", "written questions", "time, min"],
+                   ["l", "r", "r", "r", "r", "r"], rows)
     readings = reading_words(root)
     lines += ["", f"The rule: words / {WORDS_PER_MINUTE} per minute + {CODE_CELL_MINUTES} min per code cell + the stored "
-              f"run's execution time + {PREDICTION_MINUTES} min per prediction + {WRITTEN_MINUTES} min per written "
+              f"run's execution time (nbconvert's timestamps in the notebook) + {PREDICTION_MINUTES} min per prediction + {WRITTEN_MINUTES} min per written "
               f"question, rounded up to {ROUND_TO} min. The readings (docs/readings/, at the same "
               f"{WORDS_PER_MINUTE} words per minute): " + ", ".join(
                   f"{name.split('_')[0]} {rounded(w / WORDS_PER_MINUTE)} min" for name, w in readings.items()) + "."]
