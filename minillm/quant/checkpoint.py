@@ -308,8 +308,11 @@ def check_spare_bits(path: str | Path, state: dict[str, torch.Tensor], checked: 
         layers["output"] = head_config(checked.head)
     for prefix, config in layers.items():
         used = codes_per_word(config.bits) * config.bits
+        if used == 32:
+            continue
         for name in (f"{prefix}.qweight", f"{prefix}.qzeros"):
-            if used < 32 and bool((state[name] >> used).any()):  # int32's sign bit is one of the spare bits
+            low, high = torch.aminmax(state[name])  # one pass; a word with a bit at or above ``used`` set is either
+            if int(low) < 0 or int(high) >= 1 << used:  # negative (bit 31, int32's sign) or at least 2^used
                 raise ModelFileError(f"{path}: {name} has bits set above its {used // config.bits} {config.bits}-bit "
                                      f"codes per word: it was not packed with {config.bits} bits as its metadata "
                                      f"(quant_config) says; {REWRITE}")
