@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from minillm.formats.gguf import read_gguf
+import minillm.fast  # noqa: F401  (registers the speed layer's paged reads, which tests name)
 from minillm.loading import default_model_path, load_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -135,3 +135,12 @@ def random_decoder(vocab_size: int, scale: float = 1.0, max_seq_len: int = 512, 
                       f"{p}.mlp.w_gate.weight": torch.randn(128, C) / 8, f"{p}.mlp.w_up.weight": torch.randn(128, C) / 8,
                       f"{p}.mlp.w_down.weight": torch.randn(C, 128) / 8})
     return Decoder(cfg, state).eval()
+
+
+def paged_cache(config, *args, attention="blockwise", **kwargs):
+    """A paged KV cache with any read: the library's ("blockwise", "gather") or the speed layer's ("bucketed",
+    "indexed", "fused", which importing minillm.fast registers)."""
+    import minillm.fast  # noqa: F401
+    from minillm.paged.cache import backend
+
+    return backend(attention)(config, *args, attention=attention, **kwargs)

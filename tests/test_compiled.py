@@ -1,4 +1,4 @@
-"""Compiled decode (minillm.compiled) against the same model run eager: its baseline."""
+"""Compiled decode (minillm.fast.compiled) against the same model run eager: its baseline."""
 
 import copy
 
@@ -6,9 +6,11 @@ import pytest
 import torch
 from helpers import TINY, rel_err, tiny_llama_weights, write_tiny_gguf
 
-import minillm.model
+import minillm.fast.kernels
+import minillm.fast.layers
 from minillm import KVCache, SamplingParams, generate_cached, load_model
-from minillm.compiled import compile_decode, is_compiled
+from minillm.fast import accelerate
+from minillm.fast.compiled import compile_decode, is_compiled
 from minillm.generation import decode_step, generate_batch, prefill
 from minillm.quant import QuantConfig, QuantLinear
 from minillm.quant.head import quantize_output
@@ -55,8 +57,8 @@ def test_compiled_decode_matches_eager_on_the_embedded_model(model, tokenizer):
 @pytest.mark.slow  # about a dozen inductor compiles (each cache, int8, padded and unpadded batches): minutes on 2 cores
 def test_compiled_decode_batches_padding_and_int8_cache(tiny):
     compiled = compile_decode(copy.deepcopy(tiny))
-    calls, inner = [], compiled.__dict__["_compiled_decode"]
-    compiled.__dict__["_compiled_decode"] = lambda *args: calls.append(1) or inner(*args)
+    calls, inner = [], compiled.forward_layers.step
+    compiled.forward_layers.step = lambda *args: calls.append(1) or inner(*args)
     prompts = [[5, 9, 200, 31, 7], [17, 4]]
     params = SamplingParams(max_new_tokens=8)
     for cache, kv_dtype in (("contiguous", None), ("contiguous", "int8"), ("dynamic", None)):
@@ -64,15 +66,15 @@ def test_compiled_decode_batches_padding_and_int8_cache(tiny):
         assert [r.tokens for r in generate_batch(compiled, prompts, params, cache=cache, kv_dtype=kv_dtype)] == eager
     # prompts of one length: no padding mask, so the steps take attention_decode (counted below)
     decode_calls = []
-    spy = minillm.model.attention_decode
-    minillm.model.attention_decode = lambda *a: decode_calls.append(1) or spy(*a)
+    spy = minillm.fast.layers.attention_decode
+    minillm.fast.layers.attention_decode = lambda *a: decode_calls.append(1) or spy(*a)
     try:
         for kv_dtype in (None, "int8"):
             same = [[5, 9, 200], [17, 4, 8]]
             eager = [r.tokens for r in generate_batch(tiny, same, params, kv_dtype=kv_dtype)]
             assert [r.tokens for r in generate_batch(compiled, same, params, kv_dtype=kv_dtype)] == eager
     finally:
-        minillm.model.attention_decode = spy
+        minillm.fast.layers.attention_decode = spy
     assert decode_calls  # traced (once per layer and compilation), not called eagerly
     # sampling: same seed, same tokens
     sampled = SamplingParams(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=3)
@@ -82,8 +84,8 @@ def test_compiled_decode_batches_padding_and_int8_cache(tiny):
 
 def test_prefill_and_gradients_stay_eager(tiny):
     compiled = compile_decode(copy.deepcopy(tiny))
-    calls, inner = [], compiled.__dict__["_compiled_decode"]
-    compiled.__dict__["_compiled_decode"] = lambda *args: calls.append(1) or inner(*args)
+    calls, inner = [], compiled.forward_layers.step
+    compiled.forward_layers.step = lambda *args: calls.append(1) or inner(*args)
     tokens = torch.tensor([[3, 1, 4, 1, 5, 9]])
     pos = torch.arange(6)
     with torch.inference_mode():
@@ -143,14 +145,14 @@ def tiny_int4(tmp_path_factory):
     model = load_model(path)[0]
     quantize_model(model, "rtn", QuantConfig(bits=4, group_size=32), progress=False)
     quantize_output(model, "int4")
-    return model
+    return accelerate(model)  # the quantized layers take minillm's kernels
 
 
 def test_compiled_4bit_decode_matches_eager(tiny_int4):
     assert all(m.fast for m in tiny_int4.modules() if isinstance(m, QuantLinear))
     compiled = compile_decode(copy.deepcopy(tiny_int4))
-    calls, inner = [], compiled.__dict__["_compiled_decode"]
-    compiled.__dict__["_compiled_decode"] = lambda *args: calls.append(1) or inner(*args)
+    calls, inner = [], compiled.forward_layers.step
+    compiled.forward_layers.step = lambda *args: calls.append(1) or inner(*args)
     prompt = [5, 9, 200, 31, 7]
     eager_tokens, eager_logits = step_logits(tiny_int4, prompt, 10)
     tokens, logits = step_logits(compiled, prompt, 10)
@@ -162,7 +164,7 @@ def test_compiled_4bit_decode_matches_eager(tiny_int4):
     assert generate_cached(compiled, [17, 4], params).tokens == generate_cached(tiny_int4, [17, 4], params).tokens
 
 
-@pytest.mark.skipif(not __import__("minillm.kernels").kernels.available(), reason="minillm's kernels are not built here")
+@pytest.mark.skipif(not minillm.fast.kernels.available(), reason="minillm's kernels are not built here")
 def test_compile_decode_takes_torchs_kernels_where_inductor_has_a_template(tiny_int4, monkeypatch):
     for capability, expected in (("AVX512", "torch-int4"), ("AVX2", "minillm-int4")):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)

@@ -3,8 +3,9 @@
 import pytest
 import torch
 
-from minillm import kernels, linear
-from minillm.linear import Linear, linear_naive
+from minillm.fast import kernels, linear
+from minillm.fast.linear import FastLinear as Linear  # the speed layer's, against the library's baseline
+from minillm.linear import linear_naive
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels off: {kernels.why_unavailable()}")
 LANES = [8, 16] if torch.backends.cpu.get_cpu_capability() == "AVX512" else [8]
@@ -141,7 +142,7 @@ def test_a_graph_compiled_before_any_eager_call_runs_the_kernel():
     import subprocess
     import sys
 
-    code = ("import torch; from minillm import kernels\n"
+    code = ("import torch; from minillm.fast import kernels\n"
             "f = torch.compile(lambda x, w: kernels.f32_linear(x, w, 0, True), fullgraph=True, backend='inductor')\n"
             "x, w = torch.randn(3, 40), torch.randn(2, 40, 64)\n"
             "y = f(x, w)\n"
@@ -185,7 +186,7 @@ def test_aten_cpu_capability_avx2_runs_everything_as_on_an_avx2_only_cpu():
     import subprocess
     import sys
 
-    code = ("import torch; from minillm import kernels, linear; from minillm.timing import instruction_set\n"
+    code = ("import torch; from minillm.fast import kernels, linear; from minillm.timing import instruction_set\n"
             "x, w = torch.randn(3, 64), torch.randn(1, 64, 32)\n"
             "try:\n    kernels.f32_linear(x, w, 16); wide = 'lanes 16 ran'\n"
             "except RuntimeError as e:\n    wide = str(e).splitlines()[0]\n"

@@ -4,9 +4,9 @@ tiny random models (fast)."""
 
 import pytest
 import torch
-from helpers import random_decoder
+from helpers import paged_cache, random_decoder
 
-from minillm import kernels
+from minillm.fast import kernels
 from minillm import SamplingParams
 from minillm.model import ModelConfig, attention, attention_mask
 from minillm.paged import LLMEngine, PagedKVCache, pack_flat, pack_rows, pack_rows_naive
@@ -28,7 +28,7 @@ def cache_holding(held: list[int], path: str):
     ``path``: an attention path or one of ``FUSED_VARIANTS``."""
     Hkv, D = CFG.n_kv_heads, CFG.head_dim
     path, max_queries, fused_ok = FUSED_VARIANTS.get(path, (path, None, None))
-    cache = PagedKVCache(CFG, 40, 4, attention=path)
+    cache = paged_cache(CFG, 40, 4, attention=path)
     if max_queries is not None:
         cache.fused_max_queries = max_queries
     if fused_ok is False:
@@ -77,16 +77,12 @@ def test_mixed_prefill_and_decode_rows_with_nan_in_unowned_slots(path):
     T = 4
     pos = torch.tensor([[17, -1, -1, -1], [0, 1, 2, 3], [9, -1, -1, -1], [4, 5, 6, -1], [2, -1, -1, -1]])
     cache.set_rows(rows)
-    cache.prepare(pos)
+    S = cache.prepare(pos)
     nan_in_unowned_slots(cache)
     k_new = torch.stack([keys[s][:, p.clamp_min(0)] for s, p in zip(rows, pos)])  # (B, Hkv, T, D)
     v_new = torch.stack([values[s][:, p.clamp_min(0)] for s, p in zip(rows, pos)])
     q = torch.randn(len(rows), H, T, D)
-    if cache.attends:
-        out = cache.attend(0, q, k_new, v_new)
-    else:
-        k_all, v_all = cache.update(0, k_new, v_new)
-        out = attention(q, k_all, v_all, attention_mask(pos, torch.arange(k_all.shape[2])))
+    out = cache.attend(0, q, k_new, v_new, attention_mask(pos, torch.arange(S)))
     for b, (s, p) in enumerate(zip(rows, pos)):
         real = p >= 0
         n = int(p[real].max()) + 1
@@ -113,7 +109,7 @@ def test_a_head_dim_the_fused_kernel_cannot_take_runs_without_it(path):
 
 
 def test_bucketed_cache_refuses_update():
-    cache = PagedKVCache(CFG, 4, 4, attention="bucketed")
+    cache = paged_cache(CFG, 4, 4, attention="bucketed")
     cache.add_sequence(0)
     cache.set_rows([0])
     cache.prepare(torch.tensor([0]))
@@ -185,11 +181,11 @@ def test_flat_row_of_segments_attends_each_over_its_own_sequence(path):
 
 
 def test_flat_row_refusals_name_the_problem():
-    cache = PagedKVCache(CFG, 8, 4, attention="indexed")
+    cache = paged_cache(CFG, 8, 4, attention="indexed")
     cache.add_sequence(0)
-    with pytest.raises(ValueError, match="needs attention='bucketed'"):
+    with pytest.raises(ValueError, match="widths: a flat row of segments needs attention in"):
         cache.set_rows([0], [1])
-    cache = PagedKVCache(CFG, 8, 4, attention="bucketed")
+    cache = paged_cache(CFG, 8, 4, attention="bucketed")
     cache.add_sequence(0)
     with pytest.raises(ValueError, match="one width >= 1 per sequence"):
         cache.set_rows([0], [1, 2])

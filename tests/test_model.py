@@ -7,17 +7,11 @@ import torch
 from conftest import DEVICES
 from helpers import rel_err
 
-import minillm.model
-from minillm import kernels, linear
-from minillm.model import (
-    Linear,
-    apply_rope,
-    attention,
-    attention_decode,
-    attention_naive,
-    linear_naive,
-    rope_tables,
-)
+from minillm.fast import kernels, linear
+from minillm.fast.layers import attention_decode
+from minillm.fast.linear import FastLinear as Linear  # the speed layer's, against the library's baseline
+from minillm.linear import linear_naive
+from minillm.model import apply_rope, attention, attention_naive, rope_tables
 
 PROMPTS = [
     "Hi",
@@ -51,12 +45,12 @@ def test_sharded_linear_equals_f_linear(n_shards, rows):
     # a few rows go through minillm's kernel over the shards when its columns fit (96 / n_shards a multiple of
     # 32), else one row through the shards (bmm); more rows through oneDNN's packed copy (when torch has it)
     few = kernels.available() and rows <= linear.FEW_ROWS and (96 // n_shards) % kernels.TILE == 0
-    assert (layer._packed is not None) == (minillm.model._ONEDNN and rows > 1 and not few)
+    assert (layer._packed is not None) == (linear._ONEDNN and rows > 1 and not few)
     idx = torch.tensor([[0, 95, 33, 64]])
     assert torch.equal(layer.rows(idx), w[idx])
 
 
-@pytest.mark.skipif(not minillm.model._ONEDNN, reason="torch without oneDNN's packed linear")
+@pytest.mark.skipif(not linear._ONEDNN, reason="torch without oneDNN's packed linear")
 @pytest.mark.parametrize("shape", [(2, 40), (1, 2, 40), (2, 1, 40), (3, 40)])
 def test_onednn_pads_the_rows_it_is_told_to(monkeypatch, shape):
     """A row count in ONEDNN_PADDING reaches oneDNN with zero rows below it (2 -> 4 here); the rows asked for come
@@ -84,7 +78,7 @@ def test_onednn_padding_follows_the_cpu(monkeypatch, capability, vendor, padding
     assert linear._onednn_padding() == padding
 
 
-@pytest.mark.skipif(not minillm.model._ONEDNN, reason="torch without oneDNN's packed linear")
+@pytest.mark.skipif(not linear._ONEDNN, reason="torch without oneDNN's packed linear")
 def test_linear_sends_two_rows_padded_where_told(monkeypatch):
     """Through ``Linear.forward`` with no few-row kernel and the EPYC's padding: one row takes the shards, two reach
     oneDNN as four, three as three."""
@@ -156,8 +150,8 @@ def test_decode_attention_equals_naive(H, Hkv, S):
     ref = attention_naive(q, k, v, None)
     torch.testing.assert_close(attention_decode(q, k, v), ref, rtol=1e-5, atol=1e-5)
     if S == 77:  # compiling takes seconds: one case
-        compiled = torch.compile(attention, fullgraph=True, dynamic=False)
-        torch.testing.assert_close(compiled(q, k, v, None), ref, rtol=1e-5, atol=1e-5)
+        compiled = torch.compile(attention_decode, fullgraph=True, dynamic=False)
+        torch.testing.assert_close(compiled(q, k, v), ref, rtol=1e-5, atol=1e-5)
     # bfloat16 inputs: no worse than SDPA's own rounding against the float32 result
     q16, k16, v16 = (t.bfloat16() for t in (q, k, v))
     err = (attention_decode(q16, k16, v16).float() - ref).abs().max()
@@ -188,6 +182,9 @@ def test_half_precision_runs_on_the_same_path(dtype, model_path, model):
     ref = model(torch.tensor([ids]), torch.arange(len(ids)))
     out = model16(torch.tensor([ids]), torch.arange(len(ids)))
     assert model16.output.weight_shards.dtype == dtype and model16.rope_cos.dtype == torch.float32
+    plain16, _ = load_model(model_path, dtype=dtype, fast=False)
+    assert plain16.output.weight.dtype == dtype
+    assert torch.equal(plain16(torch.tensor([ids]), torch.arange(len(ids)))[0, -1].argmax(), ref[0, -1].argmax())
     assert out.dtype == torch.float32
     assert rel_err(out, ref) < 0.05
     assert torch.equal(out[0, -1].argmax(), ref[0, -1].argmax())
@@ -221,16 +218,19 @@ def test_bad_forward_inputs(model):
 
 @pytest.mark.parametrize("shape", [(1, 1, 576), (3, 5, 64)])
 def test_rmsnorm_equals_its_naive_twin(shape):
+    from minillm.fast.layers import FastRMSNorm
     from minillm.model import RMSNorm
 
     g = torch.Generator().manual_seed(0)
-    norm = RMSNorm(torch.randn(shape[-1], generator=g), 1e-5)
+    plain = RMSNorm(torch.randn(shape[-1], generator=g), 1e-5)
+    norm = copy.deepcopy(plain)
+    norm.__class__ = FastRMSNorm
     x = torch.randn(*shape, generator=g) * 3
     # minillm's kernel sums the squares in another order than torch: float32 rounding apart
-    torch.testing.assert_close(norm(x), norm.forward_naive(x), rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(norm(x), plain(x), rtol=2e-6, atol=1e-6)
     delta = torch.randn(*shape, generator=g)
     h, y = norm.add_forward(x, delta)
     assert torch.equal(h, x + delta)
-    torch.testing.assert_close(y, norm.forward_naive(x + delta), rtol=2e-6, atol=1e-6)
-    half = x.bfloat16()  # other dtypes take the naive path itself
-    assert torch.equal(norm.to(torch.bfloat16)(half), norm.forward_naive(half))
+    torch.testing.assert_close(y, plain(x + delta), rtol=2e-6, atol=1e-6)
+    half = x.bfloat16()  # other dtypes take the library's path itself
+    assert torch.equal(norm.to(torch.bfloat16)(half), plain.to(torch.bfloat16)(half))

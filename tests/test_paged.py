@@ -3,7 +3,7 @@ embedded model's 64-step runs are in test_paged_model.py."""
 
 import pytest
 import torch
-from helpers import random_decoder
+from helpers import paged_cache, random_decoder
 
 from minillm.generation import generate_cached
 from minillm.kv_cache import KVCache, kv_cache_bytes
@@ -34,7 +34,7 @@ def test_paged_attention_equals_contiguous_with_nan_in_unowned_slots(path):
     2 KV heads), out-of-order block tables, every slot not holding a sequence's token set to NaN."""
     torch.manual_seed(0)
     bs, lens = 4, [5, 8, 13, 16, 1]  # the new token lands after: mid-block, at a boundary, ...
-    cache = PagedKVCache(CFG, 24, bs, attention=path)
+    cache = paged_cache(CFG, 24, bs, attention=path)
     shuffled_pool(cache)
     B, Hkv, D, H = len(lens), CFG.n_kv_heads, CFG.head_dim, CFG.n_heads
     keys = [torch.randn(Hkv, n + 1, D) for n in lens]  # each sequence's keys, its new token's last
@@ -125,7 +125,7 @@ def test_tiny_model_ragged_batch_equals_contiguous(path, device):
     torch.manual_seed(2)
     prompt_lens, steps = [3, 8, 13, 4], 10
     seqs = [torch.randint(0, 300, (n + steps,)).tolist() for n in prompt_lens]
-    cache = PagedKVCache(model.config, 40, 4, device=device, attention=path)
+    cache = paged_cache(model.config, 40, 4, device=device, attention=path)
     shuffled_pool(cache)
     for s in range(len(seqs)):
         cache.add_sequence(s)
@@ -140,7 +140,7 @@ def test_rows_of_one_sequence_in_one_forward_equal_one_prefill():
     model = random_decoder(300)
     prompt = torch.randint(0, 300, (14,), generator=torch.Generator().manual_seed(3)).tolist()
     want = contiguous_logits(model, prompt, 14)[0]
-    cache = PagedKVCache(model.config, 16, 4)
+    cache = paged_cache(model.config, 16, 4)
     cache.add_sequence(0)
     cache.add_sequence(1)
     cache.set_rows([1])
@@ -160,7 +160,7 @@ def test_rows_of_one_sequence_in_one_forward_equal_one_prefill():
 def test_fork_copy_on_write_keeps_each_branch_equal_to_its_contiguous_run():
     model = random_decoder(300)
     prompt = [11, 12, 13, 14, 15, 16]  # 1.5 blocks of 4: the fork shares a partly filled block
-    cache = PagedKVCache(model.config, 12, 4)
+    cache = paged_cache(model.config, 12, 4)
     cache.add_sequence(0)
     cache.set_rows([0])
     model(torch.tensor([prompt]), torch.arange(6), cache)
@@ -186,7 +186,7 @@ def test_fork_copy_on_write_keeps_each_branch_equal_to_its_contiguous_run():
 def test_truncate_rolls_back_and_rewrites():
     model = random_decoder(300)
     ids = list(range(1, 12))
-    cache = PagedKVCache(model.config, 8, 4)
+    cache = paged_cache(model.config, 8, 4)
     cache.add_sequence(0)
     cache.set_rows([0])
     model(torch.tensor([ids + [99, 98]]), torch.arange(13), cache)
@@ -200,7 +200,7 @@ def test_truncate_rolls_back_and_rewrites():
 
 def test_prepare_errors_and_no_free_blocks_changes_nothing():
     model = random_decoder(300)
-    cache = PagedKVCache(model.config, 3, 4)
+    cache = paged_cache(model.config, 3, 4)
     with pytest.raises(ValueError, match="call set_rows"):
         model(torch.tensor([[1]]), torch.tensor([0]), cache)
     cache.add_sequence(0)
@@ -223,12 +223,12 @@ def test_prepare_errors_and_no_free_blocks_changes_nothing():
 
 def test_pool_sized_by_bytes():
     bytes_per_block = kv_cache_bytes(CFG, 1, 16, 4)
-    assert PagedKVCache(CFG, kv_bytes=3.5 * bytes_per_block).num_blocks == 3
-    assert PagedKVCache(CFG, 5).nbytes == 5 * bytes_per_block
+    assert paged_cache(CFG, kv_bytes=3.5 * bytes_per_block).num_blocks == 3
+    assert paged_cache(CFG, 5).nbytes == 5 * bytes_per_block
     with pytest.raises(ValueError, match="hold no block; one block of 16 tokens takes 4096 bytes"):
-        PagedKVCache(CFG, kv_bytes=100)
+        paged_cache(CFG, kv_bytes=100)
     with pytest.raises(ValueError, match="exactly one of them"):
-        PagedKVCache(CFG, 4, kv_bytes=1e6)
+        paged_cache(CFG, 4, kv_bytes=1e6)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -250,7 +250,7 @@ def test_prefix_cache_hit_gives_the_logits_of_a_full_prefill(collide):
     model = random_decoder(300)
     prompt = list(range(40, 51))  # 11 tokens: two full blocks of 4, then 3
     want = contiguous_logits(model, prompt, 11)[0]
-    cache = PagedKVCache(model.config, 8, 4)
+    cache = paged_cache(model.config, 8, 4)
     if collide:
         cache.manager = BlockManager(8, 4, hash_fn=lambda parent, tokens: 0)
     other = [7, 7, 7, 7] + prompt[4:]  # same second block, other prefix: must not be served

@@ -4,6 +4,8 @@
 import pytest
 import torch
 
+from helpers import paged_cache
+
 from minillm.kv_cache import KVCache
 from minillm.paged import PagedKVCache, generate_paged
 from minillm.sampling import SamplingParams
@@ -29,7 +31,7 @@ def greedy_contiguous(model, ids):
 def test_single_sequence_logits_every_step(model, tokenizer, path):
     ids = tokenizer.encode(PROMPTS[1])
     tokens, want = greedy_contiguous(model, ids)
-    cache = PagedKVCache(model.config, 8, 16, attention=path)
+    cache = paged_cache(model.config, 8, 16, attention=path)
     cache.add_sequence(0, ids)
     cache.set_rows([0])
     got = [model(torch.tensor([ids]), torch.arange(len(ids)), cache)[0, -1]]
@@ -43,7 +45,7 @@ def test_single_sequence_logits_every_step(model, tokenizer, path):
 def test_ragged_batch_logits_every_step(model, tokenizer):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     runs = [greedy_contiguous(model, ids) for ids in prompts]
-    cache = PagedKVCache(model.config, 24, 16)
+    cache = paged_cache(model.config, 24, 16)
     for s, ids in enumerate(prompts):
         cache.add_sequence(s, ids)
     cache.set_rows(range(len(prompts)))

@@ -535,7 +535,7 @@ def test_an_untied_output_layer_round_trips_through_safetensors(tmp_path):
     tied = random_decoder(96)
     state = {k: v for k, v in _decoder_state(tied).items()}
     state["output.weight"] = torch.randn(96, tied.config.dim, generator=torch.Generator().manual_seed(3)) / 8
-    model = Decoder(replace(tied.config, tie_embeddings=False), state, n_shards=2).eval()
+    model = Decoder(replace(tied.config, tie_embeddings=False), state).eval()
     tokens = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
     report = quantize_model(model, "rtn", QuantConfig(4, 32), tokens, progress=False)
     loaded, _ = load_quantized(save_quantized(model, tmp_path / "untied.safetensors", report))

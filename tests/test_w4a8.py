@@ -1,10 +1,10 @@
-"""The int4 product with int8 activations (minillm.kernels.int4_a8_linear, llama.cpp's Q4 x Q8 recipe) against
+"""The int4 product with int8 activations (minillm.fast.kernels.int4_a8_linear, llama.cpp's Q4 x Q8 recipe) against
 its naive twin, inside QuantLinear (quantize_activations) and under torch.compile."""
 
 import pytest
 import torch
 
-from minillm import kernels
+from minillm.fast import kernels
 from minillm.quant import QuantConfig, rtn_quantize
 from minillm.quant.activations import quantize_activations
 from minillm.quant.gptq import Hessian, gptq_quantize
@@ -56,7 +56,7 @@ def test_int4_a8_rows_do_not_depend_on_the_batch():
 
 def test_quantize_q8_is_llamacpps_q8_0():
     x = torch.tensor([[0.0] * 32 + [1.0, -2.0, 0.5] + [0.0] * 29])
-    q, d = kernels.quantize_q8(x)
+    q, d = quantize_q8(x)
     assert torch.equal(d, torch.tensor([[0.0, 2.0]]) / 127)
     assert q[0, :32].eq(0).all() and q[0, 32:35].tolist() == [64, -127, 32]  # 63.5 -> 64 (ties to even), 31.75 -> 32
 
@@ -150,7 +150,7 @@ def test_the_ops_refuse_a_backward_and_rounding_passes_gradients_straight_throug
 def test_quantize_activations_drops_a_compiled_decode(tmp_path):
     from helpers import write_tiny_gguf
 
-    from minillm.compiled import compile_decode, is_compiled
+    from minillm.fast.compiled import compile_decode, is_compiled
     from minillm.loading import load_model
     from minillm.quant import quantize_model
 

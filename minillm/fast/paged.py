@@ -174,3 +174,6 @@ def register() -> None:
     """Make the speed layer's reads known to the engine (``minillm.paged.cache.BACKENDS``)."""
     for name in FastPagedKVCache.PATHS:
         BACKENDS[name] = FastPagedKVCache
+
+
+register()  # loading the speed layer makes its reads known (accelerate registers them again, harmlessly)

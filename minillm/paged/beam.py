@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..generation import check_prompt
+from ..stops import check_prompt
 from .config import check_count
 
 

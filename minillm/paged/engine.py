@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..generation import stop_ids
+from ..stops import stop_ids
 from ..kv_cache import kv_cache_bytes as kv_bytes_of
 from ..loading import load_model
 from ..sampling import SamplingParams

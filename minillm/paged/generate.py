@@ -10,11 +10,11 @@ from typing import Callable
 from ..generation import GenerationResult, check_prompt, run_batch
 from ..sampling import SamplingParams
 from .block_manager import blocks_for
-from .cache import PagedKVCache
+from .cache import backend
 
 
 def generate_paged(model, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
-                   block_size: int = 16, num_blocks: int | None = None, attention: str = "indexed",
+                   block_size: int = 16, num_blocks: int | None = None, attention: str = "gather",
                    max_seq_len: int | None = None, tokenizer=None,
                    on_token: Callable[[int], None] | None = None,
                    eos_ids: set[int] | None = None) -> GenerationResult:
@@ -22,7 +22,8 @@ def generate_paged(model, prompt_tokens: list[int], params: SamplingParams = Sam
     same ``GenerationResult`` as ``generate_cached``, whose other arguments it takes.
 
     Args:
-        block_size: tokens per KV block; attention: the cache's read path, "indexed" or "gather".
+        block_size: tokens per KV block; attention: the cache's read path over (B, T) rows ("gather", the reference, or
+            the speed layer's "indexed").
         num_blocks: blocks in the pool (default: enough for the prompt and ``max_new_tokens``, within the context).
 
     Raises:
@@ -34,7 +35,7 @@ def generate_paged(model, prompt_tokens: list[int], params: SamplingParams = Sam
         num_blocks = blocks_for(min(ctx, len(prompt_tokens) + params.max_new_tokens), block_size)
 
     def paged_cache(config, batch_size, max_seq_len, dtype, device):
-        cache = PagedKVCache(config, num_blocks, block_size, dtype=dtype, device=device,
+        cache = backend(attention)(config, num_blocks, block_size, dtype=dtype, device=device,
                              enable_prefix_caching=False, attention=attention)
         cache.add_sequence(0, prompt_tokens)
         cache.set_rows([0])

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..generation import GenerationResult, Stopper, check_prompt
+from ..stops import GenerationResult, Stopper, check_prompt
 from ..sampling import SamplingParams
 from .beam import BeamSearchParams, EngineBeams
 from .sampler import draw_tokens, sample_generator
@@ -84,7 +84,7 @@ class RequestTracker:
             draws = self.spec.draw(logits, plans, ready) if self.spec is not None else draw_tokens(logits, plans)
         except BaseException:
             for seq in ready:
-                self.beams.drop(seq.seq_id)
+                self._drop_beam(seq)
             raise
         if self.record_logits:  # the rows of every token drawn (a run cut by a stop keeps its dropped tokens' rows)
             for i, seq in enumerate(ready):
@@ -153,11 +153,16 @@ class RequestTracker:
         self.scheduler.add_running(child)
         return child
 
+    def _drop_beam(self, seq: Sequence) -> None:
+        req = self.requests.get(seq.request_id)
+        if req is None or req.is_beam_search:  # only beams hold log-probabilities in ``self.beams``
+            self.beams.drop(seq.seq_id)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a sequence ("stop", "length" or "abort"): its blocks go back, its beam and draft state go."""
         seq.finish_reason = reason
         self.scheduler.finish(seq)
-        self.beams.drop(seq.seq_id)
+        self._drop_beam(seq)
         if self.spec is not None:
             self.spec.forget(seq)
         req = self.requests.get(seq.request_id)

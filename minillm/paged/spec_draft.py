@@ -17,7 +17,7 @@ from ..sampling import SamplingParams, logits_to_probs
 from ..speculative.rejection import draw
 from .batching import pack_flat
 from .block_manager import NoFreeBlocksError, blocks_for
-from .cache import PagedKVCache
+from .cache import backend
 from .sampler import keyed_generator
 from .spec_auto import measure_step_cost
 
@@ -30,8 +30,9 @@ class DraftRunner:
         self.model, self.engine = model, engine
         bs = engine.block_size
         extra = engine.scheduler.max_num_seqs * (blocks_for(k, bs) + 1)  # the drafts past each context
-        self.cache = PagedKVCache(model.config, engine.num_blocks + extra, bs, dtype=model.dtype, device=model.device,
-                                  enable_prefix_caching=False, attention="bucketed")
+        self.cache = backend(model.paged_backend)(model.config, engine.num_blocks + extra, bs, dtype=model.dtype,
+                                                  device=model.device, enable_prefix_caching=False,
+                                                  attention=model.paged_backend)
         self.manager = self.cache.manager
         self.max_seq_len = model.config.max_seq_len
         self.fed: dict[int, list[int]] = {}  # seq_id -> the tokens whose K/V the draft's pool holds
