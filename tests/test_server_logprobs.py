@@ -147,6 +147,19 @@ def test_chat_logprobs_equal_a_direct_forward_of_the_templated_conversation(serv
         assert abs(item["top_logprobs"][0]["logprob"] - row.max().item()) < ATOL
 
 
+def test_openais_client_reads_logprobs_and_echo(server, tiny):
+    _, tok = tiny
+    got = server.client.completions.create(model="tiny", prompt=["hello", "the cat"], max_tokens=2, logprobs=2,
+                                           echo=True, temperature=0)
+    assert [c.index for c in got.choices] == [0, 1] and got.choices[1].text.startswith("the cat")
+    assert got.choices[0].logprobs.token_logprobs[0] is None and len(got.choices[0].logprobs.tokens) == 5 + 2
+    chat = server.client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=3, logprobs=True, top_logprobs=2, temperature=0)
+    content = chat.choices[0].logprobs.content
+    assert "".join(item.token for item in content) == chat.choices[0].message.content
+    assert all(len(item.top_logprobs) == 2 for item in content)
+
+
 # ---- refusals: OpenAI's error shape, naming the field ----------------------------------------------------------
 REFUSED = [
     ("/v1/completions", {"prompt": "hi", "logprobs": MAX_LOGPROBS + 1}, "logprobs"),
@@ -175,6 +188,17 @@ def test_refused_values_get_openais_error_naming_the_field(server, path, body, p
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["param"] == param and param in error["message"], error
+
+
+def test_without_a_tokenizer_echo_and_logprobs_are_refused_naming_them(tiny):
+    thread, loop = serve(tiny[0], None)
+    with thread:
+        served = Served(thread, loop)
+        for field, body in [("echo", {"echo": True}), ("logprobs", {"logprobs": 1})]:
+            r = served.http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, **body})
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert post(served, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 2})["usage"]["completion_tokens"] == 2
+        served.http.close()
 
 
 # ---- tokenizer routes, in vLLM's shapes ------------------------------------------------------------------------

@@ -229,6 +229,8 @@ def logprobs_wanted(req: _Sampling, has_tokenizer: bool) -> LogprobsWanted:
             raise APIError(400, "echo: not with stream: true on this server; ask for the whole response", "echo")
     if top is not None and not has_tokenizer:
         raise APIError(400, "logprobs: this model has no tokenizer to name the tokens", "logprobs")
+    if echo and not has_tokenizer:
+        raise APIError(400, "echo: this model has no tokenizer to write the prompt's text", "echo")
     return LogprobsWanted(top, echo)
 
 
