@@ -156,14 +156,13 @@ def create_app(loop: EngineLoop, model_name: str, metrics: ServerMetrics | None 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             continuous = include_usage and req.stream_options.continuous_usage_stats
             events = _events(live, prompts, rid, params, req.n or 1, chat, wanted, include_usage, continuous)
-            return EngineStreamingResponse(events, lambda: [s.close() for s in live])
+            return EngineStreamingResponse(events, lambda: _close(live))
         try:
             finals = await _unless_disconnected(request, asyncio.gather(*(s.final() for s in live)))
         except RequestFailed as e:
             raise APIError(500, str(e)) from None
         finally:
-            for stream in live:
-                stream.close()
+            _close(live)
         if finals is None:  # the client left; nobody reads this
             return Response(status_code=499)
         finals = iter(finals)
