@@ -326,8 +326,6 @@ def cmd_simulate(args) -> int:
     from .serve_bench import make_requests
     from .serve_bench_cli import serve_bench_kwargs
     config = model_named(args.sim_model)  # refused before anything is measured or read
-    if args.tp < 1:
-        raise ValueError(f"--tp: must be an integer >= 1, got {args.tp}")
     if args.online and args.scale is None:
         args.scale = 0.25
     kwargs, _ = serve_bench_kwargs(args)
