@@ -24,7 +24,7 @@ PREDICTION_MINUTES = 3  # write a prediction down, then compare
 WRITTEN_MINUTES = 5  # a written question's answer
 ROUND_TO = 5  # the syllabus states times in steps of 5 minutes, rounded up
 
-LESSONS = {"00_quickstart": "", "01_roofline": "", "01a_roofline_appendix": "optional",
+LESSONS = {"00_quickstart": "", "01_roofline": "", "01a_roofline_appendix": "optional", "01b_cpu_kernels": "optional",
            "02_kv_cache": "", "03_paged_attention": "", "03a_online_serving": "",
            "04_speculative_decoding": "", "04a_speculative_appendix": "optional",
            "05_quantization": "", "05a_kquants": "", "05b_variable_bitrate": "optional", "06_all_together": ""}
