@@ -286,3 +286,14 @@ def test_sigterm_while_a_function_is_graded_kills_its_process(tmp_path):
     assert "stopped by SIGTERM" in out and "no grade" in out
     time.sleep(1)
     assert not any(Path(f"/proc/{pid}").exists() for pid in children)  # killed, and reaped by the grader
+
+
+@pytest.mark.slow
+def test_a_loop_costs_one_timeout_when_the_notebook_takes_the_stack_signal(tmp_path):
+    # the kernel sends no stacks: the function the stopped cell calls is the one not called again
+    path = notebook(tmp_path, "import signal\nsignal.signal(signal.SIGUSR1, signal.SIG_IGN)",
+                    "def blocks_needed(num_tokens, block_size):\n    while True:\n        pass",
+                    "x = 1\nblocks_needed(3, 4)", "blocks_needed(5, 4)")
+    code, text = cli("check", str(path), "--timeout", "10")
+    assert code == 1 and text.count("ran past the 10 s timeout") == 2, text
+    assert "the grader does not call it again" in text and "cell 4 (`blocks_needed(5, 4)`) raised TimeoutError" in text
