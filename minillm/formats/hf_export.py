@@ -6,9 +6,10 @@ format) and ``tokenizer_config.json`` (the chat template, the special tokens) al
 ``GPT2LMHeadModel`` (the inverse of ``minillm.formats.hf``).
 
 The tokenizer is minillm's own (``minillm.tokenizer``, tiktoken) written back as a byte-level BPE that counts
-the same tokens: tiktoken merges the adjacent pair whose concatenation has the lowest rank, so every way of
-splitting a token into two tokens is a merge, ranked by the token's id; tiktoken takes a piece that is a whole
-token as it is, which is the tokenizers library's ``ignore_merges``.
+the same tokens. Token ids follow the merge list (``Tokenizer.from_vocab`` checks it), so a token's merge is
+the last step of tiktoken's merge loop on its own bytes with the tokens ranked below it, and the merges, one per
+token in id order, rank pairs as tiktoken does; tiktoken takes a piece that is a whole token as it is, which is
+the tokenizers library's ``ignore_merges``.
 
 The folder appears only when complete: everything is written into a temporary folder beside it, which is then
 renamed into place.
@@ -55,6 +56,19 @@ def _added_token(token_id: int, text: str, special: bool) -> dict:
             "normalized": False, "special": special}
 
 
+def _bpe(ranks: dict[bytes, int], piece: bytes, max_rank: int) -> list[bytes]:
+    """tiktoken's merge loop on ``piece`` with the tokens ranked below ``max_rank``: the parts it stops at. For a
+    token's own bytes and rank these are the two tokens its merge joins (or more, for a token that no merge makes,
+    which only a whole piece matches)."""
+    parts = [bytes([b]) for b in piece]
+    while len(parts) > 1:
+        rank, at = min((ranks.get(a + b, max_rank), k) for k, (a, b) in enumerate(zip(parts, parts[1:])))
+        if rank >= max_rank:
+            break
+        parts[at:at + 2] = [parts[at] + parts[at + 1]]
+    return parts
+
+
 def tokenizer_json(tokenizer: Tokenizer) -> dict:
     """``tokenizer.json`` (the tokenizers library's BPE) that encodes every text as ``tokenizer.encode`` does,
     and text holding a special token's spelling as ``tokenizer.encode(text, allow_special=True)`` does.
@@ -75,13 +89,12 @@ def tokenizer_json(tokenizer: Tokenizer) -> dict:
         vocab["".join(b2u[b] for b in piece)] = i
     for text, i in tokenizer.special_tokens.items():
         vocab[text] = i
-    merges = []
-    for piece, i in ids.items():
-        for k in range(1, len(piece)):
-            a, b = piece[:k], piece[k:]
-            if a in ids and b in ids:
-                merges.append((i, ids[a], ids[b], a, b))
-    merges.sort()
+    merges = []  # one per token, in id order: the pair BPE joins last to make it
+    for piece, i in sorted(ids.items(), key=lambda kv: kv[1]):
+        if len(piece) > 1:
+            parts = _bpe(ids, piece, max_rank=i)
+            if len(parts) == 2:
+                merges.append((i, *parts))
     as_text = lambda bs: "".join(b2u[b] for b in bs)  # noqa: E731
     return {
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added_tokens(tokenizer), "normalizer": None,
@@ -90,7 +103,7 @@ def tokenizer_json(tokenizer: Tokenizer) -> dict:
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                   "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": True,
-                  "vocab": vocab, "merges": [[as_text(a), as_text(b)] for *_, a, b in merges]},
+                  "vocab": vocab, "merges": [[as_text(a), as_text(b)] for _, a, b in merges]},
     }
 
 
