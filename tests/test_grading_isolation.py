@@ -297,3 +297,29 @@ def test_a_loop_costs_one_timeout_when_the_notebook_takes_the_stack_signal(tmp_p
     code, text = cli("check", str(path), "--timeout", "10")
     assert code == 1 and text.count("ran past the 10 s timeout") == 2, text
     assert "the grader does not call it again" in text and "cell 4 (`blocks_needed(5, 4)`) raised TimeoutError" in text
+
+
+@pytest.mark.slow
+def test_a_grader_killed_outright_takes_the_functions_process_with_it():
+    grader = subprocess.Popen([sys.executable, "-c", (
+        "import nbformat\nfrom minillm.exercises import EXERCISES\n"
+        "from minillm.exercises.isolate import call_in_fresh_process, sources\n"
+        "nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("
+        "'def blocks_needed(num_tokens, block_size):\\n    while True:\\n        pass')])\n"
+        "call_in_fresh_process('blocks_needed', sources(nb)['blocks_needed'], EXERCISES['blocks_needed'].cases(), 600)")])
+    try:
+        for _ in range(600):
+            children = runner_processes(grader.pid)
+            if children:
+                break
+            time.sleep(0.1)
+        assert children, "no function's process started"
+        time.sleep(20)  # its start is over (torch imported, the job read): it spins in the student's loop
+    finally:
+        grader.kill()  # SIGKILL: no cleanup of the grader's runs
+        grader.wait()
+    for _ in range(100):
+        if not any(Path(f"/proc/{pid}").exists() for pid in children):
+            break
+        time.sleep(0.1)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in children)

@@ -143,7 +143,8 @@ def call_in_fresh_process(name: str, source: Source, cases: list[Case], timeout:
                 "cells": source.cells, "cases": [c.args for c in cases], "tools": EXERCISES[name].tools}, job)
     # -I: no user site, no PYTHONPATH, and neither the working folder nor a script's folder on sys.path;
     # the source is passed with -c, so that the checker's folder is never on sys.path either
-    proc = subprocess.Popen([sys.executable, "-I", "-c", Path(runner.__file__).read_text(encoding="utf-8")],
+    proc = subprocess.Popen([sys.executable, "-I", "-c", Path(runner.__file__).read_text(encoding="utf-8"),
+                             str(os.getpid())],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             cwd=tempfile.gettempdir(), start_new_session=True)
     got = {}

@@ -27,7 +27,14 @@ import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import torch
+if __name__ == "__main__" and sys.platform == "linux":  # before torch's import: a grader killed outright
+    import ctypes  # (SIGKILL) takes this process with it, from its first second
+
+    ctypes.CDLL(None).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    if len(sys.argv) > 1 and os.getppid() != int(sys.argv[1]):  # the grader was gone before that took hold
+        sys.exit(1)
+
+import torch  # noqa: E402
 
 # the config classes a case passes to the student's function (or that it may build): they stay on
 ALLOWED = ("minillm.model.ModelConfig", "minillm.quant.rtn.QuantConfig", "minillm.sampling.SamplingParams",
