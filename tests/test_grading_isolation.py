@@ -306,7 +306,8 @@ def test_a_grader_killed_outright_takes_the_functions_process_with_it():
         "from minillm.exercises.isolate import call_in_fresh_process, sources\n"
         "nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("
         "'def blocks_needed(num_tokens, block_size):\\n    while True:\\n        pass')])\n"
-        "call_in_fresh_process('blocks_needed', sources(nb)['blocks_needed'], EXERCISES['blocks_needed'].cases(), 600)")])
+        "call_in_fresh_process('blocks_needed', sources(nb)['blocks_needed'], EXERCISES['blocks_needed'].cases(),"
+        " 600)")])
     try:
         for _ in range(600):
             children = runner_processes(grader.pid)
