@@ -9,7 +9,8 @@ yet loaded and any read of the package's files. Before the student's code is def
 loaded minillm modules has its code swapped for one that records the call and raises
 ``ForbiddenCallError``; only the config classes (``ALLOWED``) and torch keep working. The originals are
 dropped, so nothing in the process can call them again. The answers go back on stdout, as plain data,
-after one line that says the start is done (the grader times the cases from there).
+after one line that says the start is done (the grader times the cases from there). The process dies with
+its grader, even one killed outright.
 
 As a module (``minillm.exercises.runner``) it gives the checker the same ``Answer``, ``answer`` and
 ``portable`` that this process uses, so that both sides agree on what an answer is.
