@@ -27,10 +27,11 @@ ROUND_TO = 5  # the syllabus states times in steps of 5 minutes, rounded up
 LESSONS = {"00_quickstart": "", "01_roofline": "", "01a_roofline_appendix": "optional", "01b_cpu_kernels": "optional",
            "02_kv_cache": "", "03_paged_attention": "", "03a_online_serving": "",
            "04_speculative_decoding": "", "04a_speculative_appendix": "optional",
-           "05_quantization": "", "05a_kquants": "", "05b_variable_bitrate": "optional", "06_all_together": ""}
+           "05_quantization": "", "05a_kquants": "", "05b_variable_bitrate": "optional", "06_all_together": "",
+           "07_past_one_machine": ""}
 # a lesson longer than a class is taught in parts, each starting at the markdown heading named here
 PARTS = {"03_paged_attention": ["## 4. The scheduler's timeline"], "05_quantization": ["## The fast 4-bit path"]}
-PREDICTION = re.compile(r"Predict before you run")
+PREDICTION = re.compile(r"Predict before you run|\*\*[Pp]redict:?\*\*")  # 07 asks "**Predict:**" inside its text
 WRITTEN = re.compile(r"\(written\)")
 
 
