@@ -122,11 +122,21 @@ PACKAGE = Path(minillm.__file__).parent
     # the checker's references: minillm.exercises cannot be imported
     ("def kv_cache_size(config, batch_size, seq_len, dtype):\n    from minillm.exercises import ex_cost\n"
      "    return ex_cost.KV_SIZE.reference(config, batch_size, seq_len, dtype)", "import minillm.exercises"),
-    # the original code hunted in the garbage collector: the originals are gone
+    # the original code (or the guard's switch) hunted in the garbage collector: refused
     ("def kv_cache_size(config, batch_size, seq_len, dtype):\n    import gc, types\n"
      "    for f in gc.get_objects():\n        if type(f) is types.FunctionType and f.__name__ == 'kv_cache_bytes':\n"
      "            try:\n                return f(config, batch_size, seq_len, " + BYTES + ")\n"
-     "            except Exception:\n                pass", "minillm.kv_cache.kv_cache_bytes"),
+     "            except Exception:\n                pass", "gc.get_objects"),
+    # the guard's switch reached through the recorder the switched-off code calls: it holds no switch
+    ("def kv_cache_size(config, batch_size, seq_len, dtype):\n    import sys\n"
+     "    for cell in sys.modules['__main__'].switched_off.__closure__:\n"
+     "        if isinstance(cell.cell_contents, dict):\n            cell.cell_contents['cases'] = False\n"
+     "    import minillm\n    ns = {}\n"
+     "    exec(open(minillm.__file__.replace('__init__.py', 'kv_cache.py')).read(), ns)\n"
+     f"    return ns['kv_cache_bytes'](config, batch_size, seq_len, {BYTES})", "open " + str(PACKAGE / "kv_cache.py")),
+    # native code: ctypes reaches the interpreter's C API
+    ("def kv_cache_size(config, batch_size, seq_len, dtype):\n    import ctypes\n"
+     "    ctypes.pythonapi.Py_IncRef(ctypes.py_object(config))\n    return 0", "ctypes."),
     # a copy made as the function is defined (a default argument): defined after the switch-off
     ("def kv_cache_size(config, batch_size, seq_len, dtype, _f=kv_cache_bytes.__code__):\n    import types\n"
      f"    return types.FunctionType(_f, {{}})(config, batch_size, seq_len, {BYTES})",

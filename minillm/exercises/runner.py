@@ -203,9 +203,11 @@ def switch_off(exercise: str, tools: tuple[str, ...] = ()) -> int:
 # The process
 
 
-# what the cases may not do: start programs, reach other processes, load native code
+# what the cases may not do: start programs, reach other processes, load or call native code, walk the
+# garbage collector (where the guard's own state lives)
 _REFUSED = ("subprocess.Popen", "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty",
-            "socket.connect", "socket.bind", "ctypes.dlopen", "ctypes.dlsym")
+            "socket.connect", "socket.bind", "ctypes.", "gc.get_objects", "gc.get_referrers", "gc.get_referents")
+CASES_EVENT = "minillm.grading.cases"  # the audit event that turns the guard on for good
 
 
 def _libraries() -> tuple[str, ...]:
@@ -218,25 +220,30 @@ def _libraries() -> tuple[str, ...]:
     return tuple(os.path.realpath(p) + os.sep for p in paths)
 
 
-def _guard(state: dict) -> None:
-    """An audit hook (it cannot be removed): minillm.exercises is never imported. Once the cases start, no
-    other minillm module is loaded, no file of the package (nor any file outside the installed libraries:
-    answers a notebook left behind) is opened, and no program, socket or native library is reached."""
+def _guard(name: str, calls: list) -> None:
+    """An audit hook (it cannot be removed): minillm.exercises is never imported. From the ``CASES_EVENT`` on
+    (a switch held in the hook's closure, which only the garbage collector could reach, and it is refused),
+    no other minillm module is loaded, no file of the package (nor any file outside the installed libraries:
+    answers a notebook left behind) is opened, and no program, socket or native code is reached."""
     package, libraries = _PACKAGE + os.sep, _libraries()
+    cases = False
 
     def refuse(what: str, why: str):
-        state["calls"].append(what)
-        raise ForbiddenCallError(f"{what} is switched off while {state['name']} is checked: {why}")
+        calls.append(what)
+        raise ForbiddenCallError(f"{what} is switched off while {name} is checked: {why}")
 
     def hook(event, args):
-        if event == "import" and args[0].split(".")[0] == "minillm":
+        nonlocal cases
+        if event == CASES_EVENT:
+            cases = True
+        elif event == "import" and args[0].split(".")[0] == "minillm":
             if args[0] == "minillm.exercises" or args[0].startswith("minillm.exercises."):
-                state["calls"].append(f"import {args[0]}")
+                calls.append(f"import {args[0]}")
                 raise ImportError(f"{args[0]} holds the grader's cases and answers: it cannot be imported while "
                                   "a function is graded")
-            if state["cases"]:
-                refuse(f"import {args[0]}", f"write {state['name']} yourself")
-        elif not state["cases"]:
+            if cases:
+                refuse(f"import {args[0]}", f"write {name} yourself")
+        elif not cases:
             return
         elif event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
             path = os.path.realpath(os.fsdecode(args[0]))
@@ -251,13 +258,12 @@ def _guard(state: dict) -> None:
 def main() -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what the student's code prints goes to stderr, never into the answers
-    state = {"cases": False, "calls": [], "name": "?"}
-    _guard(state)
     import linecache
 
     # the grader's own data (configs are dataclasses, so not weights_only)
     job = torch.load(io.BytesIO(sys.stdin.buffer.read()), weights_only=False)
-    name, state["name"] = job["name"], job["name"]
+    name, calls = job["name"], []
+    _guard(name, calls)
     namespace = {"__name__": "__student__", "__builtins__": __builtins__}
     notes = []
     for line in job["imports"]:
@@ -267,12 +273,12 @@ def main() -> None:
             notes.append(f"`{line}` failed in the grading process ({error_name(e)}: {first_line(e)})")
 
     def switched_off(qualified: str, message: str):
-        state["calls"].append(qualified)
+        calls.append(qualified)
         raise ForbiddenCallError(message)
 
     sys.modules["__main__"].switched_off = switched_off
     switch_off(name, tuple(job.get("tools", ())))
-    state["cases"] = True
+    sys.audit(CASES_EVENT)
     for filename, source in job["cells"].items():  # so that a traceback shows the student's line
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     try:
@@ -284,7 +290,7 @@ def main() -> None:
         fn = None
     out.write(READY)
     out.flush()
-    answers = [] if fn is None else [answer(fn, args, state["calls"]) for args in job["cases"]]
+    answers = [] if fn is None else [answer(fn, args, calls) for args in job["cases"]]
     data = io.BytesIO()  # torch.save needs a file it can seek in
     torch.save({"answers": answers, "notes": notes}, data)
     out.write(data.getvalue())
