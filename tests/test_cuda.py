@@ -14,7 +14,7 @@ import torch
 from helpers import random_decoder, rel_err, write_tiny_gguf
 
 from minillm import LLM, KVCache, SamplingParams, generate_cached, generate_naive, load_model
-from minillm.compiled import compile_decode
+from minillm.fast.compiled import compile_decode
 from minillm.generation import generate_batch
 from minillm.quant import QuantConfig
 from minillm.quant.pipeline import calibration_tokens, quantize_model

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from minillm.fast import kernels, linear
+from minillm.fast import accelerate
 from minillm.fast.linear import FastLinear as Linear  # the speed layer's, against the library's baseline
 from minillm.linear import linear_naive
 
@@ -110,7 +111,7 @@ def test_bench_products_times_only_paths_that_compute_the_product(monkeypatch):
 
     from minillm.lab.products import format_products, measure_products
 
-    model = random_decoder(256)  # every layer's width a multiple of 32: the few-row kernel takes them all
+    model = accelerate(random_decoder(256))  # every layer's width a multiple of 32: the few-row kernel takes them all
     report = measure_products(model, rows=(1, 3), repeats=1, progress=False)
     paths = report["rows"][1]["float32"]
     assert {"shards, bmm", "few-row kernel, 8 lanes", "Linear (its choice)"} <= set(paths)

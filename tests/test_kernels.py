@@ -1,13 +1,14 @@
-"""minillm's own AVX2 int4/int8 kernels (minillm.kernels) against their naive baselines, inside
+"""minillm's own AVX2 int4/int8 kernels (minillm.fast.kernels) against their naive baselines, inside
 QuantLinear, under torch.compile, and the fallback to torch's kernels."""
 
 import pytest
 import torch
 
-from minillm import kernels
+from minillm.fast import kernels
 from minillm.quant import QuantConfig, rtn_quantize
 from minillm.quant.gptq import Hessian, gptq_quantize
-from minillm.quant.qlinear import QuantLinear, quant_linear_naive
+from minillm.fast.quant import FastQuantLinear as QuantLinear  # the speed layer's, against the reference path
+from minillm.quant.qlinear import quant_linear_naive
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels off: {kernels.why_unavailable()}")
 
@@ -167,9 +168,9 @@ def test_the_build_command_make_setup_runs_says_what_it_did():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "minillm.kernels"], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "minillm.fast.kernels"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0 and "minillm kernels: built and loaded" in out.stdout, out.stderr
-    off = subprocess.run([sys.executable, "-m", "minillm.kernels"], capture_output=True, text=True, timeout=60,
+    off = subprocess.run([sys.executable, "-m", "minillm.fast.kernels"], capture_output=True, text=True, timeout=60,
                          env={**__import__("os").environ, "MINILLM_KERNELS": "0"})
     assert off.returncode == 0 and "off (MINILLM_KERNELS=0)" in off.stdout
 

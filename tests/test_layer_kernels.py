@@ -3,6 +3,7 @@ rope_write) against their naive twins, their refusals, and the model and engine 
 
 import pytest
 import torch
+from helpers import paged_cache
 
 from minillm.fast import accelerate, kernels
 from minillm.fast.layers import FastRMSNorm

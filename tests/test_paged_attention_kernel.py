@@ -1,11 +1,11 @@
-"""minillm's fused PagedAttention kernel (minillm.kernels.paged_attention) against its naive baseline, the
+"""minillm's fused PagedAttention kernel (minillm.fast.kernels.paged_attention) against its naive baseline, the
 baseline against dense causal attention, and the kernel's refusals."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from minillm import kernels
+from minillm.fast import kernels
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels off: {kernels.why_unavailable()}")
 

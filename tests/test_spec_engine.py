@@ -365,9 +365,11 @@ def test_a_failed_step_leaves_the_draft_model_as_it_found_it(tiny, draft, case):
             done.update({o.request_id: [c.token_ids for c in o.outputs] for o in outs if o.finished})
         return done, preempted, engine
 
-    clean, _, _ = drive()
+    clean, _, engine = drive()
     exact = 0
-    for at in range(1, 9):
+    # a failure at each of the clean run's first target forwards (up to 8: how many there are depends on the float
+    # rounding of the attention path, which decides some greedy drafts)
+    for at in range(1, min(8, engine.stats.summary(engine.block_size)["steps"]) + 1):
         done, preempted, engine = drive(at)
         assert preempted is not None, f"the forward raised at call {at} but no step failed"
         for rid, _, params in reqs:

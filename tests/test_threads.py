@@ -1,4 +1,4 @@
-"""The thread choice (``minillm.threads``) as pure functions on synthetic readings, and the governor's
+"""The thread choice (``minillm.fast.threads``) as pure functions on synthetic readings, and the governor's
 respect for a count the user fixed."""
 
 import os
@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from minillm import threads
-from minillm.threads import Sample, ThreadGovernor, choose_threads, others_busy
+from minillm.fast import threads
+from minillm.fast.threads import Sample, ThreadGovernor, choose_threads, others_busy
 
 
 @pytest.mark.parametrize("usable, others, expected", [

@@ -8,7 +8,8 @@ from minillm.fast import kernels
 from minillm.quant import QuantConfig, rtn_quantize
 from minillm.quant.activations import quantize_activations
 from minillm.quant.gptq import Hessian, gptq_quantize
-from minillm.quant.qlinear import QuantLinear, quant_linear_naive
+from minillm.fast.quant import FastQuantLinear as QuantLinear  # the speed layer's, against the reference path
+from minillm.quant.qlinear import quant_linear_naive, quantize_q8
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels off: {kernels.why_unavailable()}")
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..paged.attention import paged_attention
-from ..paged.cache import PagedKVCache
+from ..fast.paged import FastPagedKVCache
 
 
 def measure_attention_paths(seq_lens=(64, 512, 2048), block_size: int = 16, n_heads: int = 9, n_kv_heads: int = 3,
@@ -68,7 +68,8 @@ def measure_row_costs(model, num_rows: int = 32, short: int = 64, long: int = 10
     c_key from num_rows decode rows at ``long`` vs ``short`` keys, c_token from one row of ``chunk`` tokens
     vs one token. Returns {"c_token_s", "c_key_s", "key_cost"} (key_cost = c_key / c_token)."""
     def forward(B, T, S):
-        cache = PagedKVCache(model.config, B * -(-S // 16) + B, 16, dtype=model.dtype, device=model.device)
+        cache = FastPagedKVCache(model.config, B * -(-S // 16) + B, 16, dtype=model.dtype, device=model.device,
+                                 attention="indexed")
         for i in range(B):
             cache.add_sequence(i)
             if S > T:

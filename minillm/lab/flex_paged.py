@@ -22,7 +22,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..model import ModelConfig
 from ..paged.attention import padded_slots
-from ..paged.cache import PagedKVCache
+from ..fast.paged import FastPagedKVCache
 from ..timing import machine, time_median
 
 _flex = torch.compile(flex_attention, dynamic=False)
@@ -94,8 +94,8 @@ def bucketed_step(lens: list[int], num_blocks: int, block_size: int):
     one decode step; returns (cache, its tables, a function attending q (B, H, D) -> (B, H, D) through it).
     Planning (``prepare``) is once per step, as the block mask's build; ``attend`` writes the step's new keys
     and values too, as in the engine."""
-    cache = PagedKVCache(ModelConfig(n_layers=1), num_blocks, block_size, enable_prefix_caching=False,
-                         attention="bucketed")
+    cache = FastPagedKVCache(ModelConfig(n_layers=1), num_blocks, block_size, enable_prefix_caching=False,
+                             attention="bucketed")
     for i, n in enumerate(lens):
         cache.add_sequence(i)
         cache.manager.grow(i, n - 1)
@@ -104,7 +104,7 @@ def bucketed_step(lens: list[int], num_blocks: int, block_size: int):
     kv = torch.zeros(1, cache.n_kv_heads, len(lens), cache.head_dim)
 
     def attend(q):
-        return cache.attend(0, q.transpose(0, 1)[None], kv, kv)[0].transpose(0, 1)  # one flat row of B tokens
+        return cache.attend(0, q.transpose(0, 1)[None], kv, kv, None)[0].transpose(0, 1)  # one flat row of B tokens
     return cache, [cache.manager.block_table(i) for i in range(len(lens))], attend
 
 

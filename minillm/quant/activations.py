@@ -35,5 +35,6 @@ def quantize_activations(model: nn.Module, bits: int = 8) -> int:
         m.act_bits = bits
         if m.want_fast:
             m.prepare_fast()
-    model.drop_compiled_step()  # a compiled decode froze the weights as they were
+    if hasattr(model, "drop_compiled_step"):  # a Decoder: a compiled decode froze the weights as they were
+        model.drop_compiled_step()
     return len(layers)
