@@ -298,6 +298,7 @@ class Decoder(nn.Module):
         self.config = config
         self.accelerated = False  # whether minillm.fast.accelerate swapped its layers in
         self.paged_backend = "blockwise"  # the paged read an engine serving this model uses (minillm.fast sets its own)
+        self.quant_linear_class = None  # what quantization builds its layers of (None: minillm.quant's QuantLinear)
         c = config
         llama = c.arch == "llama"
 

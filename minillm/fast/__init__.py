@@ -57,6 +57,7 @@ def accelerate(model: Decoder, n_shards: int | None = None) -> Decoder:
             swap(module, TWINS[type(module)])
     register_paged_reads()
     model.paged_backend = "bucketed"
+    model.quant_linear_class = FastQuantLinear  # layers quantized from here on take minillm's kernels
     if cpu and not model.accelerated:
         GOVERNOR.fit()  # threads for the cores other processes leave free (a 0.1 s probe)
         model.register_forward_pre_hook(_tick)

@@ -64,7 +64,7 @@ def quantize_output(model, kind: str, fast: bool = True) -> dict:
     float_bytes = w.numel() * model.output.weight.element_size()
     qw = rtn_quantize(w, config)
     bias = getattr(model.output, "bias", None)
-    model.output = QuantLinear(qw, bias, fast=fast)
+    model.output = (model.quant_linear_class or QuantLinear)(qw, bias, fast=fast)  # the speed layer's, if swapped in
     rel = ((qw.dequantize() - w).norm() / w.norm()).item()
     return {"quant_head": kind, "bits": config.bits, "group_size": config.group_size,
             "bytes": model.output.kernel_nbytes(), "float_bytes": float_bytes, "rel_error": rel}

@@ -206,11 +206,12 @@ class LayerQuantizer:
     def __init__(self, model, recipe: Recipe, fast: bool = True):
         self.model_config, self.recipe, self.config, self.fast = model.config, recipe, recipe.config, fast
         self.layers: list[dict] = []
+        self.cls = model.quant_linear_class or QuantLinear  # the speed layer's, on an accelerated model
 
     def rtn(self, block, i: int, name: str) -> None:
         """Round to nearest, without calibration inputs (its error is not measured: NaN)."""
         lin, parent, attr = linear_of(block, name)
-        setattr(parent, attr, QuantLinear(rtn_quantize(lin.weight, self.config), lin.bias, self.fast))
+        setattr(parent, attr, self.cls(rtn_quantize(lin.weight, self.config), lin.bias, self.fast))
         self.layers.append({"name": f"layers.{i}.{name}", "rel_error": float("nan")})
 
     def __call__(self, block, i: int, name: str, x: torch.Tensor, x_float: torch.Tensor | None = None) -> QuantLinear:
@@ -237,7 +238,7 @@ class LayerQuantizer:
         ref = x2 @ W_float.t()
         rel = ((x2 @ qw.dequantize().t() - ref).norm() / ref.norm()).item()
         self.layers.append({"name": f"layers.{i}.{name}", "rel_error": rel})
-        new = QuantLinear(qw, lin.bias, self.fast)
+        new = self.cls(qw, lin.bias, self.fast)
         setattr(parent, attr, new)
         return new
 
