@@ -244,11 +244,11 @@ def test_speculation_counters_in_metrics_equal_the_engines(tiny):
         got = metric_values(served)
         spec = served.engine(lambda e: e.stats.spec_decoding)
         assert spec.num_drafts > 0
-        assert got[("minillm:spec_decode_num_drafts_total", None)] == spec.num_drafts
-        assert got[("minillm:spec_decode_num_draft_tokens_total", None)] == spec.num_draft_tokens
-        assert got[("minillm:spec_decode_num_accepted_tokens_total", None)] == spec.num_accepted_tokens
+        assert got[("vllm:spec_decode_num_drafts_total", None)] == spec.num_drafts
+        assert got[("vllm:spec_decode_num_draft_tokens_total", None)] == spec.num_draft_tokens
+        assert got[("vllm:spec_decode_num_accepted_tokens_total", None)] == spec.num_accepted_tokens
         for pos, n in enumerate(spec.num_accepted_tokens_per_pos):
-            assert got[("minillm:spec_decode_num_accepted_tokens_per_pos_total", str(pos))] == n
+            assert got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(pos))] == n
         served.http.close()
 
 

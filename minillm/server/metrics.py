@@ -31,8 +31,8 @@ class _SnapshotCollector:
             g.add_metric(label, value)
             return g
 
-        def counter(name, doc, value):
-            c = CounterMetricFamily(f"minillm:{name}", doc, labels=names)
+        def counter(name, doc, value, prefix="minillm"):
+            c = CounterMetricFamily(f"{prefix}:{name}", doc, labels=names)
             c.add_metric(label, value)
             return c
 
@@ -55,11 +55,12 @@ class _SnapshotCollector:
         yield counter("engine_steps", "Engine steps run.", s.steps)
         yield counter("engine_step_failures", "Engine steps that raised (their requests were aborted).",
                       s.step_failures)
-        if s.speculating:  # vLLM's spec_decode counters, exported as vLLM does only when the engine speculates
-            yield counter("spec_decode_num_drafts", "Sequences that carried a draft into a step.", s.spec_drafts)
-            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_draft_tokens)
-            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens)
-            per_pos = CounterMetricFamily("minillm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted "
+        if s.speculating:  # vLLM's spec_decode counters under vLLM's own names (dashboards read them as they are),
+            # exported as vLLM does only when the engine speculates
+            yield counter("spec_decode_num_drafts", "Sequences that carried a draft into a step.", s.spec_drafts, "vllm")
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", s.spec_draft_tokens, "vllm")
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted_tokens, "vllm")
+            per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted "
                                           "at each draft position.", labels=names + ["position"])
             for pos, n in enumerate(s.spec_accepted_per_pos):
                 per_pos.add_metric(label + [str(pos)], n)
