@@ -1,17 +1,16 @@
-"""Every way the engine reads keys and values from the pool of blocks, from the reference to the paper's kernel.
+"""Every way the engine reads keys and values from the pool of blocks, from the reference to the paper's algorithm.
 
 Kwon et al. 2023 (vLLM, arXiv 2309.06180), Sec. 4.1: a sequence's keys and values sit in blocks anywhere in
 the pool; its block table says where. ``LLMEngine(attention=...)`` picks the read:
 
 * ``gather_padded`` ("gather", the reference): each row's blocks concatenated, cut to its length, padded.
-* ``padded_slots`` ("indexed"): every row's key slots, read with one ``index_select`` per layer, then SDPA.
-* ``buckets`` + ``attend_groups`` ("bucketed", the default): rows grouped by the keys they attend over, one
-  rectangle and one SDPA per group; rows of one or two queries (decode) go to the fused kernel below.
-* ``paged_attention`` ("blockwise"): block by block with an online softmax (Milakov & Gimelshein 2018),
-  nothing gathered. In torch its per-call cost makes it the slowest; ``minillm.kernels.paged_attention`` is
-  the same algorithm fused in C++ (vLLM's kernel, on the CPU), which both paths run where it is built.
+* ``paged_attention`` ("blockwise", the plain engine's default): block by block with an online softmax
+  (Milakov & Gimelshein 2018), nothing gathered.
+* ``padded_slots`` and ``buckets`` + ``attend_groups``: the index arithmetic of the speed layer's reads
+  (``minillm.fast.paged``: "indexed", one ``index_select`` then SDPA; "bucketed", rows grouped by the keys they
+  attend over, one SDPA per group, rows of up to ``FUSED_MAX_QUERIES`` queries through minillm's C++
+  PagedAttention kernel, which is ``paged_attention`` fused as vLLM's kernel is on a GPU).
 """
-
 from __future__ import annotations
 
 import math
