@@ -11,6 +11,7 @@ the pool; its block table says where. ``LLMEngine(attention=...)`` picks the rea
   attend over, one SDPA per group, rows of up to ``FUSED_MAX_QUERIES`` queries through minillm's C++
   PagedAttention kernel, which is ``paged_attention`` fused as vLLM's kernel is on a GPU).
 """
+
 from __future__ import annotations
 
 import math
