@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..model import attention, attention_mask
-from ..paged.attention import attend_groups, buckets, padded_slots, padded_tables
+from ..paged.attention import Group, attend_groups, buckets, padded_slots, padded_tables
 from ..paged.cache import BACKENDS, PagedKVCache
 from . import kernels
 
@@ -70,8 +70,8 @@ class FastPagedKVCache(PagedKVCache):
                 torch.tensor([pos[b][-1] + 1 for b in rows], device=device))
 
     def _plan_groups(self, pos: list[list[int]]) -> None:
-        """The "bucketed" groups, rows of one width together: (the rows' tokens, as a slice or an index tensor;
-        rows Bg; width T_g; read slots; S_g; mask); rows of at most ``fused_max_queries`` go to the fused kernel."""
+        """The "bucketed" groups (``Group``), rows of one width together; rows of at most ``fused_max_queries`` go
+        to the fused kernel."""
         device, G = self.k[0].device, self.group
         key_lens = [max(max(row) + 1, 1) for row in pos]  # causal: a row attends up to its last position
         by_width: dict[int, list[int]] = {}
@@ -97,11 +97,11 @@ class FastPagedKVCache(PagedKVCache):
                 contiguous = tokens == list(range(tokens[0], tokens[0] + len(tokens)))
                 index = slice(tokens[0], tokens[-1] + 1) if contiguous else torch.tensor(tokens, device=device)
                 slots = padded_slots(tables, lens, Sg, self.block_size, device)
-                self._groups.append((index, len(rows), T, slots, Sg, mask))
-        stops = [0] + [g[0].stop for g in self._groups if isinstance(g[0], slice)]
+                self._groups.append(Group(index, len(rows), T, slots, Sg, mask))
+        stops = [0] + [g.index.stop for g in self._groups if isinstance(g.index, slice)]
         # groups that are slices, each starting where the previous one stops, tile the tokens in order
         self._groups_in_order = (not fused and len(stops) == len(self._groups) + 1
-                                 and all(g[0].start == stops[i] for i, g in enumerate(self._groups)))
+                                 and all(g.index.start == stops[i] for i, g in enumerate(self._groups)))
 
     def _buffers(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two (n, Hkv, D) views of the read buffers, grown (to twice the need) when too small."""
@@ -166,7 +166,7 @@ class FastPagedKVCache(PagedKVCache):
             else:
                 y = qt.new_empty((N, H, D)) if y is None else y  # the fused kernel's rows are already there
                 for group, out in zip(self._groups, outs):
-                    y[group[0]] = out
+                    y[group.index] = out
         return y
 
 

@@ -15,6 +15,7 @@ the pool; its block table says where. ``LLMEngine(attention=...)`` picks the rea
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -108,9 +109,20 @@ def gather_padded(pool: torch.Tensor, tables: list[list[int]], lens: list[int], 
     return torch.stack(rows).transpose(1, 2)
 
 
+class Group(NamedTuple):
+    """One rectangle of the "bucketed" read: rows of one width that attend over about as many keys."""
+
+    index: slice | torch.Tensor  # the rows' tokens in the forward (token-major), a slice where contiguous
+    rows: int  # Bg
+    width: int  # Tg, queries per row
+    slots: torch.Tensor  # (Bg * Sg,) pool slots of each row's key positions 0..Sg-1 (``padded_slots``)
+    keys: int  # Sg
+    mask: torch.Tensor | None  # (Bg, 1, G * Tg, Sg), or None where every query sees every key
+
+
 def attend_groups(qt: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, groups, buffers) -> list[torch.Tensor]:
-    """The "bucketed" read: per group of rows (token index, rows Bg, width Tg, read slots, keys Sg, mask),
-    its keys and values gathered into a rectangle, its queries as each KV head's G query rows.
+    """The "bucketed" read: per ``Group`` of rows, its keys and values gathered into a rectangle, its queries as
+    each KV head's G query rows.
 
     Args:
         qt: (N, H, D) the forward's queries, token-major; k_pool, v_pool: (slots, Hkv, D) one layer.
