@@ -76,6 +76,8 @@ def test_bench_decode_and_tour(tmp_path):
     assert tour["rows"][0]["check"] == "greedy tokens identical"
     spec = next(r for r in tour["rows"] if r["technique"] == "speculative (n-gram)")
     assert spec["check"].startswith("greedy tokens identical, alpha ")
+    kernels = next(r for r in tour["rows"] if r["technique"] == "minillm's CPU kernels (minillm.fast)")
+    assert kernels["baseline"] == "plain torch, cached decode" and kernels["check"] == "greedy tokens identical"
     quant = tour["rows"][-1]
     assert quant["technique"] == "int4 weights (RTN g64)" and quant["tokens_per_s"] > 0
     assert quant["check"].endswith("greedy tokens equal float's")

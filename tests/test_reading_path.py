@@ -85,3 +85,17 @@ def test_a_plain_request_reaches_the_online_softmax_and_nothing_of_the_speed_lay
     assert calls, "the plain engine never ran paged/attention.py's online softmax"
     assert not [f for f in files if f.startswith("minillm/fast/")], files
     assert "minillm/paged/attention.py" in files
+
+
+def test_plain_copy_gives_back_the_library_layers_and_the_same_logits():
+    from minillm.fast import plain_copy
+
+    plain = random_decoder(320, head_dim=16)
+    fast = accelerate(copy.deepcopy(plain), n_shards=2)
+    back = plain_copy(fast)
+    assert not back.accelerated and back.paged_backend == "blockwise" and not back._forward_pre_hooks
+    assert {type(m) for m in back.modules()} == {type(m) for m in plain.modules()}
+    assert fast.accelerated and isinstance(fast.output, FastLinear)  # the original is untouched
+    tokens = torch.randint(0, 320, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        assert torch.equal(back(tokens, torch.arange(9)), plain(tokens, torch.arange(9)))

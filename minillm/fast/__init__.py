@@ -15,6 +15,8 @@ another ``forward``), and the engine's reads register, so ``LLM(model)`` serves 
 
 from __future__ import annotations
 
+import copy
+
 from torch import nn
 
 from ..linear import Linear
@@ -26,7 +28,7 @@ from .paged import register as register_paged_reads
 from .quant import FastQuantLinear
 from .threads import GOVERNOR, usable_cores
 
-__all__ = ["accelerate"]
+__all__ = ["accelerate", "plain_copy"]
 
 
 def accelerate(model: Decoder, n_shards: int | None = None) -> Decoder:
@@ -63,6 +65,26 @@ def accelerate(model: Decoder, n_shards: int | None = None) -> Decoder:
         model.register_forward_pre_hook(_tick)
     model.accelerated = True
     return model
+
+
+def plain_copy(model: Decoder) -> Decoder:
+    """A copy of ``model`` with every speed-layer module back to its library twin (the same weights): the plain
+    model an accelerated one is measured and tested against. A plain model is copied as it is."""
+    plain = copy.deepcopy(model)
+    for module in list(plain.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, FastLinear):
+                setattr(module, name, Linear(child.weight.detach(), None if child.bias is None else child.bias.detach()))
+            elif type(child) is FastQuantLinear:
+                child.__class__ = QuantLinear
+                if child.want_fast:
+                    child.prepare_fast()  # the library's kernels
+        for library, fast in TWINS.items():
+            if type(module) is fast:
+                module.__class__ = library
+    plain._forward_pre_hooks.clear()  # the governor's tick, the one hook accelerate registers
+    plain.accelerated, plain.paged_backend, plain.quant_linear_class = False, "blockwise", None
+    return plain
 
 
 def _tick(module: nn.Module, args) -> None:

@@ -8,6 +8,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..data import BENCH_PROMPT
+from ..fast import plain_copy
 from ..files import check_output_path, runs_folder
 from ..generation import generate, generate_cached, generate_naive
 from ..options import add_model_args, at_least, is_quantized_file, load, print_json
@@ -53,6 +54,8 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
             "speedup": r.decode_tokens_per_s / naive.decode_tokens_per_s,
             "check": "greedy tokens identical" if same == len(naive.tokens) else f"{same}/{len(naive.tokens)} greedy tokens equal",
         })
+    if model.accelerated:
+        rows.append(kernels_row(model, prompt_tokens, params, cached))
     rows.append(engine_row(model, tokenizer, new_tokens))
     rows.append(speculative_row(model, tokenizer, new_tokens))
     if not quantized:
@@ -60,6 +63,19 @@ def tour(model, tokenizer, *, new_tokens: int = 128, prompt: str = BENCH_PROMPT,
     fig = plot_step_times(naive.step_s, cached.step_s, len(prompt_tokens), Path(figures) / "tour_decode_step_time.png")
     return {"machine": machine(), "dtype": dtype_name(model.dtype), "prompt_tokens": len(prompt_tokens),
             "new_tokens": new_tokens, "rows": rows, "figures": [str(fig)]}
+
+
+def kernels_row(model, prompt_tokens, params, cached) -> dict:
+    """The tour's speed-layer row: the same cached decode on the library's plain torch (``fast.plain_copy``: the
+    same weights, ``F.linear``, torch's norms and SDPA) vs with minillm's CPU kernels swapped in (``model``)."""
+    plain = plain_copy(model)
+    generate_cached(plain, prompt_tokens, SamplingParams(max_new_tokens=4))  # warm-up
+    r = generate_cached(plain, prompt_tokens, params)
+    same = sum(a == b for a, b in zip(r.tokens, cached.tokens))
+    return {"technique": "minillm's CPU kernels (minillm.fast)", "baseline": "plain torch, cached decode",
+            "baseline_tokens_per_s": r.decode_tokens_per_s, "tokens_per_s": cached.decode_tokens_per_s,
+            "speedup": cached.decode_tokens_per_s / r.decode_tokens_per_s,
+            "check": "greedy tokens identical" if same == len(r.tokens) else f"{same}/{len(r.tokens)} greedy tokens equal"}
 
 
 def engine_row(model, tokenizer, new_tokens: int = 128, num_requests: int = 8) -> dict:
