@@ -6,7 +6,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 
-from minillm.tokenizer import bytes_to_unicode
+from minillm.formats.tokenizer_files import bytes_to_unicode
 
 TINY = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab=300, ctx=128)
 

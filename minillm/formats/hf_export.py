@@ -28,7 +28,8 @@ import torch
 from ..errors import ModelFileError
 from ..files import check_output_path
 from ..model import ModelConfig
-from ..tokenizer import GPT2_PATTERN, SMOLLM_PATTERN, Tokenizer, bytes_to_unicode
+from ..tokenizer import Tokenizer
+from .tokenizer_files import GPT2_PATTERN, SMOLLM_PATTERN, bytes_to_unicode
 from .hf import _hf_config, load_hf_checkpoint
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -42,7 +43,7 @@ def _byte_level(use_regex: bool) -> dict:
 
 def _pre_tokenizer(pattern: str) -> dict:
     """The tokenizers pre-tokenizer that splits text as tiktoken's regex ``pattern`` does (the inverse of
-    ``minillm.tokenizer._hf_pretokenizer``)."""
+    ``minillm.formats.tokenizer_files._hf_pretokenizer``)."""
     if pattern == GPT2_PATTERN:
         return _byte_level(True)
     if pattern == SMOLLM_PATTERN:
