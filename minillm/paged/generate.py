@@ -14,7 +14,7 @@ from .cache import backend
 
 
 def generate_paged(model, prompt_tokens: list[int], params: SamplingParams = SamplingParams(), *,
-                   block_size: int = 16, num_blocks: int | None = None, attention: str = "gather",
+                   block_size: int = 16, num_blocks: int | None = None, attention: str | None = None,
                    max_seq_len: int | None = None, tokenizer=None,
                    on_token: Callable[[int], None] | None = None,
                    eos_ids: set[int] | None = None) -> GenerationResult:
@@ -22,8 +22,8 @@ def generate_paged(model, prompt_tokens: list[int], params: SamplingParams = Sam
     same ``GenerationResult`` as ``generate_cached``, whose other arguments it takes.
 
     Args:
-        block_size: tokens per KV block; attention: the cache's read path over (B, T) rows ("gather", the reference, or
-            the speed layer's "indexed").
+        block_size: tokens per KV block; attention: the cache's read (``cache.BACKENDS``; None: the model's own,
+            ``model.paged_backend``).
         num_blocks: blocks in the pool (default: enough for the prompt and ``max_new_tokens``, within the context).
 
     Raises:
@@ -31,6 +31,7 @@ def generate_paged(model, prompt_tokens: list[int], params: SamplingParams = Sam
         NoFreeBlocksError: a ``num_blocks`` too small for the tokens generated.
     """
     ctx = check_prompt(model, prompt_tokens, max_seq_len)
+    attention = attention or model.paged_backend
     if num_blocks is None:
         num_blocks = blocks_for(min(ctx, len(prompt_tokens) + params.max_new_tokens), block_size)
 
