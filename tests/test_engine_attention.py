@@ -10,7 +10,7 @@ from minillm.fast import kernels
 from minillm import SamplingParams
 from minillm.model import ModelConfig, attention, attention_mask
 from minillm.paged import LLMEngine, PagedKVCache, pack_flat, pack_rows, pack_rows_naive
-from minillm.paged.attention import buckets
+from minillm.fast.paged import buckets
 
 CFG = ModelConfig(n_layers=1, dim=96, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=300,
                   max_seq_len=128)  # G = 3 query heads per KV head

@@ -6,7 +6,8 @@ or during one greedy ``LLM.generate`` request of 4 tokens on it; they print each
 total, and whether anything of the speed layer (``minillm/fast/``) ran.
 
 ``python -m tools.walk generate`` follows ``LLM().generate`` down to the first attention over the KV blocks
-(``paged/attention.py``, or ``kernels.paged_attention``, the fused kernel's entry, which short rows take); ``python
+(``paged/attention.py``, the speed layer's grouped read in ``fast/paged.py``, or ``fast.kernels.paged_attention``,
+the fused kernel's entry, which short rows take); ``python
 -m tools.walk quantize`` follows ``python -m minillm quantize --recipe paper`` down to GPTQ's column loop
 (``gptq_quantize``). It prints the call stack at the first such call, keeping the frames in the package (the frames
 a student reads), and counts their files and calls.
@@ -108,7 +109,8 @@ def walk_generate():
     from minillm import LLM, SamplingParams
 
     llm = LLM(max_num_seqs=2)
-    return stack_at({"paged/attention.py": {"paged_attention", "attend_groups", "attend_blockwise", "gather_padded"},
+    return stack_at({"paged/attention.py": {"paged_attention", "attend_blockwise", "gather_padded"},
+                     "fast/paged.py": {"attend_groups"},
                      "fast/kernels/__init__.py": {"paged_attention", "paged_attention_naive"}},
                     lambda: llm.generate(["The history of"], SamplingParams(max_tokens=2), use_tqdm=False))
 

@@ -14,10 +14,13 @@ pass (``kernels.rope_write``), then the read.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 from ..model import attention, attention_mask
-from ..paged.attention import Group, attend_groups, buckets, padded_slots, padded_tables
+from ..paged.attention import padded_slots, padded_tables
 from ..paged.cache import BACKENDS, PagedKVCache
 from . import kernels
 
@@ -26,6 +29,59 @@ BUCKET_COST = 128
 #: on the "bucketed" path, segments of at most this many queries (a decode row, a verification of up to 4 drafts)
 #: go to the fused PagedAttention kernel where it is built; longer ones gain more from SDPA (docs/paged.md)
 FUSED_MAX_QUERIES = 5
+
+
+def buckets(key_lens: list[int], bucket_cost: float) -> list[list[int]]:
+    """Rows grouped so that each group's rows attend over about as many keys: the partition of the rows,
+    sorted by key length, minimizing sum over groups of (bucket_cost + rows * longest row's keys) (dynamic
+    programming). Returns lists of row indices, each in increasing key length, groups in increasing length."""
+    order = sorted(range(len(key_lens)), key=key_lens.__getitem__)
+    L = [key_lens[i] for i in order]
+    best, cut = [0.0], [0]  # best[j]: cost of the first j sorted rows; cut[j]: where its last group starts
+    for j in range(1, len(L) + 1):
+        c, i = min((best[i] + bucket_cost + (j - i) * L[j - 1], i) for i in range(j))
+        best.append(c)
+        cut.append(i)
+    groups, j = [], len(L)
+    while j:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
+
+
+class Group(NamedTuple):
+    """One rectangle of the "bucketed" read: rows of one width that attend over about as many keys."""
+
+    index: slice | torch.Tensor  # the rows' tokens in the forward (token-major), a slice where contiguous
+    rows: int  # Bg
+    width: int  # Tg, queries per row
+    slots: torch.Tensor  # (Bg * Sg,) pool slots of each row's key positions 0..Sg-1 (``padded_slots``)
+    keys: int  # Sg
+    mask: torch.Tensor | None  # (Bg, 1, G * Tg, Sg), or None where every query sees every key
+
+
+def attend_groups(qt: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, groups, buffers) -> list[torch.Tensor]:
+    """The "bucketed" read: per ``Group`` of rows, its keys and values gathered into a rectangle, its queries as
+    each KV head's G query rows.
+
+    Args:
+        qt: (N, H, D) the forward's queries, token-major; k_pool, v_pool: (slots, Hkv, D) one layer.
+        buffers: ``n -> (k_buf, v_buf)`` two (n, Hkv, D) scratch tensors reused across layers.
+    Returns: each group's output, (Bg * Tg, H, D), in the order of ``groups``.
+    """
+    H, D = qt.shape[1], qt.shape[2]
+    Hkv = k_pool.shape[1]
+    outs = []
+    for index, Bg, Tg, slots, Sg, mask in groups:
+        buf_k, buf_v = buffers(Bg * Sg)
+        torch.index_select(k_pool, 0, slots, out=buf_k)
+        torch.index_select(v_pool, 0, slots, out=buf_v)
+        kg = buf_k.view(Bg, Sg, Hkv, D).transpose(1, 2)  # (Bg, Hkv, Sg, D)
+        vg = buf_v.view(Bg, Sg, Hkv, D).transpose(1, 2)
+        qg = qt[index].view(Bg, Tg, H, D).transpose(1, 2).reshape(Bg, Hkv, (H // Hkv) * Tg, D)  # (Bg, Hkv, G*Tg, D)
+        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)  # (Bg, Hkv, G*Tg, D)
+        outs.append(out.view(Bg, H, Tg, D).transpose(1, 2).reshape(Bg * Tg, H, D))
+    return outs
 
 
 class FastPagedKVCache(PagedKVCache):

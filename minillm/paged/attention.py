@@ -6,19 +6,16 @@ the pool; its block table says where. ``LLMEngine(attention=...)`` picks the rea
 * ``gather_padded`` ("gather", the reference): each row's blocks concatenated, cut to its length, padded.
 * ``paged_attention`` ("blockwise", the plain engine's default): block by block with an online softmax
   (Milakov & Gimelshein 2018), nothing gathered.
-* ``padded_slots`` and ``buckets`` + ``attend_groups``: the index arithmetic of the speed layer's reads
-  (``minillm.fast.paged``: "indexed", one ``index_select`` then SDPA; "bucketed", rows grouped by the keys they
-  attend over, one SDPA per group, rows of up to ``FUSED_MAX_QUERIES`` queries through minillm's C++
-  PagedAttention kernel, which is ``paged_attention`` fused as vLLM's kernel is on a GPU).
+* ``padded_slots``: every row's key slots as one index (the speed layer's "indexed" read, ``minillm.fast.paged``,
+  reads them with one ``index_select`` then SDPA; its "bucketed" read groups rows by the keys they attend over
+  and sends short rows to minillm's C++ PagedAttention kernel, ``paged_attention`` fused as vLLM's is on a GPU).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 
 def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, block_tables: torch.Tensor,
@@ -64,24 +61,6 @@ def paged_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     return out.reshape(B, H, T, D).to(q.dtype)
 
 
-def buckets(key_lens: list[int], bucket_cost: float) -> list[list[int]]:
-    """Rows grouped so that each group's rows attend over about as many keys: the partition of the rows,
-    sorted by key length, minimizing sum over groups of (bucket_cost + rows * longest row's keys) (dynamic
-    programming). Returns lists of row indices, each in increasing key length, groups in increasing length."""
-    order = sorted(range(len(key_lens)), key=key_lens.__getitem__)
-    L = [key_lens[i] for i in order]
-    best, cut = [0.0], [0]  # best[j]: cost of the first j sorted rows; cut[j]: where its last group starts
-    for j in range(1, len(L) + 1):
-        c, i = min((best[i] + bucket_cost + (j - i) * L[j - 1], i) for i in range(j))
-        best.append(c)
-        cut.append(i)
-    groups, j = [], len(L)
-    while j:
-        groups.append(order[cut[j]:j])
-        j = cut[j]
-    return groups[::-1]
-
-
 def padded_tables(tables: list[list[int]], device=None) -> torch.Tensor:
     """(R, W) int64 block tables, each padded to the widest with its own first block (never read: a row
     reads only the blocks its length reaches)."""
@@ -107,41 +86,6 @@ def gather_padded(pool: torch.Tensor, tables: list[list[int]], lens: list[int], 
         x = torch.cat([pool[block] for block in table])[:n]  # (n, Hkv, D): the row's positions in order
         rows.append(torch.cat([x, x[-1:].expand(S - n, -1, -1)]))  # (S, Hkv, D)
     return torch.stack(rows).transpose(1, 2)
-
-
-class Group(NamedTuple):
-    """One rectangle of the "bucketed" read: rows of one width that attend over about as many keys."""
-
-    index: slice | torch.Tensor  # the rows' tokens in the forward (token-major), a slice where contiguous
-    rows: int  # Bg
-    width: int  # Tg, queries per row
-    slots: torch.Tensor  # (Bg * Sg,) pool slots of each row's key positions 0..Sg-1 (``padded_slots``)
-    keys: int  # Sg
-    mask: torch.Tensor | None  # (Bg, 1, G * Tg, Sg), or None where every query sees every key
-
-
-def attend_groups(qt: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, groups, buffers) -> list[torch.Tensor]:
-    """The "bucketed" read: per ``Group`` of rows, its keys and values gathered into a rectangle, its queries as
-    each KV head's G query rows.
-
-    Args:
-        qt: (N, H, D) the forward's queries, token-major; k_pool, v_pool: (slots, Hkv, D) one layer.
-        buffers: ``n -> (k_buf, v_buf)`` two (n, Hkv, D) scratch tensors reused across layers.
-    Returns: each group's output, (Bg * Tg, H, D), in the order of ``groups``.
-    """
-    H, D = qt.shape[1], qt.shape[2]
-    Hkv = k_pool.shape[1]
-    outs = []
-    for index, Bg, Tg, slots, Sg, mask in groups:
-        buf_k, buf_v = buffers(Bg * Sg)
-        torch.index_select(k_pool, 0, slots, out=buf_k)
-        torch.index_select(v_pool, 0, slots, out=buf_v)
-        kg = buf_k.view(Bg, Sg, Hkv, D).transpose(1, 2)  # (Bg, Hkv, Sg, D)
-        vg = buf_v.view(Bg, Sg, Hkv, D).transpose(1, 2)
-        qg = qt[index].view(Bg, Tg, H, D).transpose(1, 2).reshape(Bg, Hkv, (H // Hkv) * Tg, D)  # (Bg, Hkv, G*Tg, D)
-        out = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=mask)  # (Bg, Hkv, G*Tg, D)
-        outs.append(out.view(Bg, H, Tg, D).transpose(1, 2).reshape(Bg * Tg, H, D))
-    return outs
 
 
 def attend_blockwise(qt: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
