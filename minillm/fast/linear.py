@@ -85,7 +85,7 @@ class FastLinear(nn.Module):
     kernel ``torch.compile`` uses for frozen float32 linears (a row count oneDNN runs slowly is padded first:
     ``ONEDNN_PADDING``). Why: the kernel decides how close to the memory
     bandwidth the same bytes stream, and which wins moves with the rows and the machine (docs/decode.md;
-    notebook 01's ``roofline.measure_linear_layouts``). Gradients, other devices and dtypes use the shards;
+    notebook 01's ``minillm.lab.layouts.measure_linear_layouts``). Gradients, other devices and dtypes use the shards;
     ``minillm.threads`` chooses the threads. ``linear_naive`` is the baseline the tests compare with.
 
     Args:
