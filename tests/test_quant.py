@@ -13,6 +13,7 @@ from gguf import GGUFReader, quants
 from minillm.evaluation import perplexity, reference_logprobs
 from minillm.quant import QuantConfig, rtn_quantize
 from minillm.quant.awq import fold_scales, search_clip, search_scales
+from minillm.fast import accelerate
 from minillm.formats.gguf_quant import quantize_q4_0, quantize_q4_1, quantize_q8_0, write_gguf
 from minillm.quant.gptq import Hessian, asymmetric_target, gptq_quantize, gptq_quantize_naive, inverse_hessian_cholesky
 from minillm.quant.pack import pack_weight, pack_zeros, unpack_weight, unpack_zeros
@@ -386,7 +387,7 @@ def test_paper_gptq_is_the_reference_loop_on_the_float_blocks_inputs(tiny):
             lin, parent, attr = linear_of(block, name)
             qw = gptq_quantize(lin.weight.float(), hessian(ins[name].reshape(-1, lin.in_features)), cfg, percdamp=0.01)
             expected[f"{i}.{name}"] = qw.codes
-            setattr(parent, attr, QuantLinear(qw, lin.bias))
+            setattr(parent, attr, (model.quant_linear_class or QuantLinear)(qw, lin.bias))  # as the pipeline builds
         X = block(X, i, rope, None, mask)
     paper, seq = copy.deepcopy(tiny[0]), copy.deepcopy(tiny[0])
     quantize_model(paper, replace(PAPER, group_size=32), calib, progress=False)
@@ -524,6 +525,7 @@ def test_pipeline_quantizes_every_layer_and_round_trips_through_safetensors(tiny
     path = save_quantized(model, tmp_path / "q.safetensors", report)
     loaded, meta = load_quantized(path)
     assert meta["quant_config"]["method"] == method
+    accelerate(loaded)  # the same kernels as the accelerated model it was written from
     torch.testing.assert_close(loaded(tokens, torch.arange(40)), after)
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from helpers import TINY, rel_err, tiny_llama_weights, write_tiny_gguf
 
+from minillm.fast import accelerate
 from minillm import SamplingParams, generate_cached, load_model
 from minillm.quant import QuantConfig, QuantLinear, gptq_quantize, quantize_model, rtn_quantize
 from minillm.quant.checkpoint import load_quantized, save_quantized
@@ -97,6 +98,7 @@ def test_checkpoint_round_trips_a_quantized_head(tiny_path, tmp_path, kind):
     quantize_output(model, kind)
     path = save_quantized(model, tmp_path / "q.safetensors", report)
     loaded, meta = load_quantized(path)
+    accelerate(loaded)  # the same kernels as the accelerated model it was written from
     assert meta["quant_head"] == kind and isinstance(loaded.output, QuantLinear)
     assert loaded.output.config == model.output.config
     tokens, pos = torch.tensor([[1, 2, 300, 4]]), torch.arange(4)
