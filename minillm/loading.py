@@ -91,25 +91,33 @@ def _load(path: Path, dtype, device, progress: bool):
         return _load_quantized(path, dtype, device)
     if path.is_dir():
         config, state = load_hf_checkpoint(path)
-        try:
-            tokenizer = Tokenizer.from_hf_folder(path)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
+        tokenizer = tokenizer_of(path)
     else:
         reader = read_gguf(path)
         config = config_from_gguf(reader, path)
         state = load_gguf_state(reader, config, path, progress=progress)
-        try:
-            tokenizer = Tokenizer.from_gguf(reader)
-        except KeyError as e:
-            raise ModelFileError(f"{path}: tokenizer metadata {e} is missing") from e
-        except ValueError as e:
-            raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
+        tokenizer = tokenizer_of(path, reader)
     model = Decoder(config, state).to(device=device, dtype=dtype)
     # RoPE tables stay float32 whatever the weights' dtype, as in Hugging Face Llama
     if config.arch == "llama":
         model.rope_cos, model.rope_sin = model.rope_cos.float(), model.rope_sin.float()
     return model.eval(), tokenizer
+
+
+def tokenizer_of(path: Path, reader=None) -> Tokenizer | None:
+    """The tokenizer of a checkpoint folder, or of a GGUF file whose ``reader`` is given.
+
+    Raises:
+        ModelFileError: naming the file, for missing tokenizer metadata or a tokenizer minillm cannot reproduce.
+    """
+    try:
+        return Tokenizer.from_hf_folder(path) if reader is None else Tokenizer.from_gguf(reader)
+    except KeyError as e:
+        if reader is None:
+            raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
+        raise ModelFileError(f"{path}: tokenizer metadata {e} is missing") from e
+    except (ValueError, TypeError) as e:
+        raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
 
 
 def _load_quantized(path: Path, dtype, device):

@@ -254,7 +254,7 @@ def read_source(path: str | Path | None, weights: bool):
     Raises:
         ModelFileError: see ``minillm.loading.load_model``.
     """
-    from ..loading import default_model_path, load_model
+    from ..loading import default_model_path, load_model, tokenizer_of
     from .gguf import config_from_gguf, load_gguf_state, read_gguf
 
     path = default_model_path() if path is None else Path(path)
@@ -262,10 +262,7 @@ def read_source(path: str | Path | None, weights: bool):
         model, tokenizer = load_model(path, fast=False)  # the plain layers: their weights are read
         return model.config.max_seq_len, model.config, decoder_state(model) if weights else None, tokenizer
     if path.is_dir():
-        try:
-            tokenizer = Tokenizer.from_hf_folder(path)
-        except (ValueError, KeyError, TypeError) as e:
-            raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
+        tokenizer = tokenizer_of(path)
         if not weights:
             cfg = _hf_config(path)
             return cfg.get("max_position_embeddings") or cfg.get("n_positions"), None, None, tokenizer
@@ -273,12 +270,7 @@ def read_source(path: str | Path | None, weights: bool):
         return config.max_seq_len, config, state, tokenizer
     reader = read_gguf(path)
     config = config_from_gguf(reader, path)
-    try:
-        tokenizer = Tokenizer.from_gguf(reader)
-    except KeyError as e:
-        raise ModelFileError(f"{path}: tokenizer metadata {e} is missing") from e
-    except ValueError as e:
-        raise ModelFileError(f"{path}: unsupported tokenizer: {e}") from e
+    tokenizer = tokenizer_of(path, reader)
     return config.max_seq_len, config, load_gguf_state(reader, config, path) if weights else None, tokenizer
 
 
