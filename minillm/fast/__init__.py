@@ -20,7 +20,7 @@ import copy
 from torch import nn
 
 from ..linear import Linear
-from ..model import Decoder
+from ..model import Block, Decoder, RMSNorm
 from ..quant.qlinear import QuantLinear
 from .layers import TWINS, swap
 from .linear import FastLinear
@@ -55,8 +55,8 @@ def accelerate(model: Decoder, n_shards: int | None = None) -> Decoder:
                 swap(child, FastQuantLinear)
                 if child.want_fast:
                     child.prepare_fast()  # minillm's kernels where the layout allows
-        if type(module) in TWINS:
-            swap(module, TWINS[type(module)])
+        if type(module) in TWINS and not (type(module) is Block and not isinstance(module.ffn_norm, RMSNorm)):
+            swap(module, TWINS[type(module)])  # a LayerNorm block (GPT-2) keeps its own order
     register_paged_reads()
     model.paged_backend = "bucketed"
     model.quant_linear_class = FastQuantLinear  # layers quantized from here on take minillm's kernels

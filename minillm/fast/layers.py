@@ -48,11 +48,10 @@ class FastRMSNorm(RMSNorm):
 
 
 class FastBlock(Block):
-    """``Block`` whose attention output joins the residual stream in the same pass as the MLP's norm reads it."""
+    """``Block`` whose attention output joins the residual stream in the same pass as the MLP's norm reads it
+    (RMSNorm blocks only: ``accelerate`` leaves GPT-2's LayerNorm blocks as they are)."""
 
     def forward(self, x, layer_idx, rope, cache, mask):
-        if not isinstance(self.ffn_norm, FastRMSNorm):  # GPT-2's LayerNorm: the library's order
-            return super().forward(x, layer_idx, rope, cache, mask)
         x, h = self.ffn_norm.add_forward(x, self.attn(self.attn_norm(x), layer_idx, rope, cache, mask))
         return x + self.mlp(h)
 
