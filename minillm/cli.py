@@ -19,7 +19,8 @@ import sys
 from .exercises import cli as exercises_cli
 from .files import sigterm_as_exit
 from .formats import hf_export as export_hf_cli
-from .generation import check_prompt, generate
+from .generation import generate
+from .stops import check_prompt
 from .lab import fragmentation as fragmentation_cli
 from .lab import quant as bench_quant_cli
 from .lab import replay as trace_cli

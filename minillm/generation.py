@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from .kv_cache import make_cache
-from .stops import GenerationResult, Stopper, check_prompt, check_token_ids, finish, stop_ids  # noqa: F401
+from .stops import GenerationResult, Stopper, check_prompt, check_token_ids, finish, stop_ids
 from .sampling import SamplingParams, make_generator, sample
 from .timing import synchronize
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..generation import GenerationResult, check_prompt, run_batch
+from ..generation import run_batch
+from ..stops import GenerationResult, check_prompt
 from ..sampling import SamplingParams
 from .block_manager import blocks_for
 from .cache import backend

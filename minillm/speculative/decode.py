@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from ..generation import GenerationResult, Stopper, check_prompt, check_token_ids, finish, prefill, stop_ids
+from ..generation import prefill
+from ..stops import GenerationResult, Stopper, check_prompt, check_token_ids, finish, stop_ids
 from ..kv_cache import KVCache
 from ..sampling import SamplingParams, logits_to_probs, make_generator
 from ..timing import synchronize
