@@ -14,7 +14,7 @@ from minillm.lab.llamacpp import gguf_bytes_per_token
 from minillm.lab.peers import llamacpp_available
 from minillm.cli import main
 from minillm.formats.gguf import read_gguf
-from minillm.quant import QuantConfig, QuantLinear, quantize_model
+from minillm.quant import QuantLinear, Recipe, quantize_model
 from minillm.quant.head import quantize_output
 
 CFG = {**TINY, "vocab": 320}
@@ -38,7 +38,7 @@ def test_bytes_per_token_count_what_each_step_reads(tiny_path):
     C, V, L = CFG["dim"], CFG["vocab"], CFG["n_layers"]
     float_bytes = 4 * (L * model.config.layer_linear_params + V * C + (2 * L + 1) * C)  # tied head once, norms
     assert decode_bytes_per_token(model) == weight_bytes_per_token(model) == float_bytes
-    quantize_model(model, "rtn", QuantConfig(4, 32), progress=False)
+    quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), progress=False)
     quantize_output(model, "int4")
     kernels = [m for m in model.modules() if isinstance(m, QuantLinear)]
     assert len(kernels) == 4 * L + 1 and all(m.fast for m in kernels)

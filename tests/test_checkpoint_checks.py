@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from minillm import SamplingParams, generate_cached, load_model
 from minillm.errors import ModelFileError
-from minillm.quant import QuantConfig, quantize_model
+from minillm.quant import Recipe, quantize_model
 from minillm.quant.checkpoint import load_quantized, save_quantized
 from minillm.quant.head import quantize_output
 
@@ -37,7 +37,7 @@ def files(tmp_path_factory):
     for name, bits, head in (("q4", 4, "none"), ("q3", 3, "none"), ("q7", 7, "none"), ("q8", 8, "none"),
                              ("q4_int8_head", 4, "int8"), ("q4_q8_0_embedding", 4, "none")):
         model, _ = load_model(q8_src if name == "q4_q8_0_embedding" else src, fast=False)
-        report = quantize_model(model, "rtn", QuantConfig(bits, 32), tokens, fast=False, progress=False)
+        report = quantize_model(model, Recipe.of("rtn", bits=bits, group_size=32), tokens, fast=False, progress=False)
         quantize_output(model, head, fast=False)  # the reference path, as load_quantized(fast=False) below
         out[name] = save_quantized(model, folder / f"{name}.safetensors", report, tokenizer_source=str(src))
         out[f"{name}_model"] = model

@@ -12,7 +12,7 @@ from minillm import KVCache, SamplingParams, generate_cached, load_model
 from minillm.fast import accelerate
 from minillm.fast.compiled import compile_decode, is_compiled
 from minillm.generation import decode_step, generate_batch, prefill
-from minillm.quant import QuantConfig, QuantLinear
+from minillm.quant import QuantLinear, Recipe
 from minillm.quant.head import quantize_output
 from minillm.quant.pipeline import quantize_model
 from minillm.speculative.draft import self_draft
@@ -122,7 +122,7 @@ def test_copies_are_not_compiled_and_quantizing_drops_it(tiny):
     compiled = compile_decode(copy.deepcopy(tiny))
     twin = copy.deepcopy(compiled)
     assert is_compiled(compiled) and not is_compiled(twin)
-    quantize_model(compiled, "rtn", QuantConfig(bits=4, group_size=32), progress=False)
+    quantize_model(compiled, Recipe.of("rtn", bits=4, group_size=32), progress=False)
     assert not is_compiled(compiled)  # its frozen float weights would be stale
 
 
@@ -143,7 +143,7 @@ def tiny_int4(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny4") / "tiny.gguf"
     write_tiny_gguf(path, tiny_llama_weights(cfg=cfg), cfg=cfg)
     model = load_model(path)[0]
-    quantize_model(model, "rtn", QuantConfig(bits=4, group_size=32), progress=False)
+    quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), progress=False)
     quantize_output(model, "int4")
     return accelerate(model)  # the quantized layers take minillm's kernels
 

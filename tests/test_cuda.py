@@ -16,7 +16,7 @@ from helpers import random_decoder, rel_err, write_tiny_gguf
 from minillm import LLM, KVCache, SamplingParams, generate_cached, generate_naive, load_model
 from minillm.fast.compiled import compile_decode
 from minillm.generation import generate_batch
-from minillm.quant import QuantConfig
+from minillm.quant import Recipe
 from minillm.quant.pipeline import calibration_tokens, quantize_model
 from minillm.quant.qlinear import QuantLinear
 from minillm.speculative import DraftModelProposer, NgramProposer, speculative_generate
@@ -76,10 +76,10 @@ def test_tiny_quantization_on_cuda_matches_cpu(tiny_path, method):
     cpu, gpu = load_model(tiny_path)[0], load_model(tiny_path, device=DEVICE)[0]
     ids = [5, 9, 200, 31, 7]
     float_cpu, float_gpu = forward(cpu, ids), forward(gpu, ids)
-    config = QuantConfig(bits=4, group_size=32)
+    recipe = Recipe.of(method, bits=4, group_size=32)
     calib = None if method == "rtn" else torch.randint(1, 300, (4, 64), generator=torch.Generator().manual_seed(0))
-    rep_cpu = quantize_model(cpu, method, config, calib, progress=False)
-    rep_gpu = quantize_model(gpu, method, config, calib, progress=False)
+    rep_cpu = quantize_model(cpu, recipe, calib, progress=False)
+    rep_gpu = quantize_model(gpu, recipe, calib, progress=False)
     ql_cpu, ql_gpu = quant_layers(cpu), quant_layers(gpu)
     assert len(ql_gpu) == len(ql_cpu) > 0
     for a, b in zip(ql_cpu, ql_gpu, strict=True):
@@ -189,7 +189,7 @@ def test_gptq_on_cuda(cuda_model, tokenizer):
     float model's. (The tiny-model test compares GPTQ on both devices.)"""
     calib = calibration_tokens(tokenizer, nsamples=2, seqlen=128)
     q = copy.deepcopy(cuda_model)
-    report = quantize_model(q, "gptq", QuantConfig(bits=4, group_size=64), calib, progress=False)
+    report = quantize_model(q, Recipe.of("gptq", bits=4, group_size=64), calib, progress=False)
     errors = [layer["rel_error"] for layer in report["layers"]]
     assert len(errors) == 4 * cuda_model.config.n_layers and max(errors) < 0.3 and min(errors) > 0
     assert all(layer.fast for layer in quant_layers(q))

@@ -113,13 +113,13 @@ def test_hf_folders_round_trip(arch, tie, tiny_gguf, tmp_path):
 def test_a_quantized_file_exports_its_dequantized_weights(tiny_gguf, tmp_path):
     """A file written by quantize: the folder holds the weights its codes stand for (dequantized), so
     transformers computes the quantized model's logits."""
-    from minillm.quant import QuantConfig
+    from minillm.quant import Recipe
     from minillm.quant.checkpoint import save_quantized
     from minillm.quant.pipeline import quantize_model
 
     model, _ = load_model(tiny_gguf)
     tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
-    report = quantize_model(model, "rtn", QuantConfig(4, 32), tokens, progress=False)
+    report = quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), tokens, progress=False)
     q = save_quantized(model, tmp_path / "q.safetensors", report, tokenizer_source=str(tiny_gguf))
     out = hf_export.export_hf(tmp_path / "hf", q, weights=True)
     qmodel, tokenizer = load_model(q, fast=False)

@@ -148,7 +148,7 @@ def test_a_damaged_tensor_offset_is_refused(tmp_path, delta, where):
 def test_a_damaged_quantized_file_names_itself(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from minillm.quant import QuantConfig
+    from minillm.quant import Recipe
     from minillm.quant.checkpoint import load_quantized, save_quantized
     from minillm.quant.pipeline import quantize_model
 
@@ -156,8 +156,8 @@ def test_a_damaged_quantized_file_names_itself(tmp_path):
     write_tiny_gguf(src)
     model, _ = load_model(src)
     tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
-    good = save_quantized(model, tmp_path / "q.safetensors", quantize_model(model, "rtn", QuantConfig(4, 32), tokens,
-                                                                            progress=False))
+    report = quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), tokens, progress=False)
+    good = save_quantized(model, tmp_path / "q.safetensors", report)
     from safetensors import safe_open
     with safe_open(str(good), "pt") as f:
         meta = f.metadata()
@@ -177,7 +177,7 @@ def test_a_damaged_quantized_file_names_itself(tmp_path):
 def test_a_quantized_file_keeps_its_sources_tokenizer(tmp_path):
     """quantize records where the tokenizer is, the source GGUF or folder; a recorded tokenizer of another
     vocabulary is refused on load (it was paired silently)."""
-    from minillm.quant import QuantConfig
+    from minillm.quant import Recipe
     from minillm.quant.checkpoint import save_quantized
     from minillm.quant.cli import _tokenizer_source
     from minillm.quant.pipeline import quantize_model
@@ -186,7 +186,7 @@ def test_a_quantized_file_keeps_its_sources_tokenizer(tmp_path):
     write_tiny_gguf(src)
     model, _ = load_model(src)
     tokens = torch.randint(0, 300, (1, 16), generator=torch.Generator().manual_seed(0))
-    report = quantize_model(model, "rtn", QuantConfig(4, 32), tokens, progress=False)
+    report = quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), tokens, progress=False)
     q = save_quantized(model, tmp_path / "q.safetensors", report, tokenizer_source=_tokenizer_source(str(src)))
     assert _tokenizer_source(str(tmp_path)) == str(tmp_path.resolve())  # a checkpoint folder is its own
     assert load_model(q)[1].vocab_size == 300

@@ -235,7 +235,7 @@ def test_every_method_stores_float16_scales(tiny, tmp_path, method):
     from safetensors import safe_open
 
     model = copy.deepcopy(tiny[0])
-    report = quantize_model(model, method, QuantConfig(4, 32), tiny_inputs(model)[0], progress=False)
+    report = quantize_model(model, Recipe.of(method, bits=4, group_size=32), tiny_inputs(model)[0], progress=False)
     for m in model.modules():
         if isinstance(m, QuantLinear):
             assert torch.equal(m.scales, m.scales.half().float())  # the error measured is the error stored
@@ -248,7 +248,7 @@ def test_every_method_stores_float16_scales(tiny, tmp_path, method):
 
 def test_save_refuses_scales_float16_cannot_hold(tiny, tmp_path):
     model = copy.deepcopy(tiny[0])
-    report = quantize_model(model, "rtn", QuantConfig(4, 32), progress=False)
+    report = quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), progress=False)
     with torch.inference_mode():
         model.layers[0].attn.wo.scales[0, 0] = 0.1  # not a float16 value
     with pytest.raises(ValueError, match="not float16 values"):
@@ -257,14 +257,14 @@ def test_save_refuses_scales_float16_cannot_hold(tiny, tmp_path):
 
 
 def test_quantize_model_defaults_are_the_measured_best_and_the_paper_is_one_recipe_away(tiny):
-    """The method's defaults (``Recipe.of``, and the older call) are BEST for gptq, AWQ_GPTQ for awq+gptq and
+    """The method's defaults (``Recipe.of``) are BEST for gptq, AWQ_GPTQ for awq+gptq and
     the plain fields for rtn / awq; PAPER and BEST differ in exactly the fields recipe.py's docstring names."""
     from dataclasses import fields
 
     import minillm.quant.recipe as recipe_module
 
     calib = tiny_inputs(tiny[0])[0]
-    rep = quantize_model(copy.deepcopy(tiny[0]), "gptq", QuantConfig(4, 32), calib, progress=False)
+    rep = quantize_model(copy.deepcopy(tiny[0]), Recipe.of("gptq", bits=4, group_size=32), calib, progress=False)
     assert {k: rep[k] for k in BEST.preset_fields()} == BEST.preset_fields()
     assert Recipe.of("gptq", bits=4, group_size=32) == replace(BEST, group_size=32)
     assert Recipe.of("gptq", "paper") == PAPER and Recipe.of("awq+gptq") == AWQ_GPTQ == replace(BEST, method="awq+gptq", v2=False, v2_percdamp=None)
@@ -274,17 +274,17 @@ def test_quantize_model_defaults_are_the_measured_best_and_the_paper_is_one_reci
     differ = {f.name for f in fields(Recipe) if getattr(PAPER, f.name) != getattr(BEST, f.name)}
     assert differ == set(recipe_module.PRESET_FIELDS) == {"act_order", "mse", "percdamp", "true_sequential", "v2", "v2_percdamp"}
     assert all(f"``{name}``" in recipe_module.__doc__ for name in differ)  # the docstring names each
-    assert recipe_module.GPTQ_DEFAULTS == BEST.preset_fields() and recipe_module.GPTQ_PAPER == PAPER.preset_fields()
-    assert quantize_model(copy.deepcopy(tiny[0]), "rtn", QuantConfig(4, 32), progress=False)["mse"] is False
-    both = quantize_model(copy.deepcopy(tiny[0]), "awq+gptq", QuantConfig(4, 32), calib, progress=False)
+    assert quantize_model(copy.deepcopy(tiny[0]), Recipe.of("rtn", bits=4, group_size=32), progress=False)["mse"] is False
+    both = quantize_model(copy.deepcopy(tiny[0]), Recipe.of("awq+gptq", bits=4, group_size=32), calib, progress=False)
     assert both["v2"] is False and both["v2_percdamp"] is None and both["act_order"] is True  # v2 not measured after AWQ
     with pytest.raises(ValueError, match="v2"):
-        quantize_model(copy.deepcopy(tiny[0]), "awq", QuantConfig(4, 32), calib, v2=True, progress=False)
+        quantize_model(copy.deepcopy(tiny[0]), Recipe.of("awq", bits=4, group_size=32, v2=True), calib, progress=False)
     untouched = copy.deepcopy(tiny[0])
     with pytest.raises(ValueError, match=r"v2_percdamp: must be in \[0, 1\)"):
-        quantize_model(untouched, "gptq", QuantConfig(4, 32), calib, v2=True, v2_percdamp=1.0, progress=False)
+        quantize_model(untouched, Recipe.of("gptq", bits=4, group_size=32, v2=True, v2_percdamp=1.0), calib,
+                       progress=False)
     assert not any(isinstance(m, QuantLinear) for m in untouched.modules())  # refused before any layer changed
-    with pytest.raises(TypeError, match="recipe holds every option"):
+    with pytest.raises(TypeError, match="act_order"):  # the recipe holds every option
         quantize_model(untouched, BEST, calib, act_order=False)
 
 
@@ -333,7 +333,8 @@ def test_v2_pipeline_fits_the_float_models_outputs(tiny, true_sequential):
     runs = {}
     for v2 in (False, True):
         m = copy.deepcopy(tiny[0])
-        rep = quantize_model(m, "gptq", QuantConfig(4, 32), calib, v2=v2, true_sequential=true_sequential, progress=False)
+        rep = quantize_model(m, Recipe.of("gptq", bits=4, group_size=32, v2=v2, true_sequential=true_sequential), calib,
+                             progress=False)
         assert rep["v2"] is v2 and rep["true_sequential"] is true_sequential
         runs[v2] = m
     codes = lambda m, i, name: linear_of(m.layers[i], name)[0].quantized_weight().codes
@@ -517,7 +518,7 @@ def test_pipeline_quantizes_every_layer_and_round_trips_through_safetensors(tiny
     calib = tiny_inputs(model)[0]
     tokens = torch.randint(0, model.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(1))
     before = model(tokens, torch.arange(40))
-    report = quantize_model(model, method, QuantConfig(4, 32), calib, progress=False)
+    report = quantize_model(model, Recipe.of(method, bits=4, group_size=32), calib, progress=False)
     assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * model.config.n_layers
     assert all(0 < r["rel_error"] < 0.5 for r in report["layers"] if "rel_error" in r)
     after = model(tokens, torch.arange(40))
@@ -539,7 +540,7 @@ def test_an_untied_output_layer_round_trips_through_safetensors(tmp_path):
     state["output.weight"] = torch.randn(96, tied.config.dim, generator=torch.Generator().manual_seed(3)) / 8
     model = Decoder(replace(tied.config, tie_embeddings=False), state).eval()
     tokens = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(1))
-    report = quantize_model(model, "rtn", QuantConfig(4, 32), tokens, progress=False)
+    report = quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), tokens, progress=False)
     loaded, _ = load_quantized(save_quantized(model, tmp_path / "untied.safetensors", report))
     assert not loaded.config.tie_embeddings
     torch.testing.assert_close(loaded(tokens, torch.arange(12)), model(tokens, torch.arange(12)))
@@ -567,7 +568,7 @@ def test_awq_clip_default_skips_the_clip_only_before_gptq_with_range_search(tiny
 
     def run(method, mse, **kw):
         m = copy.deepcopy(tiny[0])
-        rep = quantize_model(m, method, QuantConfig(3, 32, mse=mse), calib, progress=False, **kw)
+        rep = quantize_model(m, Recipe.of(method, bits=3, group_size=32, mse=mse, **kw), calib, progress=False)
         return rep["awq_clip"], [mod.qweight.clone() for mod in m.modules() if isinstance(mod, QuantLinear)]
 
     def same(a, b):
@@ -597,7 +598,22 @@ def test_pipeline_errors():
     from minillm.model import Decoder  # noqa: F401
 
     with pytest.raises(ValueError, match="method"):
-        quantize_model(None, "smoothquant", QuantConfig())
+        quantize_model(None, Recipe.of("smoothquant"))
+
+
+@pytest.mark.parametrize("recipe, calib, call", [
+    ("rtn", QuantConfig(4, 32), "Recipe.of('rtn', config=QuantConfig(bits=4, group_size=32, sym=False, mse=None))"),
+    (QuantConfig(3, 64), None, "Recipe.of('rtn', config=QuantConfig(bits=3, group_size=64, sym=False, mse=None))"),
+    ("gptq", None, "Recipe.of('gptq', config=QuantConfig(4, 32))"),
+])
+def test_quantize_model_takes_a_recipe_and_names_the_call_that_builds_one(tiny, recipe, calib, call):
+    """A method name or a QuantConfig where the Recipe goes is refused before any layer changes, with the call
+    that means it."""
+    model = copy.deepcopy(tiny[0])
+    with pytest.raises(TypeError, match="pass a Recipe") as e:
+        quantize_model(model, recipe, calib, progress=False)
+    assert call in str(e.value) and "recipe.PAPER / recipe.BEST" in str(e.value)
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
 
 
 # ---- GGUF block formats -----------------------------------------------------------------------
@@ -665,7 +681,7 @@ def test_kl_of_a_model_to_itself_is_zero_and_grows_with_quantization_error(tiny)
     kl = {}
     for bits in (2, 8):
         q = copy.deepcopy(model)
-        quantize_model(q, "rtn", QuantConfig(bits, 32), progress=False)
+        quantize_model(q, Recipe.of("rtn", bits=bits, group_size=32), progress=False)
         kl[bits] = perplexity(q, tokens, 64, reference=ref)["kl"]
     assert kl[2] > 10 * kl[8] > 0
     with pytest.raises(ValueError, match="reference"):

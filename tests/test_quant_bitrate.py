@@ -266,7 +266,7 @@ def test_the_rtn_variant_measures_and_quantizes_with_round_to_nearest(tiny, cali
     names = [f"layers.{i}.{n}" for i in range(2) for n in LAYERS]
     a, b = copy.deepcopy(tiny), copy.deepcopy(tiny)
     quantize_variable(a, {n: [4, 32] for n in names}, None, Recipe("rtn"), progress=False)
-    quantize_model(b, "rtn", QuantConfig(4, 32), None, progress=False)
+    quantize_model(b, Recipe.of("rtn", bits=4, group_size=32), None, progress=False)
     for i in range(2):
         for n in LAYERS:
             assert torch.equal(linear_of(a.layers[i], n)[0].dequantize(), linear_of(b.layers[i], n)[0].dequantize())

@@ -9,7 +9,7 @@ from helpers import TINY, rel_err, tiny_llama_weights, write_tiny_gguf
 
 from minillm.fast import accelerate
 from minillm import SamplingParams, generate_cached, load_model
-from minillm.quant import QuantConfig, QuantLinear, gptq_quantize, quantize_model, rtn_quantize
+from minillm.quant import QuantConfig, QuantLinear, Recipe, gptq_quantize, quantize_model, rtn_quantize
 from minillm.quant.checkpoint import load_quantized, save_quantized
 from minillm.quant.head import HEAD_KINDS, head_config, quantize_output
 from minillm.quant.qlinear import quant_linear_naive
@@ -94,7 +94,7 @@ def test_head_kinds_are_checked():
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_checkpoint_round_trips_a_quantized_head(tiny_path, tmp_path, kind):
     model, _ = load_model(tiny_path)
-    report = quantize_model(model, "rtn", QuantConfig(4, 32), progress=False)
+    report = quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), progress=False)
     quantize_output(model, kind)
     path = save_quantized(model, tmp_path / "q.safetensors", report)
     loaded, meta = load_quantized(path)

@@ -12,7 +12,7 @@ from helpers import CHATML, TINY, tiny_llama_weights, write_tiny_gguf
 
 from minillm import ModelFileError, load_model
 from minillm.cli import build_parser
-from minillm.quant import QuantConfig
+from minillm.quant import Recipe
 from minillm.quant.pipeline import quantize_model
 
 
@@ -86,11 +86,11 @@ def test_the_commands_draw_into_a_git_ignored_folder_unless_told():
 def test_layers_without_an_int4_kernel_are_named_when_the_model_is_built(tiny, bits, group_size):
     model, _ = load_model(tiny)
     with pytest.warns(UserWarning, match="quantized layers have no int4 kernel"):
-        quantize_model(model, "rtn", QuantConfig(bits, group_size), progress=False)
+        quantize_model(model, Recipe.of("rtn", bits=bits, group_size=group_size), progress=False)
     model, _ = load_model(tiny)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        quantize_model(model, "rtn", QuantConfig(4, 32), progress=False)  # the kernel's layout: no warning
+        quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), progress=False)  # the kernel's layout: no warning
     assert "dequantize every forward" in run("quantize", "--help").stdout.replace("\n", " ").replace("  ", " ")
 
 

@@ -557,9 +557,9 @@ def test_a_quantized_copy_of_the_target_is_a_draft(tiny):
     many drafts accepted; its blocks are freed with the target's."""
     import copy
 
-    from minillm.quant import QuantConfig, quantize_model
+    from minillm.quant import Recipe, quantize_model
     q = copy.deepcopy(tiny)
-    quantize_model(q, "rtn", QuantConfig(4, 32), progress=False)
+    quantize_model(q, Recipe.of("rtn", bits=4, group_size=32), progress=False)
     solo = {rid: [generate_cached(tiny, p, sp).tokens] for rid, p, sp in REQS}
     engine = LLMEngine(tiny, block_size=4, num_blocks=40, speculative_config=spec("draft_model", 4, q))
     assert run(engine, REQS) == solo

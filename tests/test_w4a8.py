@@ -153,11 +153,11 @@ def test_quantize_activations_drops_a_compiled_decode(tmp_path):
 
     from minillm.fast.compiled import compile_decode, is_compiled
     from minillm.loading import load_model
-    from minillm.quant import quantize_model
+    from minillm.quant import Recipe, quantize_model
 
     write_tiny_gguf(tmp_path / "tiny.gguf")
     model = load_model(tmp_path / "tiny.gguf")[0]
-    quantize_model(model, "rtn", QuantConfig(4, 32), progress=False)
+    quantize_model(model, Recipe.of("rtn", bits=4, group_size=32), progress=False)
     compile_decode(model)  # its guards leave the modules out: a stale graph would run the old kernels
     quantize_activations(model)
     assert not is_compiled(model)

@@ -34,7 +34,7 @@ from ..quant.recipe import BEST, Recipe
 # name -> (what changes, the fields of Recipe.of("gptq", ...) that change: "recipe" the preset, the others
 # BEST's fields); calib = (windows, tokens per window)
 AVENUES: dict[str, tuple[str, dict]] = {
-    "default": ("the defaults (GPTQ_DEFAULTS: asymmetric calibration, its correction dampened by 30%; "
+    "default": ("the defaults (recipe.BEST: asymmetric calibration, its correction dampened by 30%; "
                 "32 x 512 calibration)", {}),
     "no_v2": ("without asymmetric calibration: each layer fitted on its own quantized inputs", {"v2": False}),
     "paper": ("the paper's settings: no act-order, min/max ranges, 1% dampening, all layers of a block "

@@ -20,7 +20,7 @@ from ..data import BENCH_PROMPT
 from ..formats.gguf import read_gguf
 from ..generation import generate_cached
 from ..loading import default_model_path
-from ..quant import QuantConfig, QuantLinear, quantize_model
+from ..quant import QuantLinear, Recipe, quantize_model
 from ..quant.activations import quantize_activations
 from ..quant.head import quantize_output
 from ..roofline.ceilings import measure
@@ -65,7 +65,7 @@ def four_bit_paths(model, quant_head: str = "int8", compile: bool = True, progre
 
     Returns {name: model}."""
     body = copy.deepcopy(model)
-    quantize_model(body, "rtn", QuantConfig(4, 64), progress=False)
+    quantize_model(body, Recipe.of("rtn", bits=4, group_size=64), progress=False)
     paths = {"ours int4 (RTN g64), float head": body}
     if quant_head != "none":
         head = copy.deepcopy(body)

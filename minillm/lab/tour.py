@@ -12,7 +12,7 @@ from ..fast import plain_copy
 from ..files import check_output_path, runs_folder
 from ..generation import generate, generate_cached, generate_naive
 from ..options import add_model_args, at_least, is_quantized_file, load, print_json
-from ..quant import QuantConfig
+from ..quant import Recipe
 from ..quant.pipeline import quantize_model
 from ..sampling import SamplingParams
 from ..timing import dtype_name, machine
@@ -111,7 +111,7 @@ def quantization_row(model, prompt_tokens, params, cached) -> dict:
     (RTN, group 64: no calibration, so the tour stays quick; GPTQ/AWQ change accuracy, not speed) run by
     the int4 kernel, vs the float32 model. The check counts greedy tokens equal to the float model's."""
     q = copy.deepcopy(model)
-    quantize_model(q, "rtn", QuantConfig(4, 64), progress=False)
+    quantize_model(q, Recipe.of("rtn", bits=4, group_size=64), progress=False)
     generate_cached(q, prompt_tokens, SamplingParams(max_new_tokens=4))  # warm-up
     r = generate_cached(q, prompt_tokens, params)
     same = next((i for i, (a, b) in enumerate(zip(r.tokens, cached.tokens)) if a != b), len(r.tokens))

@@ -26,7 +26,7 @@ from .awq import fold_scales, search_clip, search_scales
 from .gptq import Hessian, asymmetric_target, gptq_quantize
 from .head import quantize_output
 from .qlinear import QuantLinear, warn_slow_layers
-from .recipe import GPTQ_DEFAULTS, GPTQ_PAPER, Recipe  # noqa: F401 (GPTQ_*: notebook 05 imports them from here)
+from .recipe import Recipe
 from .rtn import QuantConfig, rtn_quantize
 
 CALIB_SAMPLES = 32  # calibration windows of 512 tokens (the measured best; the paper: 128 of 2048)
@@ -89,16 +89,16 @@ def _subsample(x: torch.Tensor, n: int, seed: int = 0) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def quantize_model(model, recipe: Recipe, calib: torch.Tensor | None = None, *args, fast: bool = True,
-                   progress: bool = True, **options) -> dict:
+def quantize_model(model, recipe: Recipe, calib: torch.Tensor | None = None, *, fast: bool = True,
+                   progress: bool = True) -> dict:
     """Quantize every linear layer of ``model``'s blocks in place (Linear -> ``QuantLinear``) as ``recipe``
     says (``recipe.PAPER``, ``recipe.BEST`` or any ``Recipe``).
 
     Args:
         model: a Llama-architecture ``Decoder`` (float32).
-        recipe: the method and its options; the older call ``quantize_model(model, method, QuantConfig,
-            calib, **options)`` still works and means ``Recipe.of(method, config=..., **options)``: the
-            method's measured best (GPTQ: ``BEST``; AWQ+GPTQ: ``AWQ_GPTQ``) with the options given.
+        recipe: the method, the grid and every option: ``recipe.PAPER``, ``recipe.BEST``, or
+            ``Recipe.of(method, config=QuantConfig(...), **options)``, the method's measured best (GPTQ:
+            ``BEST``; AWQ+GPTQ: ``AWQ_GPTQ``) with the options given.
         calib: (N, T) calibration token ids (``calibration_tokens``); required except for "rtn".
         fast: let each ``QuantLinear`` use the int4 kernel when it can (a warning names the layers
             whose layout it cannot run).
@@ -110,13 +110,14 @@ def quantize_model(model, recipe: Recipe, calib: torch.Tensor | None = None, *ar
         on the layer's calibration inputs (NaN for RTN when no calibration is given).
 
     Raises:
-        ValueError: a bad recipe (``Recipe``), missing calibration, calibration windows longer than the
-            model's context, or an architecture other than Llama; all before any layer changes.
+        TypeError: ``recipe`` is not a ``Recipe`` (a method name or a ``QuantConfig``, say); the message
+            shows the ``Recipe.of`` call that means it.
+        ValueError: missing calibration, calibration windows longer than the model's context, or an
+            architecture other than Llama; all before any layer changes. (A bad recipe is refused when
+            the ``Recipe`` is built.)
     """
-    if isinstance(recipe, str):  # the older call: (model, method, QuantConfig, calib, **options)
-        return quantize_model(model, Recipe.of(recipe, config=calib, **options), *args, fast=fast, progress=progress)
-    if args or options:
-        raise TypeError(f"quantize_model: the recipe holds every option; got {sorted(options) or args}")
+    if not isinstance(recipe, Recipe):
+        raise TypeError(_recipe_hint(recipe, calib))
     _check_inputs(model, recipe, calib)
     model.drop_compiled_step()  # a compiled decode froze the weights as they were
     quantizer = LayerQuantizer(model, recipe, fast)
@@ -140,6 +141,15 @@ def quantize_model(model, recipe: Recipe, calib: torch.Tensor | None = None, *ar
         report["head"] = quantize_output(model, recipe.quant_head, fast)
     warn_slow_layers(model, recipe.config)
     return report
+
+
+def _recipe_hint(recipe, calib) -> str:
+    """quantize_model's TypeError for a recipe that is not a ``Recipe``: the ``Recipe.of`` call to pass instead."""
+    method = recipe if isinstance(recipe, str) else "rtn"
+    config = next((c for c in (recipe, calib) if isinstance(c, QuantConfig)), None)
+    grid = "QuantConfig(4, 32)" if config is None else repr(config)
+    return (f"quantize_model: recipe must be a Recipe, got {type(recipe).__name__} {recipe!r}; pass a Recipe: "
+            f"quantize_model(model, Recipe.of({method!r}, config={grid}), calib) (or recipe.PAPER / recipe.BEST)")
 
 
 def _check_inputs(model, recipe: Recipe, calib: torch.Tensor | None) -> None:

@@ -168,6 +168,3 @@ BEST = Recipe("gptq", mse=True, true_sequential=True, act_order=True, percdamp=0
               v2_percdamp=V2_PERCDAMP)
 AWQ_GPTQ = replace(BEST, method="awq+gptq", v2=False, v2_percdamp=None)
 RECIPES = {"paper": PAPER, "best": BEST}
-
-# notebook 05 prints and uses these names: views of the presets' fields, not a second source of defaults
-GPTQ_DEFAULTS, GPTQ_PAPER = BEST.preset_fields(), PAPER.preset_fields()

@@ -33,7 +33,7 @@ class QuantConfig:
         mse: search each group's range instead of taking its min and max: shrink [min, max] by
             p = 1, 0.99, ..., 0.21 and keep the p minimising sum |w - w_hat|^2.4 (the ``mse=True``
             option of the GPTQ reference quantizer). Off in the paper's experiments. None (the
-            default) means the method's measured best: ``quantize_model`` turns it on for GPTQ and
+            default) means the method's measured best: ``Recipe.of`` turns it on for GPTQ and
             AWQ+GPTQ and leaves it off for RTN (the baseline) and AWQ (whose clip search is its range
             search); ``rtn_quantize`` and ``find_params`` read None as off.
 
