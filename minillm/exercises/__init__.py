@@ -37,6 +37,16 @@ EXERCISES: dict[str, Exercise] = {ex.name: ex for ex in (
     COST, KV_SIZE, UPDATE, ROPE, *BLOCK_EXERCISES, COPY_ON_WRITE, VERIFY, GPTQ, AWQ, TOP_P,
     GATHER, ONLINE, SCHEDULE, NGRAM, ROLLBACK, RTN, PACK, BITRATE)}
 
+# each exercise's difficulty, as docs/course.md's table gives it (one star: a formula from the lesson; two: a rule with
+# a boundary case; three: an algorithm with state; four: several algorithms together), and the capstone's (its
+# notebook's rows): the gradebook's default weights, so that a function's weight does not grow with its case count
+STARS: dict[str, int] = {
+    "kv_cache_size": 1, "blocks_needed": 1, "slot_mapping": 1, "needs_new_block": 1, "cache_update": 1,
+    "rollback_after_verify": 1, "top_p_filter": 2, "rope_at_offset": 2, "ngram_propose": 2, "rtn_scale_zero": 2,
+    "pack_q4k_scales": 2, "append_token_cow": 2, "paged_gather": 2, "forward_flops_bytes": 3, "schedule_step": 3,
+    "online_softmax_attention": 3, "speculative_verify": 3, "choose_bitrate": 3, "awq_search_scale": 3,
+    "gptq_quantize_columns": 4, "capstone": 4}
+
 
 def check(name: str, fn: Callable, verbose: bool = True, *, forbid: bool = True) -> Report:
     """Run the student's ``fn`` on every case of exercise ``name``; print a line per case if verbose.
@@ -100,5 +110,5 @@ def what_we_measured(measured: dict[str, str], *reports: Report):
     return Markdown("\n".join(lines))
 
 
-__all__ = ["EXERCISES", "Answer", "Case", "CaseResult", "Exercise", "Failure", "ForbiddenCallError", "Report", "check",
-           "what_we_measured"]
+__all__ = ["EXERCISES", "STARS", "Answer", "Case", "CaseResult", "Exercise", "Failure", "ForbiddenCallError", "Report",
+           "check", "what_we_measured"]

@@ -1,4 +1,5 @@
-"""``python -m minillm exercises build | check NOTEBOOK_OR_FOLDER... [--grading --seed N --csv FILE] | list``.
+"""``python -m minillm exercises build | check NOTEBOOK_OR_FOLDER... [--grading --seed N --csv FILE --weights FILE]
+| totals GRADES_CSV | list``.
 
 ``register(subparsers)`` adds the command to minillm's parser; each action's ``func(args)`` returns
 the exit code (``check``: 0 only when every function of every notebook passes; 128 + the signal's
@@ -16,7 +17,7 @@ from . import EXERCISES, handout, written
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    """Add ``exercises`` (with ``build``, ``check`` and ``list``) to an argparse subparsers object."""
+    """Add ``exercises`` (with ``build``, ``check``, ``totals`` and ``list``) to an argparse subparsers object."""
     p = subparsers.add_parser("exercises", help="classroom exercises: build the student notebooks, check a student's")
     sub = p.add_subparsers(dest="exercises_action", required=True)
     b = sub.add_parser("build", help="write the student notebooks from the solution notebooks")
@@ -40,11 +41,24 @@ def register(subparsers) -> argparse.ArgumentParser:
                    "random cases (keep it to yourself; not 0, the practice seed)")
     c.add_argument("--cases", type=Path, default=None, help="with --grading: a Python file of the teacher's "
                    "own cases, CASES = {'function name': [Case(...)]} (kept outside the students' reach)")
-    c.add_argument("--csv", type=Path, default=None, help="write the gradebook: student, notebook, exercise, "
-                   "points, max_points, status")
+    c.add_argument("--csv", type=Path, default=None, help="write the gradebook: FILE (student, notebook, exercise, "
+                   "points, max_points, status, weight, score), FILE's _written.csv (the lessons' answers beside "
+                   "their points, a column to award them) and _totals.csv (each student's total)")
+    c.add_argument("--weights", type=Path, default=None, help="with --csv: a .toml, .json or .csv file of "
+                   "exercise -> weight (default: each exercise's stars; 'capstone' weighs the capstone)")
+    c.add_argument("--split", default=None, help="with --csv: the total's percent for exercises, written "
+                   "questions and predictions (default 60,30,10)")
     c.add_argument("--max-output", type=int, default=None, help="characters a notebook may print in all; a cell "
                    "that prints more is stopped and skipped (default 1,000,000)")
     c.set_defaults(func=run_check)
+    t = sub.add_parser("totals", help="recompute each student's total (FILE's _totals.csv) from the gradebook "
+                       "check --csv wrote and the points awarded in its _written.csv, without grading again")
+    t.add_argument("csv", type=Path, help="the gradebook check --csv wrote (grades.csv)")
+    t.add_argument("--weights", type=Path, default=None, help="a .toml, .json or .csv file of exercise -> weight "
+                   "(default: the weights grades.csv was written with); its weight and score columns follow them")
+    t.add_argument("--split", default=None, help="the total's percent for exercises, written questions and "
+                   "predictions (default 60,30,10)")
+    t.set_defaults(func=run_totals)
     ls = sub.add_parser("list", help="the exercises: function, signature, notebook")
     ls.set_defaults(func=run_list)
     handout.register(sub)
@@ -83,7 +97,7 @@ def run_build(args) -> int:
 
 def run_check(args) -> int:
     from ..files import check_output_path
-    from .gradebook import load_cases, notebooks_in, write_csv
+    from .gradebook import companions, load_cases, notebooks_in, write_gradebook, written_rows
     from .grading import MAX_OUTPUT, GradingStopped, NotANotebookError, check_notebook
 
     def refuse(message: str) -> int:
@@ -100,18 +114,27 @@ def run_check(args) -> int:
         return refuse("--seed and --cases choose the hidden cases of --grading; add --grading")
     if args.seed == 0:
         return refuse("--seed 0 draws the practice cases the students see; choose another number")
+    if not args.csv and (args.weights is not None or args.split is not None):
+        return refuse("--weights and --split weigh the gradebook's totals; add --csv FILE")
     if args.csv:
         try:  # before any grading: a class's worth of work must not end in a path that cannot be written
-            check_output_path(args.csv, "--csv")
-        except ValueError as e:
-            return refuse(str(e))
+            for path in (args.csv, *companions(args.csv)):
+                check_output_path(path, "--csv")
+            weights, split = _weighting(args)
+        except (OSError, ValueError) as e:
+            return refuse(str(e) if isinstance(e, ValueError) else f"--weights {args.weights}: cannot be read ({e})")
     try:
         extra = load_cases(args.cases) if args.cases else None
     except (OSError, ValueError, SyntaxError) as e:
         return refuse(f"{e}" if isinstance(e, ValueError) else f"--cases {args.cases}: cannot be read ({e})")
     ok, unreadable, rows = True, False, []
-    for path, student in notebooks_in(args.notebooks):
+    found = notebooks_in(args.notebooks)
+    for path, student in found:
         print(f"== {path}", flush=True)
+        if written.is_lesson(path):  # a lesson hands in answers, not functions
+            print(f"{path}: a lesson: its predictions and written answers go to the gradebook's _written.csv "
+                  "(--csv), not run", flush=True)
+            continue
         try:
             result = check_notebook(path, args.timeout, grading=args.grading, seed=args.seed, extra=extra,
                                     max_output=args.max_output or MAX_OUTPUT)
@@ -145,9 +168,56 @@ def run_check(args) -> int:
                  for name, (p, m, status) in result.scores.items()]
         ok &= result.passed
     if args.csv:
-        write_csv(rows, args.csv)
-        print(f"wrote {args.csv} ({len(rows)} rows)")
+        answers, problems = written_rows(found)
+        for line in problems:
+            print(f"error: {line}", file=sys.stderr)
+        unreadable |= bool(problems)
+        for path in write_gradebook(args.csv, rows, answers, weights, split):
+            print(f"wrote {path}")
     return 2 if unreadable else 0 if ok else 1
+
+
+def _weighting(args) -> tuple[dict[str, float], tuple[float, float, float]]:
+    """``--weights`` (or the stars) and ``--split`` (or 60,30,10). Raises ValueError naming the option."""
+    from .gradebook import SPLIT, default_weights, load_weights
+
+    weights = load_weights(args.weights) if args.weights is not None else default_weights()
+    if args.split is None:
+        return weights, SPLIT
+    try:
+        split = tuple(float(x) for x in args.split.split(","))
+    except ValueError:
+        split = ()
+    if len(split) != 3 or not all(0 <= x < float("inf") for x in split) or not any(split):
+        raise ValueError(f"--split {args.split}: give three percents for exercises, written questions and "
+                         "predictions, as 60,30,10")
+    return weights, split
+
+
+def run_totals(args) -> int:
+    from .gradebook import COLUMNS, WRITTEN_COLUMNS, companions, read_csv, weights_in, write_gradebook
+
+    def refuse(message: str) -> int:
+        print(f"error: {message}", file=sys.stderr)
+        return 2
+
+    written_path = companions(args.csv)[1]
+    try:
+        weights, split = _weighting(args)
+        table = read_csv(args.csv, COLUMNS)
+        if args.weights is None:  # the weights the gradebook was written with, not the stars
+            weights = weights_in(table)
+        rows = [r[:6] for r in table]
+        answers = read_csv(written_path, WRITTEN_COLUMNS) if written_path.is_file() else None
+        # grades_written.csv is the teacher's (the points awarded): read, never rewritten
+        files = write_gradebook(args.csv, rows, answers, weights, split, keep_written=True)
+    except FileNotFoundError as e:
+        return refuse(f"{e.filename}: no such file; name the gradebook `exercises check --csv` wrote")
+    except (OSError, ValueError) as e:
+        return refuse(str(e))
+    for path in files:
+        print(f"wrote {path}")
+    return 0
 
 
 def run_list(args) -> int:

@@ -8,7 +8,9 @@ is followed by an *answer cell*: an empty markdown cell tagged ``answer`` whose 
 number in the lesson). ``add_answer_cells`` puts them in a lesson (a closing list is split into one cell per
 question, so that each answer sits under its question); ``export`` reads students' notebooks and writes each
 student's answers, one Markdown file per student and one CSV for the class
-(``python -m minillm exercises written SUBMISSIONS --out DIR``).
+(``python -m minillm exercises written SUBMISSIONS --out DIR``); ``collect`` gives the same rows to the gradebook
+(``exercises check --csv``), and ``key_entries`` each question's points and answer from the teachers' key
+(docs/course_key.md).
 """
 
 from __future__ import annotations
@@ -24,7 +26,14 @@ ANSWER_TAG = "answer"
 PREDICT = re.compile(r"\*\*Predict before you run\.\*\*")
 WRITTEN = re.compile(r"^(\d+)\.\s+\*\(written\)\*", re.M)
 LESSONS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
+KEY_PATH = Path(__file__).resolve().parents[2] / "docs" / "course_key.md"
 CSV_COLUMNS = ("student", "notebook", "question", "kind", "status", "answer")
+# the key's rule, for a question the key does not list (or a copy of the package without docs/)
+DEFAULT_POINTS = {"prediction": 1.0, "written": 3.0}
+# a question in the key: "**Predict 2 (title).** *(1 point)* answer" or "**Written 1** *(3 points)*. answer", up to
+# the next question or section
+KEY_QUESTION = re.compile(r"^\*\*(Predict|Written) (\d+)\b[^*]*\*\*\s*\*\((\d+(?:\.\d+)?) points?\)\*\.?[ \t]*"
+                          r"(.*?)(?=^\*\*(?:Predict|Written) \d|^## |\Z)", re.M | re.S)
 
 
 @dataclass(frozen=True)
@@ -133,6 +142,37 @@ def answers(nb: dict) -> dict[str, str]:
     return {c["metadata"].get("question", ""): _source(c).strip() for c in nb["cells"] if is_answer(c)}
 
 
+@dataclass(frozen=True)
+class KeyEntry:
+    """What the teachers' key says of one question: the points it is worth and the full answer."""
+    points: float
+    answer: str
+
+
+def key_entries(path: Path = KEY_PATH) -> dict[str, KeyEntry]:
+    """{question id (``"02-p1"``): its ``KeyEntry``} for every question the key answers, read from its lesson
+    sections (``## 02 · ...``); {} where the key is not there (a copy of the package without the repository's
+    docs/: ``DEFAULT_POINTS`` then apply)."""
+    path = Path(path)
+    if not path.is_file():
+        return {}
+    found = {}
+    for section in re.split(r"^## ", path.read_text(encoding="utf-8"), flags=re.M)[1:]:
+        lesson = section.split(" ", 1)[0]
+        if not re.fullmatch(r"\d+[a-z]?", lesson):
+            continue
+        for m in KEY_QUESTION.finditer(section):
+            qid = f"{lesson}-{'p' if m.group(1) == 'Predict' else 'w'}{m.group(2)}"
+            found[qid] = KeyEntry(float(m.group(3)), " ".join(m.group(4).split()))
+    return found
+
+
+def is_lesson(path: Path, lessons: Path = LESSONS_DIR) -> bool:
+    """Whether ``path`` is a student's copy of a lesson (a notebook of that name is among the lessons): its
+    answers are exported, it is not graded as an exercise."""
+    return Path(path).suffix == ".ipynb" and (Path(lessons) / Path(path).name).is_file()
+
+
 def _lesson_questions(lessons: Path, notebook: str) -> list[Question]:
     """The questions the teacher's copy of ``notebook`` asks ([] for a notebook that is no lesson here)."""
     path = lessons / notebook
@@ -142,25 +182,15 @@ def _lesson_questions(lessons: Path, notebook: str) -> list[Question]:
         return []
 
 
-def export(paths: list[Path], out: Path, lessons: Path = LESSONS_DIR) -> tuple[list[Path], list[str]]:
-    """Each student's written answers: ``out/<student>.md`` (every question of the lessons they handed in, its
-    text and their answer) and ``out/written.csv`` (``CSV_COLUMNS``: one row per student and question; status
-    ``answered``, ``empty`` or ``no answer cell``, the last for a question whose cell the student deleted).
-    Students and their notebooks are found as ``exercises check`` finds them (a folder per student).
-
-    Returns the files written and one line per notebook that could not be read (the others are exported).
-
-    Raises:
-        FileExistsError: ``out`` is a file, or a folder that already holds files (nothing is overwritten).
-    """
-    from .gradebook import notebooks_in
-
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"--out {out}: {'is a file' if not out.is_dir() else 'already holds files'}; "
-                              "name a new folder (or an empty one), so that no earlier export is overwritten")
+def collect(found: list[tuple[Path, str]],
+            lessons: Path = LESSONS_DIR) -> tuple[list[tuple], dict[str, str], list[str]]:
+    """The answers in students' notebooks (``found``: (notebook, student) pairs, as ``gradebook.notebooks_in``
+    gives them): one row per student and question (``CSV_COLUMNS``; status ``answered``, ``empty`` or ``no answer
+    cell``, the last for a question whose cell the student deleted), every question of the lessons they handed in;
+    {question id: the lesson's text of it}; and one line per notebook that could not be read (the others are
+    collected)."""
     rows, problems, texts = [], [], {}
-    for path, student in notebooks_in(list(paths)):
+    for path, student in found:
         try:
             nb = json.loads(Path(path).read_text(encoding="utf-8"))
             given = answers(nb)
@@ -176,6 +206,26 @@ def export(paths: list[Path], out: Path, lessons: Path = LESSONS_DIR) -> tuple[l
             status = "no answer cell" if answer is None else "answered" if answer else "empty"
             kind = kinds.get(qid) or ("prediction" if "-p" in qid else "written")
             rows.append((student, Path(path).name, qid, kind, status, answer or ""))
+    return rows, texts, problems
+
+
+def export(paths: list[Path], out: Path, lessons: Path = LESSONS_DIR) -> tuple[list[Path], list[str]]:
+    """Each student's written answers: ``out/<student>.md`` (every question of the lessons they handed in, its
+    text and their answer) and ``out/written.csv`` (``collect``'s rows). Students and their notebooks are found as
+    ``exercises check`` finds them (a folder per student).
+
+    Returns the files written and one line per notebook that could not be read (the others are exported).
+
+    Raises:
+        FileExistsError: ``out`` is a file, or a folder that already holds files (nothing is overwritten).
+    """
+    from .gradebook import notebooks_in
+
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"--out {out}: {'is a file' if not out.is_dir() else 'already holds files'}; "
+                              "name a new folder (or an empty one), so that no earlier export is overwritten")
+    rows, texts, problems = collect(notebooks_in(list(paths)), lessons)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for student in dict.fromkeys(r[0] for r in rows):
