@@ -22,7 +22,7 @@ import pytest
 
 from minillm.exercises import EXERCISES, STARS, handout, written
 from minillm.exercises.gradebook import (CAPSTONE, companions, default_weights, load_weights, totals, weigh,
-                                         written_rows)
+                                         weights_in, written_rows)
 from minillm.exercises.notebooks import SOLUTIONS_DIR
 from test_exercises import cli
 
@@ -64,6 +64,7 @@ def test_the_capstone_notebooks_rows_share_its_weight():
     assert [r[6] for r in weighted[:3]] == ["1.3333"] * 3 and weighted[0][7] == "1.3333"  # 4 stars in 3 shares
     assert weighted[3][6:] == ("1", "1")  # exercise 03's own row keeps its own weight
     assert totals(rows, [], default_weights())[0][1:3] == ("2.3333", "5")
+    assert weights_in(weighted)[CAPSTONE] == 4  # read back from the gradebook, as exercises totals does
 
 
 @pytest.mark.parametrize("name, text", [

@@ -172,7 +172,7 @@ def weights_in(rows: list[tuple]) -> dict[str, float]:
             group[student, notebook, weight_key(notebook, exercise)] += float(weight)
     weights = default_weights()
     for (_, _, key), weight in group.items():
-        weights[key] = round(weight, 4)
+        weights[key] = round(weight, 3)  # the capstone's shares, written to 4 decimals, sum back to its weight
     return weights
 
 
