@@ -38,8 +38,8 @@ import nbformat
 
 from . import EXERCISES, runner
 from .checker import Case, grade
-from .isolate import call_in_fresh_process, sources
-from .notebooks import exercise_names
+from .isolate import call_in_fresh_process, capstone_source, sources
+from .notebooks import exercise_names, is_capstone
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 MAX_OUTPUT = 1_000_000  # characters of output a notebook may print in all (a flood is stopped)
@@ -325,9 +325,11 @@ def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, see
     """
     path = Path(path)
     nb = _read(path)
-    names = exercise_names(nb)
-    if not names:
-        raise ValueError(f"{path}: defines none of the exercise functions ({', '.join(EXERCISES)})")
+    capstone = is_capstone(nb)
+    names = [] if capstone else exercise_names(nb)  # the capstone's pieces are graded in their own notebooks
+    if not names and not capstone:
+        raise ValueError(f"{path}: defines none of the exercise functions ({', '.join(EXERCISES)}) and no "
+                         "capstone serving loop (serve)")
     # cases and expected answers are worked out before the student's code runs, in this process only
     plans = {}
     for name in names:
@@ -336,7 +338,8 @@ def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, see
         plans[name] = (ex, cases, [ex.expected(c) for c in cases])
     broken = ""
     try:
-        run, skipped, stop, looped = _run_notebook(nb, path.parent.resolve(), names, timeout, max_output)
+        run, skipped, stop, looped = _run_notebook(nb, path.parent.resolve(), names + ["serve"] * capstone, timeout,
+                                                   max_output)
     except GradingStopped:
         raise
     except Exception as e:  # nbformat rejecting an output, a folder the notebook swapped: its run, not its grade
@@ -371,6 +374,8 @@ def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, see
             reports[name] = (text, report.passed)
             status = "passed" if report.passed else "forbidden" if report.forbidden else "failed"
             scores[name] = (report.points, report.max_points, status)
+        if capstone:
+            reports["serve"], scores["serve"] = grade_capstone(nb, timeout, run, looped)
     n_student = len(nb.cells)
     errors = [f"{cell_name(nb, i)} raised {error_text(o)}" for i, c in enumerate(run.cells[:n_student])
               if c.cell_type == "code" for o in c.get("outputs", []) if o.get("output_type") == "error"]
@@ -378,6 +383,43 @@ def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, see
     lines = [_stop_text("its start" if index < 0 else cell_name(nb, index), why, timeout, max_output) + then
              for index, why, then in stops] + ([broken] if broken else [])
     return NotebookResult(path, reports, errors, "\n".join(lines), scores)
+
+
+def grade_capstone(nb: nbformat.NotebookNode, timeout: int, run: nbformat.NotebookNode | None = None,
+                   looped: dict[str, int] | None = None):
+    """The capstone's row: the notebook's ``serve``, in a process of its own with the provided model (the
+    engine switched off), called with the pieces the notebook defines on the capstone's prompts in each of its
+    settings (``capstone.grade_serve``: a point per prompt and setting whose tokens are ``minillm.LLM``'s).
+    ``run``: the notebook as the kernel left it (default ``nb``); ``looped``: the functions that ran out of time
+    there. Returns (the report's text and whether it passed, (points, max points, status))."""
+    from . import capstone, capstone_kit
+
+    run, looped = nb if run is None else run, looped or {}
+
+    most = float(len(capstone_kit.SETTINGS) * len(capstone_kit.PROMPTS))
+    if "serve" in looped:
+        return ((f"check serve: FAILED: your serving loop ran past the {timeout} s timeout in "
+                 f"{cell_name(nb, looped['serve'])} (an endless loop?); the grader does not call it again", False),
+                (0.0, most, "stopped"))
+    found = capstone_source(nb, capstone_kit.PIECES)
+    if found is None:
+        return _not_defined(run, "serve"), (0.0, most, "not defined")
+    source, pieces = found
+    model, prompts, expected = capstone.grading_setup()
+    cases = [Case(setting, (prompts, dict(kwargs))) for setting, kwargs in capstone_kit.SETTINGS.items()]
+    provided = {"model": model, "switched_off": [n for n in capstone.__all__ if n not in capstone_kit.__all__]}
+    answers, notes = call_in_fresh_process("serve", source, cases, timeout, tools=capstone.TOOLS, capstone=provided)
+    if answers is None:
+        return (f"check serve: FAILED: {_no_answers(notes, timeout)}", False), (
+            0.0, most, "stopped" if notes in ("timeout", "died") else "failed")
+    if not answers:  # its definition raised in the fresh process
+        return (f"check serve: FAILED: " + "; ".join(notes), False), (0.0, most, "failed")
+    report = capstone.grade_serve(answers, expected, list(capstone_kit.SETTINGS))
+    if "schedule_step" not in pieces:
+        notes.append("no schedule_step in the notebook: your loop was given default_schedule_step")
+    text = str(report) + "".join(f"\n  note: {n}" for n in notes)
+    status = "passed" if report.passed else "forbidden" if report.forbidden else "failed"
+    return (text, report.passed), (report.points, report.max_points, status)
 
 
 @contextmanager

@@ -47,13 +47,13 @@ def _is_literal(node: ast.AST) -> bool:
     return True
 
 
-def sources(nb: nbformat.NotebookNode) -> dict[str, Source]:
-    """Per exercise function defined at the top level of a code cell (the last definition wins, as when the
-    notebook runs top to bottom): its ``Source``. Import lines of ``minillm.exercises`` are left out (the
-    checker's, which the process may not import); a cell that does not parse defines nothing."""
+def _definitions(nb: nbformat.NotebookNode, keep: tuple[str, ...] = ()):
+    """The notebook's import lines (those of ``minillm.exercises`` left out, but for the modules in ``keep``),
+    its top-level definitions (name -> (file name, node, text padded so that line numbers are the cell's), in
+    the order of their last definition) and every parsed code cell's text."""
     from IPython.core.inputtransformer2 import TransformerManager
 
-    imports, defined, cells = [], {}, {}  # defined: name -> (order, file name, node, padded text)
+    imports, defined, cells = [], {}, {}
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code":
             continue
@@ -68,8 +68,8 @@ def sources(nb: nbformat.NotebookNode) -> dict[str, Source]:
         for node in tree.body:
             if isinstance(node, (ast.Import, ast.ImportFrom)):
                 modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
-                if not any(m == "minillm.exercises" or m.startswith("minillm.exercises.") for m in modules) \
-                        and not (isinstance(node, ast.ImportFrom) and node.level):
+                if not any((m == "minillm.exercises" or m.startswith("minillm.exercises.")) and m not in keep
+                           for m in modules) and not (isinstance(node, ast.ImportFrom) and node.level):
                     imports.append(ast.get_source_segment(text, node))
                 continue
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
@@ -84,20 +84,55 @@ def sources(nb: nbformat.NotebookNode) -> dict[str, Source]:
             for name in names:
                 defined.pop(name, None)  # re-inserted: the order is that of the last definition
                 defined[name] = (filename, node, padded)
-    found = {}
-    for name in EXERCISES:
-        if name not in defined or not isinstance(defined[name][1], (ast.FunctionDef, ast.AsyncFunctionDef)):
+    return imports, defined, cells
+
+
+def _source(imports, defined, cells, names) -> Source:
+    """The ``Source`` of the functions ``names``: their definitions and the notebook's own that they use."""
+    needed, todo = set(), list(names)
+    while todo:  # the notebook's own definitions the functions use, and theirs
+        current = todo.pop()
+        if current in needed:
             continue
-        needed, todo = set(), [name]
-        while todo:  # the notebook's own definitions the function uses, and theirs
-            current = todo.pop()
-            if current in needed:
-                continue
-            needed.add(current)
-            todo += [n.id for n in ast.walk(defined[current][1]) if isinstance(n, ast.Name) and n.id in defined]
-        found[name] = Source(list(imports), [(f, text) for n, (f, _, text) in defined.items() if n in needed],
-                             dict(cells))
-    return found
+        needed.add(current)
+        todo += [n.id for n in ast.walk(defined[current][1]) if isinstance(n, ast.Name) and n.id in defined]
+    return Source(list(imports), [(f, text) for n, (f, _, text) in defined.items() if n in needed], dict(cells))
+
+
+def _is_function(defined, name: str) -> bool:
+    return name in defined and isinstance(defined[name][1], (ast.FunctionDef, ast.AsyncFunctionDef))
+
+
+def sources(nb: nbformat.NotebookNode) -> dict[str, Source]:
+    """Per exercise function defined at the top level of a code cell (the last definition wins, as when the
+    notebook runs top to bottom): its ``Source``. Import lines of ``minillm.exercises`` are left out (the
+    checker's, which the process may not import); a cell that does not parse defines nothing."""
+    imports, defined, cells = _definitions(nb)
+    return {name: _source(imports, defined, cells, [name]) for name in EXERCISES if _is_function(defined, name)}
+
+
+# the modules of minillm.exercises a capstone notebook imports that its loop's process provides (runner.py: the
+# kit, and capstone's names with the lesson's switched off)
+CAPSTONE_MODULES = ("minillm.exercises.capstone", "minillm.exercises.capstone_kit")
+
+
+def capstone_source(nb: nbformat.NotebookNode, pieces: tuple[str, ...]) -> tuple[Source, list[str]] | None:
+    """The capstone's loop: the ``Source`` of ``serve`` and of the ``pieces`` the notebook defines and has
+    written (a piece left blank is not given), with what they use and its imports of ``CAPSTONE_MODULES`` kept,
+    and the names of those pieces; None when no code cell defines ``serve`` at its top level."""
+    imports, defined, cells = _definitions(nb, keep=CAPSTONE_MODULES)
+    if not _is_function(defined, "serve"):
+        return None
+    found = [p for p in pieces if _is_function(defined, p) and not _blank(defined[p][1])]
+    return _source(imports, defined, cells, ["serve", *found]), found
+
+
+def _blank(node: ast.AST) -> bool:
+    """Whether a function's body is only the student notebook's blank (a docstring, then ``raise
+    NotImplementedError(...)``): a piece left blank counts as not defined (a course that skipped it)."""
+    body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    return (len(body) == 1 and isinstance(body[0], ast.Raise) and isinstance(body[0].exc, ast.Call)
+            and isinstance(body[0].exc.func, ast.Name) and body[0].exc.func.id == "NotImplementedError")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,13 +169,17 @@ def _kill(proc: subprocess.Popen) -> None:
 
 
 def call_in_fresh_process(name: str, source: Source, cases: list[Case], timeout: float,
-                          start_timeout: float = START_TIMEOUT) -> tuple[list[Answer], list[str]] | tuple[None, str]:
+                          start_timeout: float = START_TIMEOUT, *, tools: tuple[str, ...] | None = None,
+                          capstone: dict | None = None) -> tuple[list[Answer], list[str]] | tuple[None, str]:
     """Call exercise function ``name`` on each case in a process of its own (``runner.py``): (answers, notes),
     or (None, why there are none: "timeout", "died" or a sentence). ``timeout`` counts from the end of the
-    process's start (imports and the package's switch-off, ``start_timeout`` at most)."""
+    process's start (imports and the package's switch-off, ``start_timeout`` at most). ``tools``: the package
+    code left on (default: the exercise's ``tools``). ``capstone``: for the capstone's loop, what its process
+    provides (``runner.py``'s ``provide_capstone``: the model, the kit, the names switched off)."""
     job = io.BytesIO()
     torch.save({"name": name, "imports": source.imports, "definitions": source.definitions,
-                "cells": source.cells, "cases": [c.args for c in cases], "tools": EXERCISES[name].tools}, job)
+                "cells": source.cells, "cases": [c.args for c in cases],
+                "tools": EXERCISES[name].tools if tools is None else tools, "capstone": capstone}, job)
     # -I: no user site, no PYTHONPATH, and neither the working folder nor a script's folder on sys.path;
     # the source is passed with -c, so that the checker's folder is never on sys.path either
     proc = subprocess.Popen([sys.executable, "-I", "-c", Path(runner.__file__).read_text(encoding="utf-8"),

@@ -117,3 +117,9 @@ def exercise_names(nb: nbformat.NotebookNode) -> list[str]:
     """The exercise functions a notebook defines (``def <name>(`` in a code cell), in EXERCISES' order."""
     code = "\n".join(c.source for c in nb.cells if c.cell_type == "code")
     return [n for n in EXERCISES if re.search(rf"^\s*def {n}\(", code, re.MULTILINE)]
+
+
+def is_capstone(nb: nbformat.NotebookNode) -> bool:
+    """Whether the notebook is the capstone: a code cell defines ``serve``, its serving loop (graded as one row;
+    the pieces it also defines are graded in their own notebooks)."""
+    return any(re.search(r"^\s*def serve\(", c.source, re.MULTILINE) for c in nb.cells if c.cell_type == "code")

@@ -8,7 +8,10 @@ variants live there): an audit hook refuses that import, and, once the cases sta
 yet loaded and any read of the package's files. Before the student's code is defined, every function of the
 loaded minillm modules has its code swapped for one that records the call and raises
 ``ForbiddenCallError``; only the config classes (``ALLOWED``) and torch keep working. The originals are
-dropped, so nothing in the process can call them again. The answers go back on stdout, as plain data,
+dropped, so nothing in the process can call them again. The capstone's serving loop gets more: the model
+(sent with the job), the model's forward left on (``capstone.TOOLS``), and the kit of capstone_kit.py, loaded
+from its file beside a stand-in ``minillm.exercises.capstone`` whose lesson is switched off
+(``provide_capstone``). The answers go back on stdout, as plain data,
 after one line that says the start is done (the grader times the cases from there). The process dies with
 its grader, even one killed outright.
 
@@ -255,6 +258,65 @@ def _guard(name: str, calls: list) -> None:
     sys.addaudithook(hook)
 
 
+# ---------------------------------------------------------------------------------------------
+# The capstone's loop
+
+
+def provide_capstone(switched_off: list[str]) -> types.ModuleType:
+    """What the capstone's loop may import from ``minillm.exercises``, and nothing else of it: the kit
+    (capstone_kit.py, loaded from its file, so that the package's ``__init__``, which holds the cases, never
+    runs) and a stand-in ``minillm.exercises.capstone`` holding the kit's names and, for each name in
+    ``switched_off`` (the lesson: the reference loop, the comparison with the engine), a function that records
+    the call and raises ``ForbiddenCallError``. Returns the kit."""
+    import importlib.util
+
+    import minillm
+
+    path = os.path.join(_HERE, "capstone_kit.py")
+    spec = importlib.util.spec_from_file_location("minillm.exercises.capstone_kit", path)
+    kit = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = kit  # before it runs: its dataclass looks its module up there
+    spec.loader.exec_module(kit)
+    package = types.ModuleType("minillm.exercises")
+    package.__path__ = []  # any other module of it is looked for, and the guard refuses the import
+    capstone = types.ModuleType("minillm.exercises.capstone")
+    for name in kit.__all__:
+        setattr(capstone, name, getattr(kit, name))
+    for name in switched_off:
+        setattr(capstone, name, _stand_in(f"minillm.exercises.capstone.{name}"))
+    package.capstone, package.capstone_kit = capstone, kit
+    minillm.exercises = package
+    sys.modules.update({"minillm.exercises": package, "minillm.exercises.capstone": capstone,
+                        "minillm.exercises.capstone_kit": kit})
+    return kit
+
+
+def _stand_in(qualified: str) -> Callable:
+    message = (f"{qualified} is switched off while your serving loop is graded: write the loop yourself, with "
+               "your pieces")
+
+    def switched(*args, **kwargs):
+        return sys.modules["__main__"].switched_off(qualified, message)
+
+    return switched
+
+
+def capstone_loop(serve: Callable, model, kit: types.ModuleType, namespace: dict) -> Callable:
+    """The student's ``serve`` as one case calls it: (prompts, settings) -> its ``ServeResult``'s fields as a
+    dict (plain data), called with the provided ``model`` and the pieces the notebook defines (the kit's
+    ``default_schedule_step`` where it defines no ``schedule_step``)."""
+    pieces = {name: namespace[name] for name in kit.PIECES if callable(namespace.get(name))}
+    pieces.setdefault("schedule_step", kit.default_schedule_step)
+
+    def loop(prompts, settings):
+        result = serve(model, prompts, pieces, **settings)
+        if isinstance(result, kit.ServeResult):
+            return {k: getattr(result, k) for k in ("tokens", "steps", "preemptions", "drafted", "accepted")}
+        return result
+
+    return loop
+
+
 def main() -> None:
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what the student's code prints goes to stderr, never into the answers
@@ -264,6 +326,8 @@ def main() -> None:
     job = torch.load(io.BytesIO(sys.stdin.buffer.read()), weights_only=False)
     name, calls = job["name"], []
     _guard(name, calls)
+    capstone = job.get("capstone")
+    kit = provide_capstone(capstone["switched_off"]) if capstone else None
     namespace = {"__name__": "__student__", "__builtins__": __builtins__}
     notes = []
     for line in job["imports"]:
@@ -285,6 +349,8 @@ def main() -> None:
         for filename, source in job["definitions"]:
             exec(compile(source, filename, "exec"), namespace)
         fn = namespace[name]
+        if capstone:
+            fn = capstone_loop(fn, capstone["model"], kit, namespace)
     except Exception as e:
         notes.append(f"its definition raised {error_name(e)}: {first_line(e)}{where(e)}")
         fn = None
