@@ -4,6 +4,8 @@
   rewrote the figure without saving the notebook, or the other way round, leaves two versions of one result);
 * docs/speculative.md's paragraph on the draft model and the replay is the one built from notebook 04a's
   record, and the README's sentence on the int4 rows' quality is the one built from notebook 05's table;
+* the records of notebooks 00 and 03, which the teachers' key's numbers are checked against, are the runs the
+  notebooks store;
 * the lessons' outputs show no acceptance goals and no notes about the machine's load (those belong in docs/).
 """
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from minillm.lab import lessons
+from minillm.lab import lesson_notes, lessons
 
 ROOT = Path(__file__).resolve().parents[1]
 LESSONS = ["00_quickstart", "01_roofline", "01a_roofline_appendix", "02_kv_cache", "03_paged_attention",
@@ -106,6 +108,18 @@ def test_04a_record_is_what_the_notebook_shows():
             assert abs(record[part][key] - value) <= 0.5 * 10 ** -digits + 1e-9, (
                 f"figures/04a_gamma_sweep.json {part}.{key} = {record[part][key]} but notebook 04a shows {value}: "
                 "the record and the notebook come from different runs; re-execute 04a")
+
+
+@pytest.mark.parametrize("notebook, name, summary", [
+    ("00_quickstart", "00_quickstart.json", lesson_notes.quickstart_summary),
+    ("03_paged_attention", "03_paged_attention.json", lesson_notes.paged_summary)])
+def test_a_lessons_record_is_what_its_closing_note_shows(notebook, name, summary):
+    """docs/course_key.md's numbers from 00 and 03 are checked against these records: the records must be the
+    runs the notebooks store, so the closing note built from the record is the one the notebook shows."""
+    report = json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))["report"]
+    assert summary(report).strip() in _outputs_text(notebook), (
+        f"figures/{name} is not the run notebooks/{notebook}.ipynb stores (its closing note differs): re-execute the "
+        "notebook in place and commit both")
 
 
 def test_speculative_docs_quote_04a():

@@ -124,6 +124,45 @@ def test_the_key_quotes_what_the_stored_runs_printed():
                          f"(re-read the notebook and correct the key): {missing[:5]}")
 
 
+# the numbers the key quotes from lessons 00 and 03, each found by its words in the lesson's section and compared
+# with the lesson's record (figures/00_quickstart.json, figures/03_paged_attention.json) to the digits quoted
+QUOTED = {
+    "00": ("00_quickstart.json", [
+        (r"stored: naive ([\d.]+), cached ([\d.]+) tokens/s, ([\d.]+)x",
+         lambda r: [r["naive_tokens_per_s"], r["cached_tokens_per_s"], r["speedup"]])]),
+    "03": ("03_paged_attention.json", [
+        (r"maximum \(2,048 tokens\)[^(]*\(stored: ([\d.]+)%", lambda r: [100 * r["lab_sharegpt"]["max"]]),
+        (r"With 16-token blocks: about \d+% \(stored: ([\d.]+)%\)", lambda r: [100 * r["lab_sharegpt"]["paged_16"]]),
+        (r"\(stored: (\d+) steps, (\d+) preemptions\)", lambda r: [r["timeline_steps"], r["timeline_preemptions"]]),
+        (r"\(stored: ([\d.]+) and ([\d.]+) output tokens/s\), about ([\d.]+)x",
+         lambda r: [r["throughput"]["1"], r["throughput"]["16"], r["throughput"]["16"] / r["throughput"]["1"]]),
+        (r"Block size 1 wastes nothing \(stored: ([\d.]+)%\)", lambda r: [100 * r["lab_sharegpt"]["paged_1"]])]),
+}
+
+
+def _same(quoted: str, value: float) -> bool:
+    """``value`` rounds to ``quoted`` at the digits quoted."""
+    digits = len(quoted.split(".")[1]) if "." in quoted else 0
+    return abs(float(quoted) - value) <= 0.5 * 10 ** -digits + 1e-9
+
+
+def test_same_rounds_at_the_digits_quoted():
+    assert _same("2.9", 2.94) and not _same("2.9", 2.96) and _same("98", 98) and not _same("98", 99)
+
+
+@pytest.mark.parametrize("lesson", sorted(QUOTED))
+def test_the_key_quotes_the_records_of_lessons_without_a_benchmark_doc(lesson):
+    name, quotes = QUOTED[lesson]
+    report = json.loads((ROOT / "figures" / name).read_text(encoding="utf-8"))["report"]
+    section = " ".join(next(s for s in re.split(r"^## ", KEY, flags=re.M) if s.startswith(f"{lesson} ")).split())
+    for pattern, fields in quotes:
+        m = re.search(pattern, section)
+        assert m, f"docs/course_key.md's {lesson} section no longer quotes {pattern!r}; keep the words or update QUOTED"
+        wrong = [(q, round(v, 3)) for q, v in zip(m.groups(), fields(report)) if not _same(q, v)]
+        assert not wrong, (f"docs/course_key.md's {lesson} section quotes {m.group(0)!r}, but figures/{name} holds "
+                           f"(quoted, recorded) {wrong}: copy the record's numbers into the key")
+
+
 def test_every_question_in_the_key_has_its_points():
     for line in KEY.splitlines():
         if re.match(r"\*\*(Predict|Written) \d", line):
@@ -135,6 +174,12 @@ def test_the_numbers_a_student_meets_carry_their_protocols():
     kv = [r for r in text.splitlines() if "| KV cache over recomputing |" in r]
     assert len(kv) == 4 and len({r.split("|")[1] for r in kv}) == 4  # four protocols, four values
     assert "| 00 |" in text and "| 02 |" in text and "| 06 |" in text
+    # each of the four names what its baseline recomputes a step: the protocol difference a student asks about
+    assert all(re.search(r"recomputes \d+ to \d+ tokens a step", r) for r in kv)
+    engine = [r for r in text.splitlines() if "| the paged engine over one request at a time |" in r]
+    assert len(engine) == 4 and {r.rsplit("|", 2)[1].strip() for r in engine} >= {"03, section 6", "03, section 7", "06"}
+    quick = json.loads((ROOT / "figures" / "00_quickstart.json").read_text(encoding="utf-8"))["report"]
+    assert f"| {quick['speedup']:.1f}x | KV cache over recomputing | batch 1, {quick['prompt_tokens']}-token prompt" in text
     assert "<!-- table:key_numbers -->\n" + text + "\n<!-- /table -->" in KEY, "run `python -m tools.tables`"
 
 

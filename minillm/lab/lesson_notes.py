@@ -6,7 +6,8 @@ so that a student reads inference in the notebook and a teacher reads the wordin
 takes the measurements as the lesson holds them and returns a Markdown string. Here: 00, 02, 03, 03a and 05a;
 the roofline's (01, 01a) are in ``roofline_notes``, speculative decoding's (04, 04a) in ``spec_notes``.
 
-* 00: ``quickstart_summary``; 02: ``kv_cache_summary``; 03: ``paged_summary``;
+* 00: ``quickstart_record``, ``quickstart_summary``; 02: ``kv_cache_summary``; 03: ``paged_record``,
+  ``paged_summary``;
 * 03a: ``online_table``, ``online_summary``;
 * 05a: ``layout_inversions``, ``kquants_summary``.
 """
@@ -21,24 +22,39 @@ from .lessons import protocol, quality
 # ---------------------------------------------------------------- 00, 02, 03
 
 
-def quickstart_summary(machine: str, P: int, N: int, weight_mb: float, naive, cached) -> str:
-    """Notebook 00's closing note: the two paths' token-forwards and measured speed (``naive``, ``cached``:
-    their ``GenerationResult``)."""
-    naive_tokens, cached_tokens = N * P + N * (N - 1) // 2, P + N - 1
-    speedup = cached.decode_tokens_per_s / naive.decode_tokens_per_s
-    return f"""On this run ({machine}, float32, batch 1, greedy, a {P}-token prompt and {N} new tokens):
+def quickstart_record(machine: str, P: int, N: int, weight_mb: float, naive, cached) -> dict:
+    """Notebook 00's record (``figures/00_quickstart.json``'s report): the protocol, the two paths' token-forwards,
+    their decode tokens/s and step times in ms (``naive``, ``cached``: their ``GenerationResult``)."""
+    return {"machine": machine, "prompt_tokens": P, "new_tokens": N, "weight_mb": weight_mb,
+            "naive_token_forwards": N * P + N * (N - 1) // 2, "cached_token_forwards": P + N - 1,
+            "naive_tokens_per_s": naive.decode_tokens_per_s, "cached_tokens_per_s": cached.decode_tokens_per_s,
+            "speedup": cached.decode_tokens_per_s / naive.decode_tokens_per_s,
+            "cached_step_ms": {"median": 1e3 * statistics.median(cached.step_s[1:]), "first": 1e3 * cached.step_s[1],
+                               "last": 1e3 * cached.step_s[-1]},
+            "naive_step_ms": {"first": 1e3 * naive.step_s[1], "last": 1e3 * naive.step_s[-1]},
+            "same_tokens": naive.tokens == cached.tokens}
 
-* **{weight_mb:.1f} MB** of float32 weights are read for every decoded token, whatever the path.
+
+def quickstart_summary(rec: dict) -> str:
+    """Notebook 00's closing note from its record (``quickstart_record``)."""
+    P, N, naive_tokens, cached_tokens = (rec[k] for k in ("prompt_tokens", "new_tokens", "naive_token_forwards",
+                                                          "cached_token_forwards"))
+    step, naive_step = rec["cached_step_ms"], rec["naive_step_ms"]
+    same = (f"Both paths gave the same {N} greedy tokens: the cache changes the cost, never the result." if rec["same_tokens"]
+            else f"The two paths' {N} greedy tokens differ: float rounding flipped a near-tie somewhere.")
+    return f"""On this run ({rec['machine']}, float32, batch 1, greedy, a {P}-token prompt and {N} new tokens):
+
+* **{rec['weight_mb']:.1f} MB** of float32 weights are read for every decoded token, whatever the path.
 * Recomputing runs **{naive_tokens:,}** token-forwards for {N} tokens, the KV cache **{cached_tokens}**:
   {naive_tokens / cached_tokens:.1f}x fewer.
-* Measured: naive **{naive.decode_tokens_per_s:.1f} tokens/s**, cached **{cached.decode_tokens_per_s:.1f} tokens/s**:
-  the cache is **{speedup:.1f}x** faster here, much less than the {naive_tokens / cached_tokens:.1f}x fewer FLOPs,
+* Measured: naive **{rec['naive_tokens_per_s']:.1f} tokens/s**, cached **{rec['cached_tokens_per_s']:.1f} tokens/s**:
+  the cache is **{rec['speedup']:.1f}x** faster here, much less than the {naive_tokens / cached_tokens:.1f}x fewer FLOPs,
   because a cached step spends its time reading weights, not computing.
-* A cached decode step took **{1e3 * statistics.median(cached.step_s[1:]):.1f} ms** (median; {1e3 * cached.step_s[1]:.1f} ms at the
-  first position, {1e3 * cached.step_s[-1]:.1f} ms at the last); the naive step grew from {1e3 * naive.step_s[1]:.1f} to
-  {1e3 * naive.step_s[-1]:.1f} ms, {naive.step_s[-1] / statistics.median(cached.step_s[1:]):.1f} cached steps at the last position.
+* A cached decode step took **{step['median']:.1f} ms** (median; {step['first']:.1f} ms at the
+  first position, {step['last']:.1f} ms at the last); the naive step grew from {naive_step['first']:.1f} to
+  {naive_step['last']:.1f} ms, {naive_step['last'] / step['median']:.1f} cached steps at the last position.
 
-Both paths gave the same {N} greedy tokens: the cache changes the cost, never the result."""
+{same}"""
 
 
 def kv_cache_summary(rec: dict) -> str:
@@ -73,31 +89,46 @@ static cache a step changes by **{1e6 * fits['contiguous'][0]:.1f} µs per posit
 linear in N. int8 {verdict}."""
 
 
-def paged_summary(measured: dict, bench: dict) -> str:
-    """Notebook 03's closing note: the fragmentation lab, the prefix-cache hit, the scheduler's timeline, the
-    throughput against concurrency (``measured``, filled cell by cell) and the small serve-bench (``bench``)."""
+def paged_record(machine: str, measured: dict, bench: dict) -> dict:
+    """Notebook 03's record (``figures/03_paged_attention.json``'s report): what its cells measured (``measured``:
+    the lab's shares, the prefix hit, the timeline, the fused read, throughput by concurrency) and the small
+    serve-bench's rates and memory (``bench``: ``serve_bench``'s report)."""
     m = bench["modes"]
+    keep = ("output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s", "wall_s")
+    return {"machine": machine, **{k: v for k, v in measured.items() if k != "throughput"},
+            "throughput": {str(c): v for c, v in measured["throughput"].items()},  # JSON keys are strings
+            "serve_bench": {"num_requests": bench["num_requests"], "scale": bench["scale"],
+                            "mean_prompt": bench["mean_prompt"], "mean_output": bench["mean_output"],
+                            "modes": {mode: {k: m[mode][k] for k in keep} for mode in ("engine", "static", "sequential")},
+                            "kv_utilization": bench["memory"]["kv_utilization"],
+                            "lab_kv_utilization": bench["memory"]["lab_kv_utilization"]}}
+
+
+def paged_summary(rec: dict) -> str:
+    """Notebook 03's closing note from its record (``paged_record``): the fragmentation lab, the prefix-cache hit,
+    the scheduler's timeline, the fused read, the throughput against concurrency and the small serve-bench."""
+    m, lab = rec["serve_bench"]["modes"], rec["lab_sharegpt"]
     speedup_seq = m["engine"]["output_tokens_per_s"] / m["sequential"]["output_tokens_per_s"]
     speedup_static = m["engine"]["output_tokens_per_s"] / m["static"]["output_tokens_per_s"]
-    tp = measured["throughput"]
+    tp = {int(c): v for c, v in rec["throughput"].items()}
     best = max(tp, key=tp.get)
     return f"""
 ## What we measured
 
 * **Fragmentation (lab, 10,000 ShareGPT-like requests):** paging with 16-token blocks keeps
-  {100 * measured['lab_sharegpt_paged16']:.1f}% of reserved KV memory holding tokens, against
-  {100 * measured['lab_sharegpt_max']:.1f}% when each request reserves the maximum length (paper, Fig. 2: 96.3% vs 20.4%);
-  the engine itself, at the trace's full lengths, keeps {100 * bench['memory']['kv_utilization']:.1f}% of its used
-  KV slots holding tokens (the lab predicts {100 * bench['memory']['lab_kv_utilization']:.1f}%).
-* **Prefix cache:** the second chat request took {measured['prefix_cached']} of its {measured['prefix_prompt']}
+  {100 * lab['paged_16']:.1f}% of reserved KV memory holding tokens, against
+  {100 * lab['max']:.1f}% when each request reserves the maximum length (paper, Fig. 2: 96.3% vs 20.4%);
+  the engine itself, at the trace's full lengths, keeps {100 * rec['serve_bench']['kv_utilization']:.1f}% of its used
+  KV slots holding tokens (the lab predicts {100 * rec['serve_bench']['lab_kv_utilization']:.1f}%).
+* **Prefix cache:** the second chat request took {rec['prefix_cached']} of its {rec['prefix_prompt']}
   prompt tokens from the first's blocks, with the same answer as alone.
-* **Scheduler:** {measured['timeline_steps']} steps and {measured['timeline_preemptions']} preemptions in a 20-block
-  pool; every request equal to `generate_cached` alone: {measured['timeline_same']}.
+* **Scheduler:** {rec['timeline_steps']} steps and {rec['timeline_preemptions']} preemptions in a 20-block
+  pool; every request equal to `generate_cached` alone: {rec['timeline_same']}.
 * **Reading the pool:** attention straight from the blocks (the fused kernel) took one decode step's layer
-  {measured['fused_attention_speedup']:.1f}x faster than gathering the keys first, with the same output.
+  {rec['fused_attention_speedup']:.1f}x faster than gathering the keys first, with the same output.
 * **Concurrency:** {tp[1]:.1f} output tokens/s one request at a time, {tp[best]:.1f} at {best} concurrent requests
   ({tp[best] / tp[1]:.1f}x): one weight read per step serves every running row.
-* **serve-bench (12 requests):** the engine ran {m['engine']['output_tokens_per_s']:.1f} output tokens/s,
+* **serve-bench ({rec['serve_bench']['num_requests']} requests):** the engine ran {m['engine']['output_tokens_per_s']:.1f} output tokens/s,
   {speedup_seq:.1f}x one request at a time and {speedup_static:.2f}x static batches.
 """
 

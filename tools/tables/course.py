@@ -122,21 +122,6 @@ def syllabus_minutes(root: Path) -> dict[str, int]:
 
 # ---------------------------------------------------------------------------------------------- key numbers
 
-QUICKSTART = re.compile(r"naive\s*:\s*([\d.]+) tokens/s\s*\n\s*cached\s*:\s*([\d.]+) tokens/s\s*\(([\d.]+)x\)")
-
-
-def quickstart_speedup(root: Path) -> tuple[float, float, float]:
-    """Notebook 00's naive and cached tokens/s and their ratio, as its stored output prints them (00 keeps no
-    record of its own)."""
-    nb = _notebook(root, "00_quickstart")
-    text = "\n".join("".join(o.get("text", "")) for c in nb["cells"] for o in c.get("outputs", []))
-    m = QUICKSTART.search(text)
-    if not m:
-        raise RecordError("notebooks/00_quickstart.ipynb: no stored output prints 'naive : X tokens/s' then "
-                          "'cached: Y tokens/s (Zx)'; re-execute it")
-    return float(m[1]), float(m[2]), float(m[3])
-
-
 def _cpu(report: dict) -> str:
     """The report's CPU in a few words (its machine line up to the first comma)."""
     return report["machine"].split(",")[0]
@@ -150,27 +135,34 @@ def key_numbers(folder: Path = FIGURES) -> str:
     kv, roof = read_record("02_kv_cache.json", folder)["report"], read_record("01_roofline.json", folder)["report"]
     spec, sweep = read_record("04_speculative.json", folder)["report"], read_record("04a_gamma_sweep.json", folder)["report"]
     serve, table = read_record("serve_bench.json", folder)["report"], _quant.read_report("05_quant_table.json", folder)
+    quick, paged = read_record("00_quickstart.json", folder)["report"], read_record("03_paged_attention.json", folder)["report"]
     tour_rows = {r["technique"]: r for r in tour["rows"]}
-    naive, cached, ratio00 = quickstart_speedup(folder.parent)
     rows = []
 
     def row(value, what, protocol, where):
         rows.append([value, what, protocol, where])
 
-    row(f"{ratio00:.1f}x", "KV cache over recomputing", f"batch 1, 7-token prompt, 48 new tokens (naive {naive:.1f}, "
-        f"cached {cached:.1f} tokens/s)", "00")
+    def recomputes(prompt: float, new: int) -> str:  # a naive step runs the prompt and every token generated before it
+        return f"the baseline recomputes {prompt:.0f} to {prompt + new - 1:.0f} tokens a step"
+
+    P, N = quick["prompt_tokens"], quick["new_tokens"]
+    row(f"{quick['speedup']:.1f}x", "KV cache over recomputing", f"batch 1, {P}-token prompt, {N} new tokens, decode "
+        f"tokens/s (prefill excluded): {recomputes(P, N)} (naive {quick['naive_tokens_per_s']:.1f}, cached "
+        f"{quick['cached_tokens_per_s']:.1f} tokens/s); {_cpu(quick)}", "00")
     c = tour_rows["KV cache (contiguous)"]
     row(f"{c['speedup']:.2f}x", "KV cache over recomputing", f"batch 1, {tour['prompt_tokens']}-token prompt, "
-        f"{tour['new_tokens']} new tokens (the longer the answer, the more the naive path recomputes); "
-        f"{_cpu(tour)}", "README (the tour)")
+        f"{tour['new_tokens']} new tokens, decode tokens/s: {recomputes(tour['prompt_tokens'], tour['new_tokens'])} "
+        f"(the longer the answer, the more it recomputes); {_cpu(tour)}", "README (the tour)")
     gains = stack["gains"]["KV cache"]
     row(f"{gains['alone']:.2f}x", "KV cache over recomputing", f"chat requests of about {stack['mean_prompt']:.0f} "
-        f"prompt tokens one at a time, {stack['new_tokens']} new tokens each, by output tokens/s (without a cache: the "
-        f"first {stack['naive_requests']}); {_cpu(stack)}", "06")
+        f"prompt tokens one at a time, {stack['new_tokens']} new tokens each, output tokens/s over the wall time "
+        f"(prefill included): {recomputes(stack['mean_prompt'], stack['new_tokens'])} (without a cache: the first "
+        f"{stack['naive_requests']} requests); {_cpu(stack)}", "06")
     total = kv["total_s"]
     row(f"{total['none'] / total['contiguous']:.1f}x", "KV cache over recomputing", f"{kv['new_tokens']} new tokens after a "
-        f"{kv['prompt_tokens']}-token prompt, summed from fits of step time against position (quadratic against "
-        f"flat, so the ratio grows with the length); {_cpu(kv)}", "02")
+        f"{kv['prompt_tokens']}-token prompt, summed from fits of step time against position: "
+        f"{recomputes(kv['prompt_tokens'], kv['new_tokens'])} (quadratic against flat, so the ratio grows with the "
+        f"length); {_cpu(kv)}", "02")
     row(f"{kv['kv_kib_per_token']['float32']:.1f} KiB", "KV cache per token, float32", "2 x 30 layers x 3 KV heads x 64 x "
         f"4 bytes; {kv['kv_kib_per_token']['mha_float32']:.1f} KiB with 9 KV heads (no GQA)", "02, exercise 2")
     eager = next(r for r in roof["rows"] if r["kind"] == "decode" and r["batch_size"] == 1)
@@ -206,15 +198,28 @@ def key_numbers(folder: Path = FIGURES) -> str:
     row(f"{modes['engine']['output_tokens_per_s'] / modes['sequential']['output_tokens_per_s']:.2f}x",
         "the paged engine over one request at a time", f"{serve['num_requests']} requests at once, "
         f"{_trace(serve['trace'])}-like lengths x {serve['scale']}; {_cpu(serve)}", "README (`serve-bench`)")
+    tp = paged["throughput"]
+    top = max(tp, key=lambda k: int(k))
+    row(f"{tp[top] / tp['1']:.1f}x", "the paged engine over one request at a time", f"16 requests of 32 + 32 tokens, at "
+        f"most {top} running against at most 1 ({tp['1']:.1f} and {tp[top]:.1f} output tokens/s); {_cpu(paged)}",
+        "03, section 6")
+    small = paged["serve_bench"]
+    sm = small["modes"]
+    row(f"{sm['engine']['output_tokens_per_s'] / sm['sequential']['output_tokens_per_s']:.1f}x",
+        "the paged engine over one request at a time", f"{small['num_requests']} requests at once, ShareGPT-like lengths "
+        f"x {small['scale']:g} (about {small['mean_prompt']:.0f} + {small['mean_output']:.0f} tokens each), so at most "
+        f"{small['num_requests']} rows share a step's weight read; {_cpu(paged)}", "03, section 7")
+    engine = stack["gains"]["paged engine"]
+    row(f"{engine['alone']:.2f}x", "the paged engine over one request at a time", f"{stack['num_requests']} chat "
+        f"requests at once, {stack['new_tokens']} new tokens each, against row 2 (the KV cache one at a time); "
+        f"{_cpu(stack)}", "06")
     lines = _table(["value", "what", "protocol", "lesson or page"], ["r", "l", "l", "l"], rows)
-    lines += ["", "Built by `python -m tools.tables` from `figures/`: tour.json, stack.json, 02_kv_cache.json, "
-              "01_roofline.json, 04_speculative.json, 04a_gamma_sweep.json, 05_quant_table.json, serve_bench.json, "
-              "and notebook 00's stored output."]
+    lines += ["", "Built by `python -m tools.tables` from `figures/`: " + ", ".join(READS["key_numbers"]) + "."]
     return "\n".join(lines)
 
 
 TABLES = {"lesson_times": lesson_times, "key_numbers": key_numbers}
 FILES = {"docs/course.md": ["lesson_times"], "docs/course_key.md": ["key_numbers"]}
-READS = {"lesson_times": [], "key_numbers": ["tour.json", "stack.json", "02_kv_cache.json", "01_roofline.json",
-                                             "04_speculative.json", "04a_gamma_sweep.json", "serve_bench.json",
-                                             "05_quant_table.json"]}
+READS = {"lesson_times": [], "key_numbers": ["00_quickstart.json", "tour.json", "stack.json", "02_kv_cache.json",
+                                             "01_roofline.json", "03_paged_attention.json", "04_speculative.json",
+                                             "04a_gamma_sweep.json", "serve_bench.json", "05_quant_table.json"]}
