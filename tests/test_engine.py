@@ -303,3 +303,17 @@ def test_linear_floor_sums_each_steps_tokens_and_sampled_rows(tiny, monkeypatch)
     tokens = sum(n for r in records for _, _, n, _ in r.runs)
     assert floor["linear_s"] == pytest.approx(2.0 * tokens + 0.5 * sum(OUT_LENS))  # linear in M: exact
     assert max(floor["grid"]) == max(max(sum(n for _, _, n, _ in r.runs) for r in records), 1)
+
+
+def test_llm_keeps_no_statistics_unless_asked_and_serves_the_same_tokens(tiny):
+    """vLLM's ``LLM`` disables its stat logging by default: the engine then counts its committed steps (what
+    "auto" speculation fades by) and nothing else; asked for them, the counters agree and the tokens are the same."""
+    requests = [{"prompt_token_ids": p} for p in prompts([9, 5])]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    quiet = LLM(tiny, block_size=4, num_blocks=32)
+    counted = LLM(tiny, block_size=4, num_blocks=32, disable_log_stats=False)
+    a = quiet.generate(requests, params, use_tqdm=False)
+    b = counted.generate(requests, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert quiet.llm_engine.stats is None and quiet.llm_engine.steps == counted.llm_engine.steps > 0
+    assert counted.llm_engine.stats.steps == counted.llm_engine.steps == len(counted.llm_engine.stats.records)

@@ -39,7 +39,8 @@ def test_width_k_equals_naive_beam_search(tiny, width, eos, num_blocks):
     just, beside a second request, so beams are preempted and recomputed."""
     ps = [prompt(10), prompt(6, seed=1)]
     params = BeamSearchParams(width, 12, ignore_eos=not eos, length_penalty=1.0)
-    llm = LLM(tiny, block_size=4, num_blocks=num_blocks, eos_ids=set(eos), max_num_batched_tokens=8)
+    llm = LLM(tiny, block_size=4, num_blocks=num_blocks, eos_ids=set(eos), max_num_batched_tokens=8,
+              disable_log_stats=False)
     got = llm.beam_search([{"prompt_token_ids": p} for p in ps], params)
     for out, p in zip(got, ps):
         ref = beam_search_naive(tiny, p, params, eos_ids=set(eos))

@@ -14,7 +14,8 @@ def test_greedy_requests_equal_generate_cached_on_the_real_model(model, tokenize
     lengths = [(90, 12), (7, 20), (40, 9), (130, 6)]
     prompts = [text[700 * i:700 * i + p] for i, (p, _) in enumerate(lengths)]
     params = [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths]
-    llm = LLM(model, tokenizer=tokenizer, num_blocks=12, max_num_batched_tokens=32, record_logits=True)
+    llm = LLM(model, tokenizer=tokenizer, num_blocks=12, max_num_batched_tokens=32, record_logits=True,
+              disable_log_stats=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert llm.llm_engine.stats.preemptions > 0
     for i, (out, p, sp) in enumerate(zip(outs, prompts, params)):

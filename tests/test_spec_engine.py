@@ -489,7 +489,7 @@ def test_auto_stops_a_request_whose_drafts_fail(tiny):
     engine = LLMEngine(tiny, block_size=4, speculative_config={"method": "ngram", "num_speculative_tokens": "auto",
                                                                "step_cost": lambda n: 1.0 + 0.2 * n})
     seq_alpha = engine.spec.alpha
-    engine.spec._alpha[0] = (0.0, 30.0, engine.stats.steps)  # sequence 0 rejected 30 drafts, just now
+    engine.spec._alpha[0] = (0.0, 30.0, engine.steps)  # sequence 0 rejected 30 drafts, just now
     assert seq_alpha(0) < 0.04 and seq_alpha(1) == 0.5
 
 
@@ -506,7 +506,7 @@ def test_auto_starts_a_draft_models_sequences_from_its_measured_acceptance(tiny,
     assert engine.spec.prior == 0.5  # no tokenizer: nothing to measure on
     engine.spec.prior = 0.8
     assert engine.spec.alpha(7) == pytest.approx(0.8)
-    engine.spec._alpha[7] = (1.0, 4.0, engine.stats.steps)  # 1 of 4 accepted, just now
+    engine.spec._alpha[7] = (1.0, 4.0, engine.steps)  # 1 of 4 accepted, just now
     assert engine.spec.alpha(7) == pytest.approx((1 + 1.6) / 6)
 
 
@@ -544,7 +544,7 @@ def test_auto_tries_again_once_old_failures_fade(tiny):
     engine.spec._alpha[0] = (0.0, 12.0, 0)  # the preamble: 12 drafts rejected
     drafted = []
     for _ in range(12):
-        engine.stats.steps += 1  # a committed step
+        engine.steps += 1  # a committed step
         seq.spec_token_ids = [1, 2, 3, 4]
         kept = engine.spec._auto([(seq, None, 4)], [], [4])
         drafted.append(len(seq.spec_token_ids) if kept else 0)

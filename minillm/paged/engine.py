@@ -54,6 +54,8 @@ class LLMEngine:
             {"method": "draft_model", "model": PATH_OR_DECODER, "num_speculative_tokens": "auto"}.
         trace: a path: one JSON line per step (``trace.TraceWriter``, the schema in docs/trace.md), for
             ``python -m minillm trace replay``; None (default) records nothing.
+        log_stats: keep counters and step records in ``stats`` (``EngineStats``; vLLM's ``log_stats``): the server,
+            the benchmarks and a trace read them; ``LLM`` turns them off unless asked (``disable_log_stats``).
         keep_records: step records kept in ``stats.records`` (the latest; None: all), ``stats.KEEP_RECORDS``.
 
     Raises:
@@ -64,7 +66,8 @@ class LLMEngine:
                  kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 256, eos_ids=None, max_seq_len: int | None = None,
                  row_width: int | None = None, record_logits: bool = False, attention: str | None = None,
-                 speculative_config: dict | None = None, trace=None, keep_records: int | None = KEEP_RECORDS):
+                 speculative_config: dict | None = None, trace=None, keep_records: int | None = KEEP_RECORDS,
+                 log_stats: bool = True):
         attention = attention or model.paged_backend
         check_engine_args(block_size, num_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_seq_len,
                           attention, row_width)  # before the KV pool is allocated
@@ -83,12 +86,18 @@ class LLMEngine:
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens)
         self.eos_ids = stop_ids(tokenizer, eos_ids)
         self.row_width, self.flat = row_width, attention in self.cache.FLAT_PATHS  # one flat row, or (B, T) padded rows
-        self.spec = SpecDecoder(spec, self) if spec is not None else None  # reads self.requests when it proposes
-        self.stats = EngineStats(spec_decoding=self.spec.stats if self.spec is not None else None,
-                                 keep_records=keep_records)
-        self.tracker = RequestTracker(model, tokenizer, self.scheduler, self.eos_ids, self.max_seq_len, self.spec,
-                                      record_logits)
+        self.tracker = RequestTracker(model, tokenizer, self.scheduler, self.eos_ids, self.max_seq_len,
+                                      record_logits=record_logits)
         self.requests, self.beams, self.logits = self.tracker.requests, self.tracker.beams, self.tracker.logits
+        self.steps = 0  # committed steps: "auto" speculation fades a sequence's acceptance record by them
+        self.spec = self.tracker.spec = None  # the tracker verifies and appends the drafts
+        if spec is not None:
+            self.spec = self.tracker.spec = SpecDecoder(spec, model, tokenizer, self.scheduler, self.requests,
+                                                        self.max_seq_len, lambda: self.steps)
+        self.stats = None
+        if log_stats or trace is not None:
+            self.stats = EngineStats(spec_decoding=self.spec.stats if self.spec is not None else None,
+                                     keep_records=keep_records)
         if trace is not None:  # last: the writer reads the engine's settings
             self.stats.trace = TraceWriter(trace, self)
         self._pending: list[RequestOutput] = []  # outputs of a step that raised: the next step returns them
@@ -167,12 +176,14 @@ class LLMEngine:
                     return outputs
                 rows, ready = self._pack(plan)  # pack: every scheduled token in one forward's rows
                 logits = self._forward(rows, ready)  # forward: the ready sequences' next-token logits
-                record = self.stats.record_step(plan, rows.shape, len(ready), self.scheduler, start)
+                record = (self.stats.record_step(plan, rows.shape, len(ready), self.scheduler, start)
+                          if self.stats is not None else None)
                 draws = self.tracker.draw(ready, logits)  # sample
             with interrupts_deferred():  # the forward wrote its tokens: from here the step stands
                 self._commit(plan, start, record, outputs)
                 self.tracker.append(ready, draws, outputs, self._append)  # append, stop
-            self.stats.end_step(record, plan, ready, draws, outputs)
+            if self.stats is not None:
+                self.stats.end_step(record, plan, ready, draws, outputs)
             return outputs
 
     @contextmanager
@@ -247,7 +258,9 @@ class LLMEngine:
                     req.num_cached_tokens, req.metrics.first_scheduled_time = seq.num_computed_tokens, start
                     admitted.append((len(req.prompt_token_ids), req.num_cached_tokens))
                 seq.num_computed_tokens += n
-            self.stats.add(record, admitted)
+            self.steps += 1
+            if self.stats is not None:
+                self.stats.add(record, admitted)
         except BaseException:
             for rid in dict.fromkeys(s.request_id for s, _ in plan.scheduled):
                 req = self.requests.get(rid)

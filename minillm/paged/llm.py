@@ -32,6 +32,8 @@ class LLM:
             ``minillm.model.Decoder`` (then pass its ``tokenizer``, or None for token-id prompts).
         block_size ... max_num_batched_tokens, **engine_kwargs: as ``LLMEngine`` (``trace=PATH`` writes the
             engine's steps, one JSON line each: docs/trace.md).
+        disable_log_stats: no counters or step records (``llm_engine.stats`` is None), as vLLM's ``LLM``; False
+            keeps them (``EngineStats``: steps, preemptions, prefix hits, blocks in use per step).
         dtype, device, fast, n_shards: how ``load_model`` loads a path (ignored for a loaded model): ``fast=False``
             serves the plain model (the library's torch only, the "blockwise" read).
 
@@ -45,8 +47,8 @@ class LLM:
 
     def __init__(self, model=None, *, tokenizer=None, block_size: int = 16, num_blocks: int | None = None,
                  kv_cache_bytes: float | None = None, enable_prefix_caching: bool = True, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 256, dtype="float32", device="cpu", fast: bool = True,
-                 n_shards: int | None = None, **engine_kwargs):
+                 max_num_batched_tokens: int = 256, disable_log_stats: bool = True, dtype="float32",
+                 device="cpu", fast: bool = True, n_shards: int | None = None, **engine_kwargs):
         check_engine_args(block_size, num_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens,
                           engine_kwargs.get("max_seq_len"))
         if engine_kwargs.get("trace") is not None:
@@ -57,7 +59,7 @@ class LLM:
         self.llm_engine = LLMEngine(model, tokenizer, block_size=block_size, num_blocks=num_blocks,
                                     kv_cache_bytes=kv_cache_bytes, enable_prefix_caching=enable_prefix_caching,
                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                    **engine_kwargs)
+                                    log_stats=not disable_log_stats, **engine_kwargs)
         # ids of the form "<this LLM>-<n>": never equal to an id a caller picks for llm_engine.add_request
         self._ids = (f"llm-{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
 

@@ -16,9 +16,8 @@ import torch
 from ..stops import GenerationResult, Stopper, check_prompt
 from ..sampling import SamplingParams
 from .beam import BeamSearchParams, EngineBeams
-from .sampler import draw_tokens, sample_generator
+from .sampler import Draw, draw_tokens, sample_generator
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
-from .spec_decode import Run
 
 
 class RequestTracker:
@@ -67,10 +66,10 @@ class RequestTracker:
         self.scheduler.add(seq)
 
     # ---- a step's draws and appends ---------------------------------------------------------------
-    def draw(self, ready: list[Sequence], logits: torch.Tensor) -> list[list[tuple[int, float]] | None]:
-        """What each ready sequence draws (``sampler.draw_tokens``): one token per sample it becomes (a
-        request's first sample draws for all n), None for a beam (held for its siblings), a drafted
-        sequence's verified tokens (``spec_decode.Run``). Changes nothing if it raises."""
+    def draw(self, ready: list[Sequence], logits: torch.Tensor) -> list[Draw]:
+        """What each ready sequence draws (``sampler.Draw``): one token per sample it becomes (a request's
+        first sample draws for all n), nothing for a beam (held for its siblings), a drafted sequence's
+        verified run. Changes nothing if it raises."""
         plans, last = [], self.spec.last_rows(logits) if self.spec is not None else logits
         try:
             for i, seq in enumerate(ready):
@@ -105,12 +104,12 @@ class RequestTracker:
             req = self.requests[rid]
             try:
                 for seq, drawn in items:
-                    if isinstance(drawn, Run):  # verified drafts: roll back the rejected, append the rest
+                    if drawn.drafted:  # a verified run: roll back the rejected drafts, append the rest
                         self.spec.append(req, seq, drawn, append)
-                    elif drawn is not None:  # a token per sample: a request's first sample forks into n
-                        targets = [seq] + [self.fork(req, seq, k) for k in range(1, len(drawn))]
+                    elif drawn.samples:  # a token per sample: a request's first sample forks into n
+                        targets = [seq] + [self.fork(req, seq, k) for k in range(1, len(drawn.samples))]
                         req.forked = True
-                        for target, (token, logprob) in zip(targets, drawn):
+                        for target, [(token, logprob)] in zip(targets, drawn.samples):
                             append(req, target, token, logprob)
                 if req.is_beam_search:
                     self.beams.step(req, self.fork, self.finish)

@@ -8,10 +8,25 @@ reaches the host in one copy (one device sync per step). A draw that raises rest
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
 from ..sampling import SamplingParams, check_logits, make_generator, sample
+
+
+@dataclass
+class Draw:
+    """What one ready sequence draws in a step: ``samples``, per sample, its tokens [(token id, logprob)].
+
+    A decode draws one sample of one token; a request's first draw with n > 1 draws n samples of one token (the
+    sequence forks into n); a verified run (speculative decoding) is one sample of several tokens, the accepted
+    drafts and then one more, with ``drafted`` and ``accepted`` counting the drafts examined and kept; a beam
+    draws nothing here (its siblings are selected together, ``beam.py``)."""
+
+    samples: list[list[tuple[int, float]]]
+    drafted: int = 0
+    accepted: int = 0
 
 
 def sample_generator(params: SamplingParams, k: int, device) -> torch.Generator:
@@ -49,21 +64,21 @@ def checked_lse(logits: torch.Tensor) -> torch.Tensor:
     return lse
 
 
-def draw_tokens(logits: torch.Tensor, plans: list) -> list[list[tuple[int, float]] | None]:
+def draw_tokens(logits: torch.Tensor, plans: list) -> list[Draw]:
     """The tokens each row of ``logits`` (R, V) draws, with their logprobs (log-softmax of the raw logits,
     as vLLM reports them).
 
     Args:
         plans: per row, None (the row draws nothing: a beam, selected elsewhere) or (params, generators):
             one draw per generator; greedy params take the argmax (their generators are None).
-    Returns: per row, None or [(token id, logprob)] (one per generator).
+    Returns: per row, a ``Draw`` of one token per generator (none for a None plan).
     Raises:
         ValueError: logits with NaN, +inf or a row all -inf (``check_logits``); nothing is changed.
     """
     lse = checked_lse(logits)  # (R,)
     slots = [(i, plan[0], g) for i, plan in enumerate(plans) if plan is not None for g in plan[1]]  # g None: greedy
     if not slots:
-        return [None] * len(plans)
+        return [Draw([]) for _ in plans]
     index = torch.tensor([i for i, _, _ in slots], device=logits.device)
     greedy = any(g is None for _, _, g in slots)
     tokens = logits.argmax(-1)[index] if greedy else index.new_empty(len(slots))  # (K,): one argmax for every row
@@ -76,6 +91,6 @@ def draw_tokens(logits: torch.Tensor, plans: list) -> list[list[tuple[int, float
     draws, j = [], 0
     for plan in plans:
         c = 0 if plan is None else len(plan[1])
-        draws.append([(int(t), lp) for t, lp in zip(host[0][j:j + c], host[1][j:j + c])] if plan is not None else None)
+        draws.append(Draw([[(int(t), lp)] for t, lp in zip(host[0][j:j + c], host[1][j:j + c])]))
         j += c
     return draws

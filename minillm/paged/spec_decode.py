@@ -22,7 +22,7 @@ from ..data import BENCH_PROMPT
 from ..sampling import logits_to_probs
 from ..speculative.proposers import NgramProposer
 from ..speculative.rejection import draw, rejection_sample
-from .sampler import checked_lse, draw_tokens, keyed_generator, restored_on_error
+from .sampler import Draw, checked_lse, draw_tokens, keyed_generator, restored_on_error
 from .spec_draft import DraftRunner
 from .spec_auto import choose_draft_lengths, measure_acceptance, measure_step_cost
 
@@ -142,14 +142,6 @@ class SpecDecodingStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
-class Run(list):
-    """A drafted sequence's verified tokens [(token id, logprob)]: the accepted drafts, then one more."""
-
-    def __init__(self, tokens, drafted: int, accepted: int):
-        super().__init__(tokens)
-        self.drafted, self.accepted = drafted, accepted
-
-
 def keyed_run(drafts: list[int], target_probs: torch.Tensor, seed: int, position: int) -> tuple[list[int], int]:
     """Rejection sampling with a one-hot q (prompt lookup), one uniform per position: the token at
     ``position + j`` is ``draw(target_probs[j])`` with a generator seeded by (seed, position + j), and the draft
@@ -167,22 +159,25 @@ class SpecDecoder:
     """The engine's speculation: ``propose`` before the scheduler, ``logits_indices`` for the forward,
     ``draw`` (verification) after it, ``append`` (rollback and tokens) when the step commits."""
 
-    def __init__(self, config: SpeculativeConfig, engine):
-        self.config, self.engine = config, engine
+    def __init__(self, config: SpeculativeConfig, model, tokenizer, scheduler, requests: dict, max_seq_len: int,
+                 steps):
+        """``model``: the target; ``scheduler``: the engine's (its pool and limits); ``requests``: the engine's
+        live requests by id (a sequence's sampling parameters); ``steps()``: the engine's committed steps."""
+        self.config, self.requests, self.max_seq_len, self.steps = config, requests, max_seq_len, steps
+        self.manager, self.budget = scheduler.manager, scheduler.max_num_batched_tokens
         self.stats = SpecDecodingStats()
-        vocab = engine.model.config.vocab_size
-        self.ngram = NgramProposer(vocab, config.prompt_lookup_max, config.prompt_lookup_min)
+        self.ngram = NgramProposer(model.config.vocab_size, config.prompt_lookup_max, config.prompt_lookup_min)
         self.draft = None
         if config.method == "draft_model":
-            self.draft = DraftRunner(config.model, engine, config.k, config.auto)
+            self.draft = DraftRunner(config.model, scheduler, config.k, config.auto)
         self.step_cost = config.step_cost
         if config.auto and self.step_cost is None:
-            self.step_cost = measure_step_cost(engine.model, engine.scheduler.max_num_batched_tokens)
+            self.step_cost = measure_step_cost(model, self.budget)
         # the acceptance rate a sequence starts from (as two drafts' worth of evidence): a draft model's measured
         # at start on a short text of its own where the engine can tokenize one, else 1 in 2
         self.prior = 0.5
-        if config.auto and self.draft is not None and engine.tokenizer is not None:
-            measured = measure_acceptance(config.model, engine.model, engine.tokenizer.encode(BENCH_PROMPT))
+        if config.auto and self.draft is not None and tokenizer is not None:
+            measured = measure_acceptance(config.model, model, tokenizer.encode(BENCH_PROMPT))
             self.prior = 0.5 if measured is None else measured
         self._alpha: dict[int, tuple[float, float, int]] = {}  # seq_id -> (accepted, examined) drafts at a step
         self._counts: list[int] = []  # rows of each ready sequence in the last forward
@@ -193,7 +188,7 @@ class SpecDecoder:
         seqs = []
         for seq in running:
             seq.spec_token_ids = []
-            req = self.engine.requests.get(seq.request_id)
+            req = self.requests.get(seq.request_id)
             # one token left to compute, and not the prompt's last: at the first draw a request with n > 1 forks,
             # and each of its samples draws its own first token
             if (req is None or req.is_beam_search or seq.num_tokens - seq.num_computed_tokens != 1
@@ -215,7 +210,7 @@ class SpecDecoder:
 
     def _auto(self, seqs, running, most):
         """Cut each sequence's draft to the length ``choose_draft_lengths`` picks for this step."""
-        own = sum(min(s.num_tokens - s.num_computed_tokens, self.engine.scheduler.max_num_batched_tokens)
+        own = sum(min(s.num_tokens - s.num_computed_tokens, self.budget)
                   for s in running if s.num_tokens > s.num_computed_tokens)
         alphas = [self.alpha(seq.seq_id) for seq, _, _ in seqs]
         feeds = catch_up = None
@@ -230,7 +225,7 @@ class SpecDecoder:
 
     def _room(self, seq, req) -> int:
         """Tokens the sequence may still emit: its max_tokens, or its context, whichever ends first."""
-        return min(req.params.max_new_tokens - seq.num_output_tokens, self.engine.max_seq_len - seq.num_tokens + 1)
+        return min(req.params.max_new_tokens - seq.num_output_tokens, self.max_seq_len - seq.num_tokens + 1)
 
     def _first_feed(self, seq, req, alpha: float, most: int) -> tuple[float, float]:
         """(tokens, seconds): what a sequence's first draft forward is priced at. In steady state the draft has
@@ -261,7 +256,7 @@ class SpecDecoder:
         """(accepted, examined) as of now, faded by the steps committed since (read, not written, while a step
         is planned: a failed step leaves them as they were)."""
         accepted, examined, at = self._alpha.get(seq_id, (0.0, 0.0, 0))
-        keep = ALPHA_DECAY ** (self.engine.stats.steps - at)
+        keep = ALPHA_DECAY ** (self.steps() - at)
         return accepted * keep, examined * keep
 
     def discard(self, running) -> None:
@@ -289,16 +284,16 @@ class SpecDecoder:
             return logits
         return logits[torch.tensor(list(itertools.accumulate(self._counts)), device=logits.device) - 1]
 
-    def emitted_rows(self, logits: torch.Tensor, i: int, drawn) -> torch.Tensor:
-        """The logits rows the i-th ready sequence's drawn tokens come from: a ``Run``'s from its pending token on
-        (one per verified token), else its last row."""
+    def emitted_rows(self, logits: torch.Tensor, i: int, drawn: Draw) -> torch.Tensor:
+        """The logits rows the i-th ready sequence's drawn tokens come from: a verified run's from its pending
+        token on (one per token), else its last row."""
         end = sum(self._counts[:i + 1])
-        if isinstance(drawn, Run):
-            return logits[end - self._counts[i]:end - self._counts[i] + len(drawn)]
+        if drawn.drafted:
+            return logits[end - self._counts[i]:end - self._counts[i] + len(drawn.samples[0])]
         return logits[end - 1:end]
 
-    def draw(self, logits: torch.Tensor, plans: list, ready) -> list:
-        """What each ready sequence draws: a ``Run`` (verification) for a drafted one, else one token per sample
+    def draw(self, logits: torch.Tensor, plans: list, ready) -> list[Draw]:
+        """What each ready sequence draws: a verified run for a drafted one, else one token per sample
         (``draw_tokens``; with prompt lookup a sampled row draws by position). Generators are restored on error."""
         mine = [i for i, (s, p) in enumerate(zip(ready, plans))
                 if p is not None and (s.spec_token_ids or (self.draft is None and not p[0].greedy))]
@@ -312,10 +307,10 @@ class SpecDecoder:
             draws[i] = drawn
         return draws
 
-    def _verify(self, logits, plans, ready, mine) -> list:
+    def _verify(self, logits, plans, ready, mine) -> list[Draw]:
         """Greedy: the longest prefix of drafts equal to the target's argmax, then the argmax after it. Sampled:
-        ``keyed_run`` per sample (prompt lookup) or ``rejection_sample`` against the draft's q. Returns a ``Run``
-        for a drafted sequence, else [(token, logprob)] per sample."""
+        ``keyed_run`` per sample (prompt lookup) or ``rejection_sample`` against the draft's q. Returns a ``Draw``
+        per sequence: a verified run for a drafted one, else one token per sample."""
         starts = [e - c for e, c in zip(itertools.accumulate(self._counts), self._counts)]
         lse = checked_lse(logits)
         top = logits.argmax(-1).tolist()
@@ -342,19 +337,19 @@ class SpecDecoder:
         lps = (logits[rows_t, torch.tensor(toks, device=logits.device)].double() - lse[rows_t].double()).tolist()
         out, j = [], 0
         for d, runs in found:
-            pairs = []
+            samples = []
             for emitted, _ in runs:
-                pairs.append(list(zip(emitted, lps[j:j + len(emitted)])))
+                samples.append(list(zip(emitted, lps[j:j + len(emitted)])))
                 j += len(emitted)
-            out.append(Run(pairs[0], d, runs[0][1]) if d else [p[0] for p in pairs])
+            out.append(Draw(samples, d, runs[0][1]) if d else Draw(samples))
         return out
 
     # ---- once the step commits -----------------------------------------------------------------------
-    def append(self, req, seq, run: Run, append) -> None:
+    def append(self, req, seq, run: Draw, append) -> None:
         """Roll the rejected drafts back (computed count and slots, as if never drafted), count the step, then
         append the run's tokens with ``append`` (the engine's, with its stops) until the sequence finishes."""
         seq.num_computed_tokens -= run.drafted - run.accepted
-        self.engine.manager.truncate(seq.seq_id, seq.num_computed_tokens, keep_token_ids=True)
+        self.manager.truncate(seq.seq_id, seq.num_computed_tokens, keep_token_ids=True)
         seq.spec_token_ids = []
         self.stats.observe(run.drafted, run.accepted)
         if req.metrics.spec_decoding is None:
@@ -362,8 +357,8 @@ class SpecDecoder:
         req.metrics.spec_decoding.observe(run.drafted, run.accepted)
         accepted, examined = self._faded(seq.seq_id)
         self._alpha[seq.seq_id] = (accepted + run.accepted, examined + min(run.accepted + 1, run.drafted),
-                                   self.engine.stats.steps)
-        for token, logprob in run:
+                                   self.steps())
+        for token, logprob in run.samples[0]:
             append(req, seq, token, logprob)
             if seq.is_finished:
                 break

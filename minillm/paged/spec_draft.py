@@ -24,13 +24,13 @@ from .spec_auto import measure_step_cost
 
 class DraftRunner:
     """Drafts for a batch of sequences with a draft ``Decoder`` (the target's vocabulary; a quantized copy of
-    the target is one) on its own ``PagedKVCache``, sized from the ``LLMEngine``'s pool and seats."""
+    the target is one) on its own ``PagedKVCache``, sized from the engine's pool and seats (its ``Scheduler``)."""
 
-    def __init__(self, model, engine, k: int, auto: bool):
-        self.model, self.engine = model, engine
-        bs = engine.block_size
-        extra = engine.scheduler.max_num_seqs * (blocks_for(k, bs) + 1)  # the drafts past each context
-        self.cache = backend(model.paged_backend)(model.config, engine.num_blocks + extra, bs, dtype=model.dtype,
+    def __init__(self, model, scheduler, k: int, auto: bool):
+        self.model = model
+        pool, bs = scheduler.manager, scheduler.manager.block_size
+        extra = scheduler.max_num_seqs * (blocks_for(k, bs) + 1)  # the drafts past each context
+        self.cache = backend(model.paged_backend)(model.config, pool.num_blocks + extra, bs, dtype=model.dtype,
                                                   device=model.device, enable_prefix_caching=False,
                                                   attention=model.paged_backend)
         self.manager = self.cache.manager
@@ -43,7 +43,7 @@ class DraftRunner:
         self._kept: dict[int, int | None] = {}
         # the start's curve reaches a step's token budget (or the draft's context, if shorter): a first forward
         # feeds a whole prompt, which a curve measured only up to the seats would extrapolate flat
-        self.cost = measure_step_cost(model, engine.scheduler.max_num_batched_tokens, repeats=2,
+        self.cost = measure_step_cost(model, scheduler.max_num_batched_tokens, repeats=2,
                                       every_logit=False) if auto else None
         self.seconds: dict[int, float] = {}  # tokens fed -> seconds of one draft forward of that many, as run
 

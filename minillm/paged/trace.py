@@ -17,7 +17,6 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from .spec_decode import Run
 
 __all__ = ["TRACE_FORMAT", "TRACE_VERSION", "TraceWriter", "check_trace_path"]
 
@@ -84,7 +83,7 @@ class TraceWriter:
         stderr; the engine goes on."""
         if self._file is None:
             return
-        runs = {s.seq_id: d for s, d in zip(ready, draws) if isinstance(d, Run)}
+        runs = {s.seq_id: d for s, d in zip(ready, draws) if d.drafted}
         batch = []
         for (seq, _), (rid, index, n, kind) in zip(plan.scheduled, rec.runs):
             run = runs.get(seq.seq_id)
