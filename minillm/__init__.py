@@ -13,7 +13,8 @@ from .kv_cache import KVCache, kv_cache_bytes
 from .errors import ModelFileError
 from .loading import default_model_path, load_model
 from .model import Decoder, ModelConfig
-from .sampling import SamplingParams, logits_to_probs, sample
+from .sampling import logits_to_probs, sample
+from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 from .paged.llm import LLM  # vLLM's API: from minillm import LLM, SamplingParams
 from .paged.beam import BeamSearchParams

@@ -36,7 +36,7 @@ from .lab.peers import LLAMACPP_INSTALL, llamacpp_available
 from .options import add_model_args, at_least, is_quantized_file, load, print_json
 from .quant import cli as quant_cli
 from .roofline import cli as roofline_cli
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .server import cli as server_cli  # FastAPI loads only when `serve` runs
 from .speculative import cli as speculative_cli
 from .speculative import speculative_generate

@@ -22,7 +22,8 @@ import torch
 
 from .kv_cache import make_cache
 from .stops import GenerationResult, Stopper, check_prompt, check_token_ids, finish, stop_ids
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import make_generator, sample
+from .sampling_params import SamplingParams
 from .timing import synchronize
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 @dataclass

@@ -17,7 +17,7 @@ from minillm.formats import hf_export
 from minillm.formats.hf import load_hf_checkpoint
 from minillm.generation import generate
 from minillm.loading import load_model
-from minillm.sampling import SamplingParams
+from minillm.sampling_params import SamplingParams
 from minillm.tokenizer import Tokenizer
 
 TEXTS = ["Hello world!", "The year 2024 had 365 days;  two  spaces\n\n\tand a tab", "Café naïve 東京 🤖",

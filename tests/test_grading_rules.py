@@ -13,7 +13,8 @@ import minillm
 from minillm.exercises import EXERCISES, check
 from minillm.exercises.checker import SEED
 from minillm.exercises.forbid import resolve
-from minillm.sampling import SamplingParams, logits_to_probs
+from minillm.sampling import logits_to_probs
+from minillm.sampling_params import SamplingParams
 
 
 def quiet_check(name, fn):

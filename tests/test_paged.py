@@ -10,7 +10,7 @@ from minillm.kv_cache import KVCache, kv_cache_bytes
 from minillm.lab.engine_costs import measure_attention_paths
 from minillm.model import ModelConfig, attention, attention_mask
 from minillm.paged import BlockManager, NoFreeBlocksError, PagedKVCache, generate_paged, paged_attention
-from minillm.sampling import SamplingParams
+from minillm.sampling_params import SamplingParams
 
 CFG = ModelConfig(n_layers=1, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=300,
                   max_seq_len=128)

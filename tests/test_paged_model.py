@@ -8,7 +8,7 @@ from helpers import paged_cache
 
 from minillm.kv_cache import KVCache
 from minillm.paged import PagedKVCache, generate_paged
-from minillm.sampling import SamplingParams
+from minillm.sampling_params import SamplingParams
 
 STEPS = 64
 PROMPTS = ("Hi", "The three witches met on the heath and spoke of Macbeth",

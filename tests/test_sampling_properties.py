@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from minillm import SamplingParams, load_model, logits_to_probs, sample
 from minillm.generation import generate_batch, generate_cached
-from minillm.sampling import GREEDY_BELOW
+from minillm.sampling_params import GREEDY_BELOW
 from minillm.speculative import DraftModelProposer, NgramProposer, speculative_generate
 
 

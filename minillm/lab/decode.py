@@ -25,7 +25,7 @@ from ..kv_cache import make_cache
 from ..fast.threads import torch_default_threads
 from ..paged import generate_paged
 from ..quant.qlinear import QuantLinear
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..timing import dtype_name, instruction_set, machine, synchronize, time_median
 from .background import busy_note
 from .peers import load_transformers_peer

@@ -24,7 +24,7 @@ from ..quant import QuantLinear, Recipe, quantize_model
 from ..quant.activations import quantize_activations
 from ..quant.head import quantize_output
 from ..roofline.ceilings import measure
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..timing import instruction_set, machine
 from .background import busy_note
 from .decode import decode_bytes_per_token, run_ours

@@ -33,7 +33,7 @@ from ..evaluation import perplexity, reference_logprobs
 from ..files import atomic_write, check_output_path, dumps_strict, runs_folder, save_figure
 from ..generation import generate_cached
 from ..options import add_model_args, at_least, load, print_json
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..timing import machine
 from .avenues import AVENUES, cmd_gptq_avenues
 from .bitrate import add_bench_args, cmd_bench_bitrate

@@ -28,7 +28,7 @@ from ..model import Decoder, ModelConfig
 from ..paged.beam import BeamSearchParams
 from ..paged.engine import LLMEngine
 from ..paged.fragmentation import MAX_SEQ_LEN, TRACES, kv_utilization, make_trace
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..fast.threads import torch_default_threads
 from ..timing import dtype_name, machine
 from .background import busy_note

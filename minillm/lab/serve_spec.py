@@ -19,7 +19,7 @@ from ..files import runs_folder
 from ..loading import load_model
 from ..options import check_model_path, load, print_json
 from ..paged.engine import LLMEngine
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..timing import dtype_name, machine
 from .serve_bench import median_run
 

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 
 from ..generation import generate_cached
 from ..options import add_model_args, at_least, int_list, load, print_json
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..timing import dtype_name, machine, measure_verify
 from ..speculative.decode import predicted_speedup, speculative_generate
 from ..speculative.proposers import DraftModelProposer, NgramProposer

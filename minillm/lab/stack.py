@@ -35,7 +35,7 @@ from ..model import LayerNorm, RMSNorm
 from ..paged.engine import LLMEngine
 from ..quant.qlinear import QuantLinear
 from ..roofline.cost import decode_cost, forward_cost
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..timing import dtype_name, machine
 from .engine_costs import linear_seconds
 from .serve_bench import drive_engine

@@ -14,7 +14,7 @@ from ..generation import generate, generate_cached, generate_naive
 from ..options import add_model_args, at_least, is_quantized_file, load, print_json
 from ..quant import Recipe
 from ..quant.pipeline import quantize_model
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from ..timing import dtype_name, machine
 from .decode import plot_step_times
 from .serve_bench import _greedy, make_requests, run_engine, run_sequential

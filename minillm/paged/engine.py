@@ -18,7 +18,7 @@ import torch
 from ..stops import stop_ids
 from ..kv_cache import kv_cache_bytes as kv_bytes_of
 from ..loading import load_model
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .batching import pack_flat, pack_rows
 from .beam import BeamSearchParams
 from .cache import backend

@@ -9,7 +9,7 @@ from typing import Callable
 
 from ..generation import run_batch
 from ..stops import GenerationResult, check_prompt
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .block_manager import blocks_for
 from .cache import backend
 

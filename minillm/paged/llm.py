@@ -16,7 +16,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..loading import load_model
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .beam import BeamSearchOutput, BeamSearchParams
 from .config import check_engine_args
 from .engine import LLMEngine

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from ..stops import GenerationResult, Stopper, check_prompt
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .beam import BeamSearchParams, EngineBeams
 from .sampler import Draw, draw_tokens, sample_generator
 from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence

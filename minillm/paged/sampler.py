@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams, check_logits, make_generator, sample
+from ..sampling import check_logits, make_generator, sample
+from ..sampling_params import SamplingParams
 
 
 @dataclass

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..generation import generate_cached
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 
 
 def choose_draft_lengths(alphas: list[float], most: list[int], step_tokens: int, step_cost,

@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from ..sampling import SamplingParams, logits_to_probs
+from ..sampling import logits_to_probs
+from ..sampling_params import SamplingParams
 from ..speculative.rejection import draw
 from .batching import pack_flat
 from .block_manager import NoFreeBlocksError, blocks_for

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .logprobs import MAX_LOGPROBS, token_text
 
 ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 500: "server_error",

@@ -5,7 +5,7 @@ tokens per pass that prompt lookup reaches over a grid of settings when a greedy
 
 from __future__ import annotations
 
-from ..sampling import SamplingParams
+from ..sampling_params import SamplingParams
 from .decode import replay_greedy
 from .proposers import NgramProposer
 from .rejection import expected_tokens_per_pass

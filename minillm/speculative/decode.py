@@ -16,7 +16,8 @@ import torch
 from ..generation import prefill
 from ..stops import GenerationResult, Stopper, check_prompt, check_token_ids, finish, stop_ids
 from ..kv_cache import KVCache
-from ..sampling import SamplingParams, logits_to_probs, make_generator
+from ..sampling import logits_to_probs, make_generator
+from ..sampling_params import SamplingParams
 from ..timing import synchronize
 from .rejection import expected_tokens_per_pass, rejection_sample
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache import KVCache
-from ..sampling import SamplingParams, logits_to_probs
+from ..sampling import logits_to_probs
+from ..sampling_params import SamplingParams
 from .rejection import draw
 
 
