@@ -12,7 +12,8 @@ from .generation import GenerationResult, decode_step, generate, generate_cached
 from .kv_cache import KVCache, kv_cache_bytes
 from .errors import ModelFileError
 from .loading import default_model_path, load_model
-from .model import Decoder, ModelConfig
+from .config import ModelConfig
+from .model import Decoder
 from .sampling import logits_to_probs, sample
 from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .model import RAGGED_NEEDS_PAGED, ModelConfig, attention
+from .config import ModelConfig
+from .model import RAGGED_NEEDS_PAGED, attention
 
 
 class Cache:

@@ -120,7 +120,8 @@ def write_hf_checkpoint(folder, arch="llama", tie=False, seed=0):
 
 def random_decoder(vocab_size: int, scale: float = 1.0, max_seq_len: int = 512, head_dim: int = 16):
     """A 2-layer Llama ``Decoder`` (GQA: 4 heads, 2 KV heads, width 4 * head_dim) with seeded random weights."""
-    from minillm.model import Decoder, ModelConfig
+    from minillm.config import ModelConfig
+    from minillm.model import Decoder
 
     torch.manual_seed(0)
     C, Ckv = 4 * head_dim, 2 * head_dim

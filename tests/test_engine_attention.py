@@ -8,7 +8,8 @@ from helpers import paged_cache, random_decoder
 
 from minillm.fast import kernels
 from minillm import SamplingParams
-from minillm.model import ModelConfig, attention, attention_mask
+from minillm.config import ModelConfig
+from minillm.model import attention, attention_mask
 from minillm.paged import LLMEngine, PagedKVCache, pack_flat, pack_rows, pack_rows_naive
 from minillm.fast.paged import buckets
 

@@ -8,7 +8,8 @@ from helpers import paged_cache, random_decoder
 from minillm.generation import generate_cached
 from minillm.kv_cache import KVCache, kv_cache_bytes
 from minillm.lab.engine_costs import measure_attention_paths
-from minillm.model import ModelConfig, attention, attention_mask
+from minillm.config import ModelConfig
+from minillm.model import attention, attention_mask
 from minillm.paged import BlockManager, NoFreeBlocksError, PagedKVCache, generate_paged, paged_attention
 from minillm.sampling_params import SamplingParams
 

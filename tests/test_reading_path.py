@@ -85,6 +85,7 @@ def test_a_plain_request_reaches_the_online_softmax_and_nothing_of_the_speed_lay
     assert calls, "the plain engine never ran paged/attention.py's online softmax"
     assert not [f for f in files if f.startswith("minillm/fast/")], files
     assert "minillm/paged/attention.py" in files
+    assert sum(files.values()) <= 3000, files
 
 
 def test_plain_copy_gives_back_the_library_layers_and_the_same_logits():

@@ -9,7 +9,7 @@ import pytest
 from minillm.lab.hardware import DEVICES, Device, cpu_device, device_named, model_named
 from minillm.lab.sim_router import route, shared_prefix_requests, simulate_router
 from minillm.lab.simulate import SimEngine, all_reduce_time, kv_pool_blocks, max_concurrency, simulate, step_cost
-from minillm.model import ModelConfig
+from minillm.config import ModelConfig
 
 # per layer: C*D*(H + 2 Hkv) + H*D*C + 3*C*F = 8*4*4 + 2*4*8 + 3*8*16 = 576; head: V*C = 256
 TINY = ModelConfig(n_layers=2, dim=8, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=16, vocab_size=32, max_seq_len=64)

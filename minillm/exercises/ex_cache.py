@@ -9,7 +9,8 @@ import math
 import torch
 
 from ..kv_cache import KVCache
-from ..model import ModelConfig, apply_rope, rope_tables
+from ..config import ModelConfig
+from ..model import apply_rope, rope_tables
 from .checker import Case, Exercise, Failure, describe, first_match, same_tensor, tensor_problem
 
 # ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..kv_cache import kv_cache_bytes
-from ..model import ModelConfig
+from ..config import ModelConfig
 from ..roofline import forward_cost
 from .checker import Case, Exercise, Failure, close, describe, first_match, number_problem
 

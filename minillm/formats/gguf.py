@@ -22,7 +22,7 @@ import torch
 
 from . import gguf_blocks
 from ..errors import ModelFileError
-from ..model import ModelConfig, weight_shapes
+from ..config import ModelConfig, weight_shapes
 
 
 def read_gguf(path: str | Path):

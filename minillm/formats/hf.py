@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..errors import ModelFileError
-from ..model import ModelConfig, weight_shapes
+from ..config import ModelConfig, weight_shapes
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

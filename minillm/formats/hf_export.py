@@ -27,7 +27,7 @@ import torch
 
 from ..errors import ModelFileError
 from ..files import check_output_path
-from ..model import ModelConfig
+from ..config import ModelConfig
 from ..tokenizer import Tokenizer
 from .tokenizer_files import GPT2_PATTERN, SMOLLM_PATTERN, bytes_to_unicode
 from .hf import _hf_config, load_hf_checkpoint

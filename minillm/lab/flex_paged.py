@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ..model import ModelConfig
+from ..config import ModelConfig
 from ..paged.attention import padded_slots
 from ..fast.paged import FastPagedKVCache
 from ..timing import machine, time_median

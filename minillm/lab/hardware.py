@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..model import ModelConfig
+from ..config import ModelConfig
 
 __all__ = ["DEVICES", "Device", "MODELS", "cpu_device", "device_named", "model_named"]
 

@@ -24,7 +24,8 @@ from tqdm.auto import tqdm
 
 from ..data import HELD_OUT_PLAY, play_text
 from ..generation import generate_batch, generate_cached
-from ..model import Decoder, ModelConfig
+from ..config import ModelConfig
+from ..model import Decoder
 from ..paged.beam import BeamSearchParams
 from ..paged.engine import LLMEngine
 from ..paged.fragmentation import MAX_SEQ_LEN, TRACES, kv_utilization, make_trace

@@ -125,7 +125,7 @@ def h200_check(record: dict = H200_RECORD) -> list[dict]:
     """The step cost against docs/gpu.md's H200 forwards: its measured ceilings, and the overhead its batch-1
     decode took beyond them (calibrated on that row alone); each other row's predicted and measured seconds.
     Prefill computes every token's logits there (``roofline.compare``), decode reads ``context`` positions."""
-    from ..model import ModelConfig
+    from ..config import ModelConfig
     from .hardware import Device
     from .simulate import step_cost
     config = ModelConfig()

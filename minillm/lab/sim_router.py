@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..model import ModelConfig
+from ..config import ModelConfig
 from ..paged.prefix_cache import hash_block_tokens
 from .hardware import Device
 from .simulate import SimEngine, _pct

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..kv_cache import kv_cache_bytes
-from ..model import ModelConfig
+from ..config import ModelConfig
 from ..paged.block_manager import BlockManager, blocks_for
 from ..paged.config import DEFAULT_KV_BYTES
 from ..paged.scheduler import Scheduler, SchedulerOutput

@@ -19,8 +19,9 @@ from .beam import BeamSearchOutput, BeamSearchParams, BeamSearchSequence, beam_s
 from .cache import PagedKVCache
 from .engine import LLMEngine
 from .llm import LLM
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .scheduler import Scheduler
-from .sequence import CompletionOutput, RequestMetrics, RequestOutput, Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus
 from .fragmentation import TRACES, kv_utilization, make_trace
 from .generate import generate_paged
 

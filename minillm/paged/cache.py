@@ -18,7 +18,8 @@ import itertools
 import torch
 
 from ..kv_cache import kv_cache_bytes
-from ..model import ModelConfig, attention
+from ..config import ModelConfig
+from ..model import attention
 from .attention import attend_blockwise, gather_padded, padded_tables
 from .block_manager import BlockManager
 

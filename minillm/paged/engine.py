@@ -25,7 +25,8 @@ from .cache import backend
 from .config import DEFAULT_KV_BYTES, check_engine_args
 from .requests import RequestTracker
 from .scheduler import Scheduler, SchedulerOutput
-from .sequence import Request, RequestOutput, Sequence
+from .outputs import RequestOutput
+from .sequence import Request, Sequence
 from .spec_decode import SpecDecoder, check_speculative_config
 from .stats import KEEP_RECORDS, EngineStats
 from .signals import interrupts_deferred

@@ -20,7 +20,7 @@ from ..sampling_params import SamplingParams
 from .beam import BeamSearchOutput, BeamSearchParams
 from .config import check_engine_args
 from .engine import LLMEngine
-from .sequence import RequestOutput
+from .outputs import RequestOutput
 from .trace import check_trace_path
 
 

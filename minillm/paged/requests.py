@@ -17,7 +17,8 @@ from ..stops import GenerationResult, Stopper, check_prompt
 from ..sampling_params import SamplingParams
 from .beam import BeamSearchParams, EngineBeams
 from .sampler import Draw, draw_tokens, sample_generator
-from .sequence import CompletionOutput, Request, RequestMetrics, RequestOutput, Sequence
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .sequence import Request, Sequence
 
 
 class RequestTracker:

@@ -17,7 +17,8 @@ from ..errors import ModelFileError
 from ..files import atomic_write
 from ..formats.gguf_blocks import dequantize_q8_0
 from ..formats.gguf_quant import quantize_q8_0
-from ..model import Decoder, ModelConfig, weight_shapes
+from ..config import ModelConfig, weight_shapes
+from ..model import Decoder
 from .head import HEAD_KINDS, head_config, head_kind
 from .pack import codes_per_word
 from .pipeline import LAYERS, linear_of

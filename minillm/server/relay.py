@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from ..paged.sequence import CompletionOutput
+from ..paged.outputs import CompletionOutput
 from .logprobs import Scorer
 from .loop import RequestFailed
 
