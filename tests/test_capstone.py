@@ -160,6 +160,22 @@ def test_a_loop_with_a_wrong_step_loses_the_points_of_the_setting_it_breaks(tiny
     assert "your loop raised ValueError: schedule_step: nothing scheduled" in text
 
 
+def test_a_loop_that_skips_the_pieces_earns_nothing(tiny_row):
+    # greedy decoding by the model's forward alone, recomputing every token: the engine's tokens, no pieces
+    loop = ("def serve(model, prompts, pieces, *, max_new_tokens=16, **settings):\n"
+            "    out = []\n"
+            "    for p in prompts:\n"
+            "        tokens = list(p)\n"
+            "        for _ in range(max_new_tokens):\n"
+            "            logits = model(torch.tensor([tokens]), torch.arange(len(tokens)))[0, -1]\n"
+            "            tokens.append(int(logits.argmax()))\n"
+            "        out.append(tokens[len(p):])\n"
+            "    return ServeResult(out)\n")
+    text, score = graded(notebook(loop))
+    assert score == (0.0, 6.0, "failed"), text
+    assert "your loop never called cache_update, rope_at_offset, blocks_needed" in text
+
+
 def test_a_course_that_skipped_exercises_12_7_and_13_reaches_the_capstone(tiny_row):
     student = nbformat.read(SOLUTIONS_DIR.parent / "student" / "15_capstone.ipynb", as_version=4)
     blank = {start: next(c.source for c in student.cells if c.cell_type == "code" and c.source.startswith(start))

@@ -208,7 +208,8 @@ def _token_lists(got, n: int) -> list[list[int]] | None:
 def grade_serve(answers: list[Answer], expected: list[list[int]], settings: list[str] = list(SETTINGS)) -> Report:
     """The capstone's row: one case per setting and prompt, a point each when the loop's tokens are the
     engine's (``expected``, per prompt). A loop that called the engine (``Answer.calls``) earns 0; one that
-    raised loses that setting's points, with the error and its line."""
+    raised, or never called one of the pieces the setting needs (``called`` in its answer, from the grader's
+    process), loses that setting's points, with a line saying why."""
     report = Report("serve")
     report.calls = list(dict.fromkeys(c for a in answers for c in a.calls))
     for setting, ans in zip(settings, answers):
@@ -232,6 +233,13 @@ def grade_serve(answers: list[Answer], expected: list[list[int]], settings: list
                                           "(compare_with_engine) and read the error") for n in names]
             continue
         got = _token_lists(ans.got, len(expected))
+        wanted = PIECES if SETTINGS.get(setting, {}).get("num_speculative_tokens") else PIECES[:7]
+        unused = [p for p in wanted if isinstance(ans.got, dict) and p not in ans.got.get("called", wanted)]
+        if unused:  # tokens computed some other way (the model's forward without the pieces) earn nothing
+            report.results += [CaseResult(n, False, "a loop that calls every piece", f"your loop never called "
+                                          f"{', '.join(unused)}", "every decision of the loop is one of your pieces: "
+                                          "call each where its step needs it") for n in names]
+            continue
         if got is None:
             report.results += [CaseResult(n, False, "a ServeResult", describe(ans.got),
                                           f"return a ServeResult with one token list per prompt ({len(expected)})")

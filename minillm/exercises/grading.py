@@ -11,6 +11,10 @@ off by allow-list (the config classes and torch stay); its answers come back as 
 (``torch.load(weights_only=True)``) and are judged here. The report lists the calls a function made into
 minillm. ``--grading`` adds cases the student never saw (``Exercise.grading_cases``).
 
+The capstone notebook (it defines ``serve``) is one row, its serving loop (``grade_capstone``): the pieces it
+also defines are graded in their own notebooks, and are handed to the loop, which runs with the provided model
+on the capstone's prompts in each of its settings (``capstone.grade_serve``).
+
 A cell that runs past nbclient's timeout (its kernel's process group is killed), kills its kernel or floods
 the output (over ``max_output`` characters) is skipped and the notebook run again without it; an exercise
 function that was running when the time ran out is not called again (later cells get an error in its place,

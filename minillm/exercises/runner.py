@@ -41,7 +41,7 @@ if __name__ == "__main__" and sys.platform == "linux":  # before torch's import:
 import torch  # noqa: E402
 
 # the config classes a case passes to the student's function (or that it may build): they stay on
-ALLOWED = ("minillm.model.ModelConfig", "minillm.quant.rtn.QuantConfig", "minillm.sampling.SamplingParams",
+ALLOWED = ("minillm.config.ModelConfig", "minillm.quant.rtn.QuantConfig", "minillm.sampling_params.SamplingParams",
            "minillm.paged.spec_decode.SpeculativeConfig")
 READY = b"minillm-runner-ready\n"  # the line that ends the start (imports, switch-off, definitions)
 # run as ``python -c`` there is no __file__: the package is found without importing it
@@ -303,15 +303,25 @@ def _stand_in(qualified: str) -> Callable:
 
 def capstone_loop(serve: Callable, model, kit: types.ModuleType, namespace: dict) -> Callable:
     """The student's ``serve`` as one case calls it: (prompts, settings) -> its ``ServeResult``'s fields as a
-    dict (plain data), called with the provided ``model`` and the pieces the notebook defines (the kit's
-    ``default_schedule_step`` where it defines no ``schedule_step``)."""
-    pieces = {name: namespace[name] for name in kit.PIECES if callable(namespace.get(name))}
-    pieces.setdefault("schedule_step", kit.default_schedule_step)
+    dict (plain data) and ``called``, the pieces it called, called with the provided ``model`` and the pieces the
+    notebook defines (the kit's ``default_schedule_step`` where it defines no ``schedule_step``)."""
+    defined = {name: namespace[name] for name in kit.PIECES if callable(namespace.get(name))}
+    defined.setdefault("schedule_step", kit.default_schedule_step)
+
+    def counted(name, fn):
+        def piece(*args, **kwargs):
+            called.add(name)
+            return fn(*args, **kwargs)
+        return piece
+
+    called: set = set()
 
     def loop(prompts, settings):
-        result = serve(model, prompts, pieces, **settings)
+        called.clear()
+        result = serve(model, prompts, {name: counted(name, fn) for name, fn in defined.items()}, **settings)
         if isinstance(result, kit.ServeResult):
-            return {k: getattr(result, k) for k in ("tokens", "steps", "preemptions", "drafted", "accepted")}
+            fields = ("tokens", "steps", "preemptions", "drafted", "accepted")
+            return {**{k: getattr(result, k) for k in fields}, "called": sorted(called)}
         return result
 
     return loop
