@@ -40,8 +40,8 @@ def quickstart_summary(rec: dict) -> str:
     P, N, naive_tokens, cached_tokens = (rec[k] for k in ("prompt_tokens", "new_tokens", "naive_token_forwards",
                                                           "cached_token_forwards"))
     step, naive_step = rec["cached_step_ms"], rec["naive_step_ms"]
-    same = (f"Both paths gave the same {N} greedy tokens: the cache changes the cost, never the result." if rec["same_tokens"]
-            else f"The two paths' {N} greedy tokens differ: float rounding flipped a near-tie somewhere.")
+    same = (f"Both paths gave the same {N} greedy tokens: the cache changes the cost, never the result."
+            if rec["same_tokens"] else f"The two paths' {N} greedy tokens differ: float rounding flipped a near-tie somewhere.")
     return f"""On this run ({rec['machine']}, float32, batch 1, greedy, a {P}-token prompt and {N} new tokens):
 
 * **{rec['weight_mb']:.1f} MB** of float32 weights are read for every decoded token, whatever the path.
@@ -99,7 +99,8 @@ def paged_record(machine: str, measured: dict, bench: dict) -> dict:
             "throughput": {str(c): v for c, v in measured["throughput"].items()},  # JSON keys are strings
             "serve_bench": {"num_requests": bench["num_requests"], "scale": bench["scale"],
                             "mean_prompt": bench["mean_prompt"], "mean_output": bench["mean_output"],
-                            "modes": {mode: {k: m[mode][k] for k in keep} for mode in ("engine", "static", "sequential")},
+                            "modes": {mode: {k: m[mode][k] for k in keep}
+                                      for mode in ("engine", "static", "sequential")},
                             "kv_utilization": bench["memory"]["kv_utilization"],
                             "lab_kv_utilization": bench["memory"]["lab_kv_utilization"]}}
 

@@ -189,7 +189,8 @@ WRITERS["bench_decode_llamacpp_avx2.json"] = (
     "`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 PYTHONPATH=<llama-cpp-python built without AVX-512> "
     "python -m tools.tables record "
     "figures/bench_decode_llamacpp_avx2.json -- bench decode --peer llamacpp` (docs/decode.md)")
-WRITERS.update({"00_quickstart.json": "notebooks/00_quickstart.ipynb", "03_paged_attention.json": "notebooks/03_paged_attention.ipynb",
+WRITERS.update({"00_quickstart.json": "notebooks/00_quickstart.ipynb",
+                "03_paged_attention.json": "notebooks/03_paged_attention.ipynb",
                 "02_kv_cache.json": "notebooks/02_kv_cache.ipynb", "01_roofline.json": "notebooks/01_roofline.ipynb",
                 "04_speculative.json": "notebooks/04_speculative_decoding.ipynb",
                 "04a_gamma_sweep.json": "notebooks/04a_speculative_appendix.ipynb"})
