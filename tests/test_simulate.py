@@ -203,6 +203,16 @@ def test_serve_bench_simulate_refuses_bad_options(capsys):
     assert "use --tp 2 or more" in capsys.readouterr().err
 
 
+def test_serve_bench_simulate_refuses_tp_on_the_cpu_before_measuring_it(capsys, monkeypatch):
+    from minillm.cli import main
+    from minillm.lab import simulate
+    monkeypatch.setattr(simulate, "sim_device", lambda args: pytest.fail("measured the CPU before refusing --tp"))
+    assert main(["serve-bench", "--simulate", "cpu", "--tp", "2", "--requests", "2"]) != 0
+    assert "--tp: 2 devices, but cpu is this one machine" in capsys.readouterr().err
+    assert main(["serve-bench", "--tp", "2", "--requests", "2"]) != 0  # without --simulate: refused, not ignored
+    assert "--tp: prices a simulated run; add --simulate" in capsys.readouterr().err
+
+
 def test_mean_of_two_calibrations():
     from minillm.lab.sim_fidelity import mean_device
     a = device(bandwidth=10.0, flops=100.0, step_overhead=0.5, sources={"bandwidth": "a", "flops": "a",

@@ -23,6 +23,8 @@ from .serve_bench import SPEC_ROW, format_report, request_lengths, serve_bench
 from .serve_spec import SPEC_TRACES, cmd_serve_spec
 from .simulate import cmd_simulate
 
+SIM_MODEL = "smollm2-135m"  # --sim-model's default: the embedded model
+
 # --quick's defaults; an explicit --requests or --scale still wins (the report says what ran)
 QUICK = dict(num_requests=4, scale=1 / 32, sharing_requests=1, memory_requests=2)
 DEFAULTS = dict(num_requests=64, scale=0.25)
@@ -114,6 +116,9 @@ def cmd_serve_bench(args) -> int:
                          "engines, so leave one of the two out")
     if args.simulate:  # the real scheduler, the forward priced by the cost model (minillm.lab.simulate)
         return cmd_simulate(args)
+    if args.tp != 1 or args.sim_model != SIM_MODEL:  # options of the simulation only: never ignored in silence
+        raise ValueError(f"{'--tp' if args.tp != 1 else '--sim-model'}: prices a simulated run; add --simulate "
+                         "HARDWARE (h100, cpu, ...) or leave it out")
     if args.spec:  # plain vs speculative engine (minillm.lab.serve_spec)
         return cmd_serve_spec(args)
     if args.trace in SPEC_TRACES:
@@ -203,7 +208,7 @@ def register(sub) -> None:
     m.add_argument("--simulate", default=None, metavar="HARDWARE", help="run the trace through the real scheduler "
                    "and block manager with each step priced by the roofline cost model instead of a forward, on h100, "
                    "h200, a100, l4, mi300x (datasheets) or cpu (this machine as roofline measures it)")
-    m.add_argument("--sim-model", default="smollm2-135m", help="--simulate: the model by its config: smollm2-135m, "
+    m.add_argument("--sim-model", default=SIM_MODEL, help="--simulate: the model by its config: smollm2-135m, "
                    "llama-3.1-8b, llama-3.1-70b (default smollm2-135m)")
     m.add_argument("--tp", type=at_least(1), default=1, help="--simulate: tensor-parallel devices (two ring "
                    "all-reduces per layer; default 1)")

@@ -329,10 +329,10 @@ def cmd_simulate(args) -> int:
     if args.online and args.scale is None:
         args.scale = 0.25
     kwargs, _ = serve_bench_kwargs(args)
-    device = sim_device(args)
-    if args.tp > 1 and device.memory is None:
-        raise ValueError(f"--tp: {args.tp} devices, but {device.name} is one machine without a link in the table; "
+    if args.tp > 1 and args.simulate.lower() == "cpu":  # refused before the minute "cpu" takes to measure
+        raise ValueError(f"--tp: {args.tp} devices, but cpu is this one machine, with no link between machines; "
                          "use --tp 1, or simulate a GPU from the table")
+    device = sim_device(args)
     engine_kwargs = dict(tp=args.tp, block_size=args.block_size, num_blocks=args.num_blocks,
                          max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                          host_time=device.memory is None)
