@@ -74,7 +74,8 @@ def quantized_file(src, folder, method, quant_head="int8"):
 def serve_and_compare(path, attention="bucketed"):
     """Six requests through a pool of 14 blocks (preemption) sharing a system prompt (prefix hits)."""
     prompts, params = requests()
-    llm = LLM(path, block_size=BLOCK, num_blocks=14, max_num_batched_tokens=12, attention=attention)
+    llm = LLM(path, block_size=BLOCK, num_blocks=14, max_num_batched_tokens=12, attention=attention,
+              disable_log_stats=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     stats = llm.llm_engine.stats.summary(BLOCK)
     exact = [assert_greedy_equal(llm.model, p, list(o.outputs[0].token_ids), generate_cached(llm.model, p, sp).tokens)
@@ -119,7 +120,7 @@ def test_embedded_model_int4_rtn_in_the_engine(tmp_path, model_path, tokenizer):
     system = tokenizer.encode(play_text("hamlet"))[:40]  # two full blocks of 16 shared by every prompt
     prompts = [system + tokenizer.encode(q) for q in ("The history of", "Once upon a time", "To be, or not to be")]
     params = [greedy(n) for n in (12, 8, 10)]
-    llm = LLM(path, num_blocks=6, max_num_batched_tokens=16)  # chunks: later prompts find the first one's blocks
+    llm = LLM(path, num_blocks=6, max_num_batched_tokens=16, disable_log_stats=False)  # chunks: later prompts find the first one's blocks
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     stats = llm.llm_engine.stats.summary(16)
     assert stats["preemptions"] > 0 and stats["prefix_hit_rate"] > 0
