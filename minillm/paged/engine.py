@@ -177,7 +177,7 @@ class LLMEngine:
                     return outputs
                 rows, ready = self._pack(plan)  # pack: every scheduled token in one forward's rows
                 logits = self._forward(rows, ready)  # forward: the ready sequences' next-token logits
-                record = (self.stats.record_step(plan, rows.shape, len(ready), self.scheduler, start)
+                record = (self.stats.record_step(plan, rows.shape, len(ready), self.scheduler, start, self.steps)
                           if self.stats is not None else None)
                 draws = self.tracker.draw(ready, logits)  # sample
             with interrupts_deferred():  # the forward wrote its tokens: from here the step stands

@@ -74,7 +74,7 @@ class EngineStats:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
             raise ValueError(f"keep_records: the step records to keep must be an integer >= 0 or None (all), got {k!r}")
 
-    def record_step(self, plan, shape, sampled, scheduler, start) -> StepRecord:
+    def record_step(self, plan, shape, sampled, scheduler, start, step: int) -> StepRecord:
         """The hook, after a step's forward and before its tokens are appended: what ran, judged before it is
         computed ("recompute": computed before a preemption, "prefill": prompt tokens, or "decode"), what was
         preempted, the blocks in use, their slots holding tokens (shared blocks once), the blocks held unshared.
@@ -94,7 +94,7 @@ class EngineStats:
         preempted = [(s.request_id, s.index) for s in plan.preempted]
         if self.trace is not None:  # what only this moment shows: prefix hits and drafts, before the commit
             self.trace.planned(plan)
-        return StepRecord(self.steps, runs, preempted, shape, manager.num_used_blocks, sum(filled.values()),
+        return StepRecord(step, runs, preempted, shape, manager.num_used_blocks, sum(filled.values()),
                           unshared, start, start, sampled)
 
     def add(self, rec: StepRecord, admitted: list[tuple[int, int]] = ()) -> None:
@@ -103,7 +103,7 @@ class EngineStats:
         self.records.append(rec)
         if self.keep_records is not None and len(self.records) >= 2 * max(self.keep_records, 1):
             del self.records[:-self.keep_records or None]  # in halves: each record is moved once on average
-        self.steps += 1
+        self.steps = rec.step + 1  # the engine's count (``LLMEngine.steps``), read back, not kept twice
         self.preemptions += len(rec.preempted)
         self.peak_blocks = max(self.peak_blocks, rec.used_blocks)
         self.used_blocks += rec.used_blocks
