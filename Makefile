@@ -33,7 +33,8 @@ test: setup
 	$(BIN)/python -m pytest $(XDIST) tests
 	$(BIN)/python -m pytest $(XDIST) notebooks
 
-# the inner loop: every module on tiny random models, no notebooks and no embedded model (about 5 minutes on 2 cores)
+# the inner loop: every module on tiny random models, no notebooks, no embedded model, a corner of each long sweep
+# (about 2.5 minutes on 2 cores)
 test-fast: setup
 	$(BIN)/python -m pytest $(XDIST) tests -m "not slow" -q
 

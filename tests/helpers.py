@@ -1,12 +1,59 @@
 """Writers of small model files for tests: GGUF files through the gguf package's GGUFWriter and
-Hugging Face checkpoint folders through transformers."""
+Hugging Face checkpoint folders through transformers; the grids of parametrized sweeps."""
+
+import contextlib
+import io
+import itertools
+import os
+import subprocess
+import warnings
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter, quants
 
 from minillm.formats.tokenizer_files import bytes_to_unicode
+
+def sweep(*axes, fast):
+    """A grid for ``pytest.mark.parametrize``: the product of ``axes`` (lists of values, or of tuples that fill
+    several names). The combinations ``fast(*values)`` accepts run in ``make test-fast``, a corner of the grid;
+    the others are marked slow and run in ``make test`` with them."""
+    grid = []
+    for combo in itertools.product(*axes):
+        values = tuple(v for part in combo for v in (part if isinstance(part, tuple) else (part,)))
+        one = values if len(values) > 1 else values[0]
+        grid.append(one if fast(*values) else pytest.param(*values, marks=pytest.mark.slow))
+    return grid
+
+
+def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
+    """``python -m minillm ARGS`` inside this process: its exit status, standard output and standard error as
+    ``subprocess.run`` gives them, without a new interpreter's two seconds of importing torch. For commands that
+    refuse or do a little work on a tiny model; what needs a process of its own (signals, a server, imports
+    counted from nothing) starts one."""
+    from minillm.cli import main
+
+    out, err, here, threads, env = io.StringIO(), io.StringIO(), os.getcwd(), torch.get_num_threads(), dict(os.environ)
+    os.environ.pop("MINILLM_FIGURES", None)  # as a user's shell would have it
+    try:
+        if cwd is not None:
+            os.chdir(cwd)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("default")  # a warning is printed once per command, as in a new process
+            warnings.filterwarnings("ignore", category=DeprecationWarning)
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's refusals exit 2; SystemExit(None) is 0
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.chdir(here)
+        os.environ.clear()
+        os.environ.update(env)
+        torch.set_num_threads(threads)  # a command may size torch's pool for its own measurement
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
 
 TINY = dict(n_layers=2, dim=64, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab=300, ctx=128)
 

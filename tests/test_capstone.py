@@ -142,6 +142,7 @@ def test_a_loop_that_calls_the_engine_scores_zero(tiny_row, loop, called):
     assert f"calls into minillm: {called}" in text
 
 
+@pytest.mark.slow  # grades two broken loops, each in a process of its own
 def test_a_loop_with_a_wrong_step_loses_the_points_of_the_setting_it_breaks(tiny_row):
     solution = cell("def serve(")
     # a preempted sequence keeps its cached count: it is never recomputed, and reads blocks it no longer owns

@@ -3,14 +3,11 @@
 the packed words; a good file loads and generates what the model it was written from generates."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from helpers import TINY, tiny_llama_weights, write_tiny_gguf
+from helpers import TINY, run_cli, tiny_llama_weights, write_tiny_gguf
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -177,9 +174,7 @@ def test_a_good_file_loads_and_generates_the_same_tokens(files, name):
 
 
 def run_generate(path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "minillm", "generate", "--model", str(path), "--prompt", "a0 a1",
-                           "--max-new-tokens", "6", "--json"], capture_output=True, text=True, timeout=300, env=env)
+    return run_cli("generate", "--model", path, "--prompt", "a0 a1", "--max-new-tokens", "6", "--json")
 
 
 def test_generate_refuses_each_damaged_file_with_exit_2_and_one_line(files, tmp_path):

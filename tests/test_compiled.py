@@ -82,6 +82,7 @@ def test_compiled_decode_batches_padding_and_int8_cache(tiny):
     assert len(calls) == 5 * 7 + 7  # every decode step took the compiled path (the first token is prefill's)
 
 
+@pytest.mark.slow  # torch.compile traces for seconds (test_kernels.py keeps a compiled kernel in make test-fast)
 def test_prefill_and_gradients_stay_eager(tiny):
     compiled = compile_decode(copy.deepcopy(tiny))
     calls, inner = [], compiled.forward_layers.step
@@ -148,6 +149,7 @@ def tiny_int4(tmp_path_factory):
     return accelerate(model)  # the quantized layers take minillm's kernels
 
 
+@pytest.mark.slow  # torch.compile traces for seconds
 def test_compiled_4bit_decode_matches_eager(tiny_int4):
     assert all(m.fast for m in tiny_int4.modules() if isinstance(m, QuantLinear))
     compiled = compile_decode(copy.deepcopy(tiny_int4))

@@ -137,6 +137,7 @@ def test_f32_linear_refuses_gradients_and_runs_under_torch_compile():
     assert torch.equal(compiled(a), kernels.f32_linear(a, w))
 
 
+@pytest.mark.slow  # torch.compile traces for seconds
 def test_a_graph_compiled_before_any_eager_call_runs_the_kernel():
     """In a fresh process nothing has loaded the extension when torch.compile traces the op: tracing loads it, so
     the compiled graph finds the op's CPU kernel when it runs."""
@@ -181,6 +182,7 @@ def test_bench_products_adds_each_layers_bias_and_refuses_other_dtypes(capsys):
     assert "float32 CPU kernels" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a new interpreter under another capability
 def test_aten_cpu_capability_avx2_runs_everything_as_on_an_avx2_only_cpu():
     """ATEN_CPU_CAPABILITY=avx2 caps torch, inductor and minillm's kernels alike, and the records say so: the
     way to measure an AVX2-only CPU's paths on a CPU with AVX-512 (docs/decode.md)."""

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import random_decoder
+from helpers import random_decoder, sweep
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -152,8 +152,12 @@ def inject(engine, point, at, monkeypatch, exc=None):
 POINTS = ["schedule", "grow", "hash", "pack", "layer", "after_forward", "sample", "record", "commit", "append"]
 
 
-@pytest.mark.parametrize("point", POINTS)
-@pytest.mark.parametrize("at,exc", [(1, Interrupt), (2, InjectedError), (5, Interrupt)])
+FAILURES = [(1, Interrupt), (2, InjectedError), (5, Interrupt)]
+
+
+@pytest.mark.parametrize("at,exc,point", sweep(
+    FAILURES, POINTS,  # each point once, the three failures taking turns
+    fast=lambda at, exc, point: (at, exc) == FAILURES[POINTS.index(point) % 3]))
 def test_a_failed_step_changes_nothing_or_aborts_and_says_so(tiny, point, at, exc, monkeypatch):
     """An exception at any point of a step, at the first, second or fifth call there: afterwards every
     request either finishes with its solo tokens or is reported aborted, every block is free, nothing

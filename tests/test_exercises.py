@@ -109,7 +109,11 @@ def test_build_refuses_an_out_that_is_a_file(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("path", [STUDENT_DIR / p.name for p in SOLUTIONS], ids=lambda p: p.stem)
+HEAVY = {"11_paged_attention", "13_speculative_mechanics", "14_quant_formats", "15_capstone"}  # load the model first
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(STUDENT_DIR / p.name, id=p.stem, marks=[pytest.mark.slow] * (p.stem in HEAVY)) for p in SOLUTIONS])
 def test_student_notebook_stops_at_its_first_blank(path):
     error, cell = run_in_process(path)
     names = exercise_names(nbformat.read(path, as_version=4))

@@ -164,6 +164,7 @@ def test_a_first_build_is_announced_and_a_built_one_is_not(monkeypatch, tmp_path
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.slow  # builds in a new interpreter
 def test_the_build_command_make_setup_runs_says_what_it_did():
     import subprocess
     import sys

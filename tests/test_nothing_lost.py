@@ -15,10 +15,12 @@ from helpers import write_tiny_gguf
 
 from minillm import KVCache, SamplingParams, generate_cached, load_model
 from minillm.generation import generate_batch, prefill
+from minillm.loading import default_model_path
 from minillm.speculative import NgramProposer, speculative_generate
 from minillm.kv_cache import Int8KVCache
 from minillm.files import atomic_write, check_output_path
 from minillm.formats import gguf_quant
+from minillm.formats.gguf import read_gguf
 from minillm.formats.gguf_quant import write_gguf
 
 
@@ -51,8 +53,6 @@ def test_requantizing_a_gguf_onto_itself_is_refused_and_the_source_survives(tiny
 
 
 def test_the_embedded_model_cannot_be_overwritten():
-    from minillm.loading import default_model_path
-
     src = default_model_path()
     size = os.path.getsize(src)
     p = run("quantize", "--quant", "q8_0", "--out", str(src))
@@ -150,7 +150,8 @@ def test_more_wrong_argument_types_are_named(tiny_model, call, message):
         call(tiny_model)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGINT, id="SIGINT", marks=pytest.mark.slow),
+                                    pytest.param(signal.SIGTERM, id="SIGTERM")])
 def test_a_quantize_stopped_during_its_write_leaves_neither_the_file_nor_a_temporary(tmp_path, signum):
     out = tmp_path / "m.gguf"
     p = subprocess.Popen([sys.executable, "-m", "minillm", "quantize", "--quant", "q8_0", "--out", str(out)],
@@ -162,7 +163,12 @@ def test_a_quantize_stopped_during_its_write_leaves_neither_the_file_nor_a_tempo
     assert p.poll() is None, p.communicate()[1]
     p.send_signal(signum)  # SIGINT is Ctrl-C's KeyboardInterrupt; SIGTERM what kill and service managers send
     _, err = p.communicate(timeout=300)
-    assert sorted(tmp_path.iterdir()) == []  # neither m.gguf nor .m.gguf.*.tmp
+    left = sorted(tmp_path.iterdir())
+    if left:  # on a loaded machine the signal can come after the rename: then the write had ended, and it is whole
+        assert left == [out], left  # never the temporary
+        assert len(read_gguf(out).tensors) == len(read_gguf(default_model_path()).tensors)  # refuses a cut file
+        return
+    assert left == []  # neither m.gguf nor .m.gguf.*.tmp
     if signum == signal.SIGTERM:
         assert p.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
     else:

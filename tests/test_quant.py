@@ -115,10 +115,12 @@ def test_inverse_hessian_cholesky_hand_computed():
 
 
 CASES = [dict(), dict(act_order=True), dict(act_order=True, static_groups=True)]
+FULL = "act_order+static_groups"
 
 
-@pytest.mark.parametrize("opts", CASES, ids=["plain", "act_order", "act_order+static_groups"])
-@pytest.mark.parametrize("group_size", [64, 128, -1])
+@pytest.mark.parametrize("group_size,opts", [  # make test-fast keeps the case with every option
+    pytest.param(g, c, id=f"{g}-{name}", marks=[] if (g, name) == (128, FULL) else pytest.mark.slow)
+    for name, c in zip(["plain", "act_order", FULL], CASES) for g in [64, 128, -1]])
 def test_gptq_does_not_depend_on_block_size_and_equals_the_naive_obs_loop(opts, group_size):
     x = correlated(dim=320)
     w = torch.randn(48, 320)

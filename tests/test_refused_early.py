@@ -4,11 +4,10 @@ loaded), with exit status 2 and a message naming the option; what the commands r
 import os
 import shutil
 import subprocess
-import sys
 import warnings
 
 import pytest
-from helpers import CHATML, TINY, tiny_llama_weights, write_tiny_gguf
+from helpers import CHATML, TINY, run_cli, tiny_llama_weights, write_tiny_gguf
 
 from minillm import ModelFileError, load_model
 from minillm.cli import build_parser
@@ -16,11 +15,7 @@ from minillm.quant import Recipe
 from minillm.quant.pipeline import quantize_model
 
 
-def run(*args, cwd=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("MINILLM_FIGURES", None)
-    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=cwd)
+run = run_cli  # in this process: the refusals come before any work, the rest is a tiny model's
 
 
 @pytest.fixture(scope="module")

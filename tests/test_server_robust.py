@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+from helpers import run_cli
 from test_server import NUM_BLOCKS, free_port, sse_events
 from test_server import one_thread, server, tiny, tiny_path  # noqa: F401  (the same fixtures: pytest finds them here)
 
@@ -90,26 +91,36 @@ def serve_command(tiny_path, *options):
             "--log-level", "warning", *options]
 
 
+@pytest.fixture
+def refuse(tiny_path, monkeypatch):
+    """``serve`` with these options in this process, where it must refuse before it listens: a server that
+    starts fails the test instead of serving on."""
+    import minillm.server.app as app
+
+    def started(*args, **kwargs):
+        raise AssertionError("the server started: the options were not refused")
+
+    monkeypatch.setattr(app, "engine_server", started)
+    return lambda *options: run_cli(*serve_command(tiny_path, *options)[3:])
+
+
 @pytest.mark.parametrize("value", ["nan", "-5", "inf", "soon"])
-def test_shutdown_timeout_must_be_finite_and_not_negative(tiny_path, value):
-    out = subprocess.run(serve_command(tiny_path, "--shutdown-timeout", value), capture_output=True, text=True,
-                         timeout=120)
+def test_shutdown_timeout_must_be_finite_and_not_negative(refuse, value):
+    out = refuse("--shutdown-timeout", value)
     assert out.returncode == 2, out.stderr[-2000:]
     assert "--shutdown-timeout" in out.stderr and value in out.stderr
 
 
 @pytest.mark.parametrize("value, named", [("[1]", "--speculative-config"), ("{bad", "--speculative-config"),
                                           ('{"method": "nope"}', "method")])
-def test_a_bad_speculative_config_is_refused_naming_it(tiny_path, value, named):
-    out = subprocess.run(serve_command(tiny_path, "--speculative-config", value, "--port", "0"), capture_output=True,
-                         text=True, timeout=120)
+def test_a_bad_speculative_config_is_refused_naming_it(refuse, value, named):
+    out = refuse("--speculative-config", value, "--port", "0")
     assert out.returncode == 2, out.stderr[-2000:]
     assert named in out.stderr and "Traceback" not in out.stderr
 
 
-def test_max_seq_len_past_the_models_context_is_refused_naming_it(tiny_path):
-    out = subprocess.run(serve_command(tiny_path, "--max-seq-len", "100000", "--port", "0"), capture_output=True,
-                         text=True, timeout=120)
+def test_max_seq_len_past_the_models_context_is_refused_naming_it(refuse):
+    out = refuse("--max-seq-len", "100000", "--port", "0")
     assert out.returncode == 2, out.stderr[-2000:]
     assert "--max-seq-len 100000" in out.stderr and "4096" in out.stderr and "Traceback" not in out.stderr
 

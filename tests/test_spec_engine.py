@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from helpers import random_decoder
+from helpers import random_decoder, sweep
 from test_engine import recompute_logits, run  # run: add (id, prompt ids, params), step to the end
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -66,13 +66,12 @@ def spec(method, k, draft=None, **kw):
 REQS = [(str(i), p, greedy(n)) for i, (p, n) in enumerate(zip(PROMPTS, OUTS))]
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-@pytest.mark.parametrize("k", [1, 2, 3, 4, 5, "auto"])
-@pytest.mark.parametrize("num_blocks,budget,attention", [
-    (None, 256, "bucketed"),  # everything fits
-    (20, 16, "bucketed"),  # chunked prefill, preemption, drafts cut by the budget and the pool
-    (None, 256, "indexed"),  # (B, T) rows
-])
+@pytest.mark.parametrize("num_blocks,budget,attention,k,method", sweep(
+    [(None, 256, "bucketed"),  # everything fits
+     (20, 16, "bucketed"),  # chunked prefill, preemption, drafts cut by the budget and the pool
+     (None, 256, "indexed")],  # (B, T) rows
+    [1, 2, 3, 4, 5, "auto"], ["ngram", "draft_model"],
+    fast=lambda num_blocks, budget, attention, k, method: k == 3 or (k == "auto" and num_blocks == 20)))
 def test_greedy_equals_each_request_alone(tiny, draft, method, k, num_blocks, budget, attention):
     solo = {rid: [generate_cached(tiny, p, sp).tokens] for rid, p, sp in REQS}
     cost = {"step_cost": lambda n: 1.0 + 0.01 * n} if k == "auto" else {}
@@ -270,10 +269,14 @@ def test_random_add_step_abort_leaves_every_block_free(tiny, draft, actions, met
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-@pytest.mark.parametrize("at,exc", [(1, "Interrupt"), (2, "InjectedError")])
-@pytest.mark.parametrize("point", ["schedule", "grow", "hash", "pack", "layer", "after_forward", "sample", "record",
-                                   "commit", "append"])
+SPEC_POINTS = ["schedule", "grow", "hash", "pack", "layer", "after_forward", "sample", "record", "commit", "append"]
+
+
+@pytest.mark.parametrize("point,at,exc,method", sweep(
+    SPEC_POINTS, [(1, "Interrupt"), (2, "InjectedError")], ["ngram", "draft_model"],
+    # each point once, the methods taking turns, and prompt lookup's own sampling point
+    fast=lambda point, at, exc, method: at == 2 and (
+        method == ["draft_model", "ngram"][SPEC_POINTS.index(point) % 2] or point == "sample")))
 def test_a_failed_step_with_speculation_changes_nothing_or_aborts(tiny, draft, point, at, exc, method, monkeypatch):
     """The robustness tests' injections (tests/test_engine_robust.py) with speculation on: a request either
     finishes with the tokens of a run without the failure (greedy ones: generate_cached's) or is reported
@@ -339,7 +342,7 @@ DRAFT_FAILURES = {  # (engine settings, requests): a seeded sampled request besi
 }
 
 
-@pytest.mark.parametrize("case", sorted(DRAFT_FAILURES))
+@pytest.mark.parametrize("case", sweep(sorted(DRAFT_FAILURES), fast=lambda case: case != "tight draft pool"))
 def test_a_failed_step_leaves_the_draft_model_as_it_found_it(tiny, draft, case):
     """A target forward that raises: the draft's KV goes back to what the step did not write and its drafts are
     keyed by position, so the retry drafts as the failed step did and a seeded request's tokens are those of the

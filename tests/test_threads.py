@@ -34,6 +34,7 @@ def test_waits_passively(env, passive):
     assert threads.waits_passively(env) is passive
 
 
+@pytest.mark.slow  # imports counted from a new interpreter
 def test_importing_minillm_leaves_the_wait_policy_to_the_user():
     code = "import os, minillm, torch; print(os.environ.get('OMP_WAIT_POLICY'))"
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
