@@ -38,5 +38,6 @@ def test_the_wheel_holds_every_subpackage_and_no_tooling(tmp_path):
     assert {"minillm/quant/gptq.py", "minillm/speculative/rejection.py", "minillm/formats/gguf.py"} <= names
     assert {"minillm/lab/__init__.py", "minillm/lab/records.py", "minillm/lab/peers.py",
             "minillm/server/__init__.py", "minillm/server/app.py"} <= names  # the lab and the server ship
+    assert {"minillm/lab/replay_page.html", "minillm/fast/kernels/dense.cpp"} <= names  # and the files they read
     assert not [n for n in names if n.startswith("tools/") or "/tables/" in n], "repository tooling is in the wheel"
     assert (ROOT / "tools" / "tables" / "__init__.py").exists()  # it exists, beside the package

@@ -98,7 +98,8 @@ def run_build(args) -> int:
 def run_check(args) -> int:
     from ..files import check_output_path
     from .gradebook import companions, load_cases, notebooks_in, write_gradebook, written_rows
-    from .grading import MAX_OUTPUT, GradingStopped, NotANotebookError, check_notebook
+    from .grading import NotANotebookError, check_notebook
+    from .kernel import MAX_OUTPUT, GradingStopped
 
     def refuse(message: str) -> int:
         print(f"error: {message}", file=sys.stderr)

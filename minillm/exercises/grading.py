@@ -15,51 +15,33 @@ The capstone notebook (it defines ``serve``) is one row, its serving loop (``gra
 also defines are graded in their own notebooks, and are handed to the loop, which runs with the provided model
 on the capstone's prompts in each of its settings (``capstone.grade_serve``).
 
-A cell that runs past nbclient's timeout (its kernel's process group is killed), kills its kernel or floods
-the output (over ``max_output`` characters) is skipped and the notebook run again without it; an exercise
-function that was running when the time ran out is not called again (later cells get an error in its place,
-and it is not graded). SIGINT and SIGTERM kill the kernel and stop the grading (``GradingStopped``). A
-notebook that nbformat rejects, or that breaks the run in any other way, fails its own rows with a line
-saying why. This is no sandbox (notebooks/exercises/README.md shows how to grade in a container).
+The kernel's run is ``kernel.py``'s: a cell that runs past nbclient's timeout, kills its kernel or floods the
+output (over ``max_output`` characters) is skipped and the notebook run again without it; an exercise function
+that was running when the time ran out is not called again, and not graded. SIGINT and SIGTERM kill the kernel
+and stop the grading (``GradingStopped``). A notebook that nbformat rejects, or that breaks the run in any other
+way, fails its own rows with a line saying why. This is no sandbox (notebooks/exercises/README.md shows how to
+grade in a container).
 """
 
 from __future__ import annotations
 
-import asyncio
-import copy
-import os
 import re
-import signal
-import sys
-import tempfile
-import threading
 import warnings
-from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
-from . import EXERCISES, runner
+from . import EXERCISES
 from .checker import Case, grade
 from .isolate import call_in_fresh_process, capstone_source, sources
+from .kernel import MAX_OUTPUT, GradingStopped, run_notebook, stopped_by_signals
 from .notebooks import exercise_names, is_capstone
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-MAX_OUTPUT = 1_000_000  # characters of output a notebook may print in all (a flood is stopped)
-MAX_RERUNS = 3  # runs without a stopped cell, at most
 
 
 class NotANotebookError(ValueError):
     """A path to check that is no notebook: missing, or not notebook JSON (bad input, not a failed grade)."""
-
-
-class GradingStopped(Exception):
-    """SIGINT or SIGTERM arrived while a notebook ran: its kernel is killed, and grading stops."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}; the student's kernel was killed")
-        self.signum = signum
 
 
 @dataclass
@@ -92,147 +74,6 @@ def error_text(output: dict) -> str:
     names a temporary file instead)."""
     value = re.sub(r"\((?:\S+\.py|<\S+>), line (\d+)\)", r"(line \1 of the cell)", output.get("evalue", ""))
     return f"{output.get('ename', 'Error')}: {value}"
-
-
-# ---------------------------------------------------------------------------------------------
-# The notebook's kernel: run for what the cells print and raise
-
-
-# exit() and quit() would shut the kernel down after their cell, and the next cell would take the blame: they
-# raise in their own cell instead. On SIGUSR1 the kernel writes its threads' stacks (which function was running
-# when a cell ran out of time) to the file the grader names.
-_SETUP = """def _minillm_no_exit(*args, **kwargs):
-    raise SystemExit("exit() and quit() do not end a graded notebook; the grader goes on with the next cell")
-get_ipython().user_ns.update(exit=_minillm_no_exit, quit=_minillm_no_exit)
-del _minillm_no_exit
-import faulthandler as _minillm_fh, signal as _minillm_signal
-_minillm_fh.register(_minillm_signal.SIGUSR1, file=open({stacks!r}, "w"), all_threads=True)
-del _minillm_fh, _minillm_signal"""
-
-# in a run after a function ran out of time: after every cell, that function's name holds one that raises at once
-_NOT_AGAIN = """def _minillm_not_again(*args, names={names!r}):
-    ns = get_ipython().user_ns
-    for name in names:
-        if callable(ns.get(name)) and not getattr(ns[name], "_minillm_stopped", False):
-            def stopped(*args, _name=name, **kwargs):
-                raise TimeoutError(f"{{_name}} ran past the grader's timeout in an earlier cell; the grader does "
-                                   "not call it again")
-            stopped._minillm_stopped = True
-            ns[name] = stopped
-get_ipython().events.register("post_run_cell", _minillm_not_again)
-del _minillm_not_again"""
-
-
-def _kernel_manager():
-    """An asynchronous kernel manager that starts this Python (the one with minillm installed), whatever
-    kernel the notebook names (nbval's --nbval-current-env does the same). Asynchronous, because nbclient
-    waits on a synchronous one's channels with the event loop blocked, and its timeout never fires."""
-    from jupyter_client import AsyncKernelManager
-    from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
-
-    class CurrentEnv(KernelSpecManager):
-        def get_kernel_spec(self, kernel_name):
-            # log level ERROR: the kernel warns on every start that it listens on localhost without encryption
-            return KernelSpec(argv=[sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}",
-                                    "--IPKernelApp.log_level=ERROR"],
-                              display_name="minillm exercises", language="python")
-
-    return AsyncKernelManager(kernel_name="python3", kernel_spec_manager=CurrentEnv())
-
-
-def _client(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int, setup: str):
-    """nbclient's ``NotebookClient`` that runs ``setup`` silently first, records the cell it runs, asks the
-    kernel for its stacks before a timeout kills it, and, on SIGINT or SIGTERM or when the notebook's output
-    passes ``max_output`` characters, kills the kernel and ends the run (nbclient's own handlers kill the
-    kernel but let the run go on)."""
-    from nbclient import NotebookClient
-
-    class Client(NotebookClient):
-        running = -1  # index of the cell being executed (-1: the kernel is starting)
-        stopped_by: int | None = None  # the signal that stopped the run
-        printed = 0  # characters of output so far
-        flooded = False
-        main_task = None
-
-        @asynccontextmanager
-        async def async_setup_kernel(self, **kwargs):
-            loop, task, previous = asyncio.get_running_loop(), asyncio.current_task(), {}
-            self.main_task = task
-            for signum in STOP_SIGNALS:
-                try:
-                    previous[signum] = signal.getsignal(signum)
-                    loop.add_signal_handler(signum, self._stop, signum, task)
-                except (RuntimeError, ValueError):  # not the main thread: the caller handles its signals
-                    previous.pop(signum, None)
-            try:
-                await self.async_start_new_kernel(**kwargs)
-                await self.async_start_new_kernel_client()
-                await self.kc.execute_interactive(setup, silent=True, store_history=False, timeout=60)
-                yield
-            finally:
-                await self._async_cleanup_kernel()  # shutdown_kernel="immediate": SIGKILL to its process group
-                for signum, handler in previous.items():
-                    loop.remove_signal_handler(signum)
-                    if handler is not None:  # None: a handler installed outside Python, which cannot be restored
-                        signal.signal(signum, handler)
-
-        def _stop(self, signum, task):
-            if self.stopped_by is None:  # a second signal must not cancel the cleanup that kills the kernel
-                self.stopped_by = signum
-                task.cancel()  # the cell being awaited ends at once, then the cleanup above kills the kernel
-
-        def output(self, outs, msg, display_id, cell_index):
-            if self.flooded:
-                return None
-            self.printed += len(str(msg.get("content", "")))
-            if self.printed > max_output:  # kept from the grader's memory; the kernel is killed
-                self.flooded = True
-                self.main_task.cancel()
-                return None
-            return super().output(outs, msg, display_id, cell_index)
-
-        async def _async_handle_timeout(self, timeout, cell=None):
-            process = getattr(getattr(self.km, "provisioner", None), "process", None)
-            if process is not None:
-                try:
-                    process.send_signal(signal.SIGUSR1)  # faulthandler writes the stacks (see _SETUP)
-                    await asyncio.sleep(1)
-                except (ProcessLookupError, OSError):
-                    pass
-            return await super()._async_handle_timeout(timeout, cell)
-
-        async def async_execute_cell(self, cell, cell_index, *args, **kwargs):
-            self.running = cell_index
-            return await super().async_execute_cell(cell, cell_index, *args, **kwargs)
-
-    return Client(nb, km=_kernel_manager(), timeout=timeout, allow_errors=True, shutdown_kernel="immediate",
-                  resources={"metadata": {"path": str(cwd)}})
-
-
-def _execute(nb: nbformat.NotebookNode, cwd: Path, timeout: int, max_output: int = MAX_OUTPUT,
-             setup: str = "") -> tuple[int, str] | None:
-    """Run ``setup`` (silently), then every cell; None, or (index of the cell the kernel stopped in, -1 when
-    it stopped as it started; "timeout", "died" or "flood").
-
-    Raises:
-        GradingStopped: SIGINT or SIGTERM arrived (the kernel is killed first).
-    """
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
-
-    client = _client(nb, cwd, timeout, max_output, setup or "pass")
-    try:
-        client.execute()
-    except BaseException as e:  # the signal's cancellation reaches here as whatever nbclient makes of it
-        if client.stopped_by is not None:
-            raise GradingStopped(client.stopped_by) from None
-        if client.flooded:
-            return client.running, "flood"
-        if isinstance(e, (CellTimeoutError, DeadKernelError)):
-            return client.running, "timeout" if isinstance(e, CellTimeoutError) else "died"
-        raise
-    if client.stopped_by is not None:  # the signal came between two cells
-        raise GradingStopped(client.stopped_by)
-    return None
 
 
 def _read(path: Path) -> nbformat.NotebookNode:
@@ -268,51 +109,6 @@ def _schema_error(e: Exception) -> str:
 # One notebook
 
 
-def _functions_running(stacks: str, names: list[str]) -> list[str]:
-    """The exercise functions in a kernel's stack dump (faulthandler's), innermost frames first, in the
-    student's cells only (the package has methods of the same names)."""
-    found = re.findall(r'File "([^"]+)", line \d+ in (\w+)', stacks)
-    return list(dict.fromkeys(fn for filename, fn in found if fn in names
-                              and not filename.startswith(str(Path(runner.__file__).parents[1]))
-                              and "site-packages" not in filename))
-
-
-def _run_notebook(nb: nbformat.NotebookNode, cwd: Path, names: list[str], timeout: int, max_output: int):
-    """Run the notebook, skipping each cell that is stopped (``MAX_RERUNS`` times at most): (the last run,
-    {cell index: why it was stopped}, the final stop or None, {function: cell index where it ran out of time})."""
-    skipped: dict[int, str] = {}
-    looped: dict[str, int] = {}
-    fd, stacks = tempfile.mkstemp(prefix="minillm-grading-", suffix=".stacks")
-    os.close(fd)
-    try:
-        for attempt in range(MAX_RERUNS + 1):
-            run = nbformat.from_dict(copy.deepcopy(nb))
-            for i in skipped:
-                run.cells[i] = nbformat.v4.new_code_cell("# skipped by the grader (see the stopped: lines)")
-            setup = _SETUP.format(stacks=stacks) + ("\n" + _NOT_AGAIN.format(names=sorted(looped)) if looped else "")
-            stop = _execute(run, cwd, timeout, max_output, setup=setup)
-            if stop is not None and stop[1] == "timeout" and stop[0] >= 0:
-                try:
-                    dump = Path(stacks).read_text(encoding="utf-8", errors="replace")
-                except OSError:
-                    dump = ""
-                candidates = [n for n in names if n not in looped]
-                running = _functions_running(dump, candidates)
-                if "File " not in dump:  # no stacks came (the notebook took SIGUSR1): the functions the cell calls
-                    running = [n for n in candidates if re.search(rf"\b{n}\s*\(", run.cells[stop[0]].source)]
-                for fn in running[:1]:
-                    looped[fn] = stop[0]
-            if stop is None or stop[0] < 0 or attempt == MAX_RERUNS:
-                break
-            skipped[stop[0]] = stop[1]
-    finally:
-        try:
-            os.remove(stacks)
-        except OSError:
-            pass
-    return run, skipped, stop, looped
-
-
 def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, seed: int | None = None,
                    extra: dict[str, list[Case]] | None = None, max_output: int = MAX_OUTPUT) -> NotebookResult:
     """Execute a student's notebook in a fresh kernel (its own folder as working directory, cells that
@@ -320,7 +116,7 @@ def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, see
     in a process of its own (``call_in_fresh_process``, ``timeout`` seconds for all its cases) and judge the
     answers here. ``grading``: the practice cases and the unseen ones (``Exercise.grading_cases(seed,
     extra[name])``). A cell stopped for time, a dead kernel or a flood of output is skipped and the notebook
-    run again without it (``MAX_RERUNS`` times at most); a function that ran out of time there is not called
+    run again without it (``kernel.MAX_RERUNS`` times at most); a function that ran out of time there is not called
     again. A run that breaks in any other way is reported, and the functions are graded all the same.
 
     Raises:
@@ -342,7 +138,7 @@ def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, see
         plans[name] = (ex, cases, [ex.expected(c) for c in cases])
     broken = ""
     try:
-        run, skipped, stop, looped = _run_notebook(nb, path.parent.resolve(), names + ["serve"] * capstone, timeout,
+        run, skipped, stop, looped = run_notebook(nb, path.parent.resolve(), names + ["serve"] * capstone, timeout,
                                                    max_output)
     except GradingStopped:
         raise
@@ -351,7 +147,7 @@ def check_notebook(path: Path, timeout: int = 120, *, grading: bool = False, see
         broken = f"the notebook's run broke off ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})"
     found = sources(nb)
     reports, scores = {}, {}
-    with _stopped_by_signals():  # a function's process is killed, and grading stops
+    with stopped_by_signals():  # a function's process is killed, and grading stops
         for name, (ex, cases, expected) in plans.items():
             most = sum(c.points for c in cases)
             if name in looped:
@@ -424,23 +220,6 @@ def grade_capstone(nb: nbformat.NotebookNode, timeout: int, run: nbformat.Notebo
     text = str(report) + "".join(f"\n  note: {n}" for n in notes)
     status = "passed" if report.passed else "forbidden" if report.forbidden else "failed"
     return (text, report.passed), (report.points, report.max_points, status)
-
-
-@contextmanager
-def _stopped_by_signals():
-    """SIGINT and SIGTERM raise ``GradingStopped`` in the block (in the main thread), so that the process of
-    the function being graded is killed (``call_in_fresh_process``'s cleanup) before grading stops."""
-    def stop(signum, frame):
-        raise GradingStopped(signum)
-
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        previous = {signum: signal.signal(signum, stop) for signum in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 def _no_answers(why: str, timeout: int) -> str:

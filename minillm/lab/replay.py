@@ -11,6 +11,7 @@ with matplotlib for places that run no script.
 from __future__ import annotations
 
 import colorsys
+import importlib.resources
 import json
 import sys
 import textwrap
@@ -23,6 +24,8 @@ from ..paged.trace import TRACE_FORMAT, TRACE_VERSION
 STEP_KEYS = ("step", "seconds", "budget", "batch", "preempted", "finished", "prefix_hits", "copied", "seqs", "taken",
              "freed", "shared", "cached_new", "cached_gone", "free")
 HEADER_KEYS = ("num_blocks", "block_size", "max_num_batched_tokens")
+# the page: HTML, CSS and script in a file of its own; write_html puts the trace's JSON in place of __DATA__
+PAGE = importlib.resources.files(__package__) / "replay_page.html"
 
 
 class TraceError(ValueError):
@@ -160,7 +163,8 @@ def write_html(trace: Trace, out) -> Path:
     out = Path(out)
     data = json.dumps({"header": trace.header, "steps": trace.steps, "colours": request_colours(trace),
                        "source": trace.path.name}, separators=(",", ":"), ensure_ascii=False)
-    page = _PAGE.replace("__DATA__", data.replace("</", "<\\/"))  # no "</script>" inside the data
+    data = data.replace("</", "<\\/")  # no "</script>" inside the data
+    page = PAGE.read_text(encoding="utf-8").replace("__DATA__", data)
     with atomic_write(out) as tmp:
         tmp.write_text(page, encoding="utf-8")
     return out
@@ -294,160 +298,3 @@ def register(sub) -> None:
                    help="--png: comma-separated step numbers (default: the first prefix hit, copy-on-write, "
                         "preemption and drafts)")
     r.set_defaults(func=cmd_trace_replay)
-
-
-_PAGE = r"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>minillm engine replay</title>
-<style>
-body{font:13px system-ui,sans-serif;margin:12px;color:#222;background:#fff}
-h1{font-size:16px;margin:0 0 6px} h2{font-size:13px;margin:10px 0 4px}
-#controls{display:flex;gap:10px;align-items:center;margin:6px 0}
-#slider{width:420px} #step-label{font-weight:bold;min-width:150px}
-#main{display:flex;gap:18px;align-items:flex-start;flex-wrap:wrap}
-.panel{border:1px solid #ddd;border-radius:4px;padding:6px 8px}
-.seq{display:flex;align-items:center;gap:3px;margin:2px 0;white-space:nowrap}
-.seq .name{min-width:150px;font-family:monospace}
-.chip{display:inline-block;min-width:22px;text-align:center;border-radius:3px;font:11px monospace;padding:1px 2px}
-.chip.shared{outline:2px solid #000}
-table{border-collapse:collapse} td,th{padding:1px 6px;text-align:left;font-size:12px} th{border-bottom:1px solid #ccc}
-.acc{color:#137333;font-weight:bold}.rej{color:#c5221f;font-weight:bold}
-#hover{min-height:54px;max-width:460px;font-family:monospace;white-space:pre-wrap;background:#f7f7f7;padding:4px}
-.legend span{display:inline-block;margin-right:10px}
-.note{font-size:11px;color:#555;max-width:460px;margin-bottom:4px}
-</style></head><body>
-<h1>minillm engine replay: <span id="source"></span></h1>
-<div id="settings"></div>
-<div id="controls"><button id="play">play</button><input id="slider" type="range" min="0" value="0" step="1">
-<span id="step-label"></span></div>
-<svg id="timeline" height="70"></svg>
-<div class="legend"><span>&#9632; <b style="color:#e8710a">prefill</b></span><span><b style="color:#1a73e8">decode</b></span>
-<span><b style="color:#c5221f">recompute</b></span><span><b style="color:#137333">drafts accepted</b></span>
-<span><b style="color:#f28b82">drafts rejected</b></span><span>&#10005; preemption</span></div>
-<div id="main">
-<div class="panel"><h2>block pool</h2><div class="note">colour: the request holding the block; black outline and
-number: shared, its reference count; teal dot: in the prefix cache; grey: free</div><svg id="pool"></svg>
-<h2>hover a block</h2><div id="hover">its tokens show here</div></div>
-<div class="panel"><h2>this step's batch</h2><table id="batch"></table><h2>what happened</h2><div id="events"></div>
-<h2>block tables of the sequences holding blocks</h2><div id="seqs"></div></div>
-</div>
-<script type="application/json" id="trace-data">__DATA__</script>
-<script>
-"use strict";
-const D = JSON.parse(document.getElementById("trace-data").textContent);
-const H = D.header, S = D.steps, NB = H.num_blocks, BS = H.block_size, C = D.colours;
-const KIND = {prefill: "#e8710a", decode: "#1a73e8", recompute: "#c5221f"};
-const NS = "http://www.w3.org/2000/svg";
-const el = (tag, attrs, text) => { const e = document.createElementNS(NS, tag);
-  for (const k in attrs) e.setAttribute(k, attrs[k]); if (text !== undefined) e.textContent = text; return e; };
-// fold the lines: the prefix cache's set at every step, and every sequence's tokens (they only grow)
-const tokens = {}, pieces = {}, frames = [];
-let cached = new Set();
-for (const s of S) {
-  for (const b of s.cached_new) cached.add(b);
-  for (const b of s.cached_gone) cached.delete(b);
-  const owners = Array.from({length: NB}, () => []);
-  for (const q of s.seqs) {
-    if (q.tokens) { const t = tokens[q.seq] = tokens[q.seq] || []; t.length = Math.min(t.length, q.from);
-      t.push(...q.tokens);
-      if (q.pieces) { const p = pieces[q.seq] = pieces[q.seq] || []; p.length = Math.min(p.length, q.from); p.push(...q.pieces); } }
-    q.table.forEach((b, j) => owners[b].push({q: q, j: j}));
-  }
-  frames.push({owners: owners, cached: new Set(cached)});
-}
-document.getElementById("source").textContent = D.source;
-document.getElementById("settings").textContent = `${S.length} steps; a pool of ${NB} blocks of ${BS} tokens; ` +
-  `budget ${H.max_num_batched_tokens} tokens a step, ${H.max_num_seqs} sequences at most` +
-  (H.speculative ? `; speculation: ${H.speculative}` : "") + (H.prefix_caching ? "; prefix caching on" : "");
-const slider = document.getElementById("slider");
-slider.max = Math.max(S.length - 1, 0);
-const cols = Math.min(32, Math.max(8, Math.round(Math.sqrt(2 * NB)))), CELL = NB <= 64 ? 34 : NB <= 256 ? 26 : 20;
-const pool = document.getElementById("pool");
-pool.setAttribute("width", cols * CELL + 2); pool.setAttribute("height", Math.ceil(NB / cols) * CELL + 2);
-const tl = document.getElementById("timeline"), TW = Math.max(4, Math.min(14, Math.floor(900 / Math.max(S.length, 1))));
-tl.setAttribute("width", S.length * TW + 4);
-S.forEach((s, i) => {
-  let y = 64; const scale = 56 / Math.max(s.budget, 1);
-  for (const r of s.batch) {
-    const own = r.tokens - r.drafts;
-    const parts = [[own, KIND[r.kind]], [r.accepted, "#137333"], [r.drafts - r.accepted, "#f28b82"]];
-    for (const [n, colour] of parts) { if (n <= 0) continue; const h = n * scale; y -= h;
-      tl.appendChild(el("rect", {x: i * TW, y: y, width: TW - 1, height: h, fill: colour})); }
-  }
-  if (s.preempted.length) tl.appendChild(el("text", {x: i * TW, y: 10, "font-size": 10, fill: "#c5221f"}, "\u2715"));
-  const hit = el("rect", {x: i * TW, y: 0, width: TW, height: 66, fill: "transparent", "data-step": i});
-  hit.addEventListener("click", () => show(i)); tl.appendChild(hit);
-});
-const cursor = el("rect", {x: 0, y: 0, width: TW, height: 66, fill: "none", stroke: "#000", "stroke-width": 1.5});
-tl.appendChild(cursor);
-const who = q => `${q.request}#${q.index}`;
-function blockText(i, b) {
-  const f = frames[i], os = f.owners[b];
-  let t = `block ${b}: ` + (os.length ? `held by ${os.map(o => who(o.q) + " (seq " + o.q.seq + ", its block " + o.j + ")").join(", ")}`
-                                        : "free") + `; reference count ${os.length}` + (f.cached.has(b) ? "; in the prefix cache" : "");
-  if (os.length) { const o = os[0], lo = o.j * BS, hi = Math.min(lo + BS, o.q.computed);
-    const ids = (tokens[o.q.seq] || []).slice(lo, hi), ps = (pieces[o.q.seq] || []).slice(lo, hi);
-    t += `\ntokens ${lo}..${hi - 1}: ` + (ps.length === ids.length && ps.length ? JSON.stringify(ps.join("")) + "\nids " : "") + ids.join(" "); }
-  return t;
-}
-function show(i) {
-  i = Math.max(0, Math.min(S.length - 1, i | 0)); slider.value = i;
-  const s = S[i], f = frames[i];
-  document.body.dataset.step = s.step;
-  document.getElementById("step-label").textContent = `step ${s.step} of ${S[S.length - 1].step} (${(1000 * s.seconds).toFixed(1)} ms)`;
-  cursor.setAttribute("x", i * TW);
-  pool.replaceChildren();
-  for (let b = 0; b < NB; b++) {
-    const os = f.owners[b], x = (b % cols) * CELL + 1, y = Math.floor(b / cols) * CELL + 1;
-    const owner = os.length ? os[0].q.request : "";
-    const r = el("rect", {x: x + 1, y: y + 1, width: CELL - 2, height: CELL - 2, rx: 2,
-      fill: os.length ? C[owner] : "#eeeeee", stroke: os.length > 1 ? "#000" : "#bbb", "stroke-width": os.length > 1 ? 2.5 : 0.6,
-      class: "block", "data-block": b, "data-owner": owner, "data-owners": os.map(o => who(o.q)).join(","),
-      "data-refcount": os.length, "data-cached": f.cached.has(b) ? 1 : 0});
-    r.appendChild(el("title", {}, blockText(i, b)));
-    r.addEventListener("mouseover", () => { document.getElementById("hover").textContent = blockText(i, b); });
-    pool.appendChild(r);
-    pool.appendChild(el("text", {x: x + CELL / 2, y: y + CELL / 2 + 4, "font-size": 9, "text-anchor": "middle",
-      "pointer-events": "none", fill: "#333", "font-weight": os.length > 1 ? "bold" : "normal"}, os.length > 1 ? os.length : b));
-    if (f.cached.has(b)) pool.appendChild(el("circle", {cx: x + CELL - 5, cy: y + 5, r: 2.6, fill: "#006d77", "pointer-events": "none"}));
-  }
-  const batch = document.getElementById("batch");
-  batch.innerHTML = "<tr><th>request</th><th>sample</th><th>kind</th><th>tokens</th><th>drafts</th></tr>";
-  for (const r of s.batch) {
-    const tr = document.createElement("tr"); tr.className = "run"; tr.dataset.request = r.request; tr.dataset.kind = r.kind;
-    const d = r.drafts ? `<span class="acc">${r.accepted} accepted</span>, <span class="rej">${r.drafts - r.accepted} rejected</span> of ${r.drafts}` : "";
-    tr.innerHTML = `<td style="color:${C[r.request] || "#000"}">&#9632;</td><td>${r.index}</td><td style="color:${KIND[r.kind]}">${r.kind}</td><td>${r.tokens}</td><td>${d}</td>`;
-    tr.cells[0].append(" " + r.request); batch.appendChild(tr);
-  }
-  const ev = [];
-  const list = (xs, f2) => xs.map(f2).join(", ");
-  if (s.preempted.length) ev.push(`preempted (blocks freed, recomputed later): ${list(s.preempted, who)}`);
-  if (s.prefix_hits.length) ev.push(`found in the prefix cache: ${list(s.prefix_hits, h => who(h) + " blocks " + h.blocks.join(" "))}`);
-  if (s.copied.length) ev.push(`copied on write: ${list(s.copied, c => c[0] + " \u2192 " + c[1])}`);
-  if (s.finished.length) ev.push(`finished: ${list(s.finished, x => who(x) + " (" + x.reason + ")")}`);
-  ev.push(`blocks taken ${s.taken.length ? s.taken.join(" ") : "none"}; freed ${s.freed.length ? s.freed.join(" ") : "none"}; ` +
-          `shared ${s.shared.length}; free ${s.free} of ${NB}`);
-  document.getElementById("events").innerHTML = ev.map(x => `<div>${x.replace(/&/g, "&amp;").replace(/</g, "&lt;")}</div>`).join("");
-  const seqs = document.getElementById("seqs"); seqs.replaceChildren();
-  for (const q of s.seqs) {
-    const row = document.createElement("div"); row.className = "seq";
-    row.dataset.seq = q.seq; row.dataset.request = q.request; row.dataset.index = q.index; row.dataset.blocks = q.table.join(",");
-    const name = document.createElement("span"); name.className = "name"; name.textContent = `${who(q)} (seq ${q.seq}, ${q.computed} tok)`;
-    row.appendChild(name);
-    for (const b of q.table) { const c = document.createElement("span"); c.className = "chip" + (f.owners[b].length > 1 ? " shared" : "");
-      c.style.background = C[q.request]; c.textContent = b; c.title = blockText(i, b); row.appendChild(c); }
-    seqs.appendChild(row);
-  }
-}
-let timer = null;
-const play = document.getElementById("play");
-play.addEventListener("click", () => {
-  if (timer) { clearInterval(timer); timer = null; play.textContent = "play"; return; }
-  if (+slider.value >= S.length - 1) show(0);
-  play.textContent = "pause";
-  timer = setInterval(() => { if (+slider.value >= S.length - 1) { play.click(); return; } show(+slider.value + 1); }, 400);
-});
-slider.addEventListener("input", () => show(+slider.value));
-const m = /step=(\d+)/.exec(location.hash);
-show(m ? S.findIndex(s => s.step >= +m[1]) : 0);
-</script></body></html>
-"""
