@@ -50,8 +50,9 @@ class StopStringPrinter:
     ``feed(token_id)`` prints what is safe so far; ``printed`` counts the characters printed.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...], out=sys.stdout):
-        self.tokenizer, self.stop, self.out = tokenizer, stop, out
+    def __init__(self, tokenizer, stop: tuple[str, ...], out=None):
+        # sys.stdout as it is now, not at import: a caller may have redirected it (contextlib.redirect_stdout)
+        self.tokenizer, self.stop, self.out = tokenizer, stop, sys.stdout if out is None else out
         self.decode = tokenizer.stream_decoder()
         self.text, self.printed = "", 0
 

@@ -35,7 +35,10 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
     counted from nothing) starts one."""
     from minillm.cli import main
 
+    from minillm.fast.threads import GOVERNOR
+
     out, err, here, threads, env = io.StringIO(), io.StringIO(), os.getcwd(), torch.get_num_threads(), dict(os.environ)
+    governor = dict(vars(GOVERNOR))  # what the thread governor last saw: a command's run must not switch it off
     os.environ.pop("MINILLM_FIGURES", None)  # as a user's shell would have it
     try:
         if cwd is not None:
@@ -43,6 +46,9 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             warnings.simplefilter("default")  # a warning is printed once per command, as in a new process
             warnings.filterwarnings("ignore", category=DeprecationWarning)
+            # printed where the command's stderr goes, not recorded by pytest (catch_warnings restores this)
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: err.write(
+                warnings.formatwarning(message, category, filename, lineno, line))
             try:
                 code = main([str(a) for a in args])
             except SystemExit as e:  # argparse's refusals exit 2; SystemExit(None) is 0
@@ -52,6 +58,7 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
         os.environ.clear()
         os.environ.update(env)
         torch.set_num_threads(threads)  # a command may size torch's pool for its own measurement
+        vars(GOVERNOR).update(governor)
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
