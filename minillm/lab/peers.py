@@ -19,8 +19,8 @@ def load_transformers_peer(model_path=None, dtype=torch.float32, device="cpu", a
     """transformers' LlamaForCausalLM on the same GGUF (the oracle and the speed peer), in eval mode.
 
     transformers dequantizes the GGUF itself (through the gguf package), so both run the same
-    float weights. ``attn_implementation``: None for transformers' default, "paged|sdpa" for its
-    continuous batching (``serve-bench --peer``).
+    float weights. ``attn_implementation``: None for transformers' default, "sdpa" for its continuous
+    batching (``serve-bench --peer``; transformers 5 pages it in the manager, and "paged|sdpa" is deprecated).
     """
     import transformers
     from transformers import AutoModelForCausalLM

@@ -188,7 +188,7 @@ def run_engine(model, reqs: list[BenchRequest], *, block_size: int = 16, num_blo
 
 
 def run_transformers(hf, reqs: list[BenchRequest], max_num_seqs: int = 64, kv_tokens: int | None = None) -> dict:
-    """transformers' continuous batching (``ContinuousBatchingManager``, paged|sdpa attention on the CPU),
+    """transformers' continuous batching (``ContinuousBatchingManager``, its paged SDPA attention on the CPU),
     each request with its own max_new_tokens, EOS never ending one (eos_token_id -1), greedy, with torch's
     default threads (``minillm.threads.torch_default_threads``: how it runs without minillm choosing).
 
@@ -289,7 +289,10 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
     later = ["engine", "transformers"] * (peer_repeats - 1 if peer else 0)  # the later turns
     runs: dict[str, list[dict]] = {name: [] for name in names}
     hf = None
-    with tqdm(total=len(order + later) * len(reqs), desc="serve-bench", disable=not progress) as bar:
+    # the bar counts requests run, the sharing runs' too (n samples, then beams): they come after the modes
+    total = len(order + later) * len(reqs) + 2 * len(reqs[:sharing_requests])
+    memory, sharing = None, None
+    with tqdm(total=total, desc="serve-bench", disable=not progress) as bar:
         for name in order + later:
             bar.set_postfix_str(name)
             if name in ("engine", "engine+spec"):
@@ -303,13 +306,21 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
                 run = run_static(model, reqs, max_num_seqs)
             else:
                 if hf is None:
-                    hf = load_transformers_peer(dtype=model.dtype, attn_implementation="paged|sdpa")
+                    # "sdpa": the manager pages it; transformers 5 deprecates the older name "paged|sdpa"
+                    hf = load_transformers_peer(dtype=model.dtype, attn_implementation="sdpa")
                 run = run_transformers(hf, reqs, max_num_seqs, kv_tokens=runs["engine"][0]["num_blocks"] * block_size)
             if runs[name]:  # a later turn: its engine (and KV pool) is not kept
                 run.pop("engine", None)
             runs[name].append(run)
             if name not in ("engine", "engine+spec"):
                 bar.update(len(reqs))
+        if memory_requests:
+            bar.set_postfix_str("memory")
+            memory = memory_run(trace, memory_requests, block_size, max_num_seqs)
+        if sharing_requests:
+            bar.set_postfix_str("sharing")
+            sharing = sharing_run(model, reqs[:sharing_requests], block_size)
+            bar.update(2 * len(reqs[:sharing_requests]))
     for name in names:
         modes[name] = median_run(runs[name], "output_tokens_per_s")
     engine = runs["engine"][0]["engine"]
@@ -322,10 +333,10 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
               "max_num_batched_tokens": max_num_batched_tokens,
               "mean_prompt": float(np.mean([len(r.prompt_token_ids) for r in reqs])),
               "mean_output": float(np.mean([r.max_tokens for r in reqs])), "modes": modes, "paper": PAPER}
-    if memory_requests:
-        report["memory"] = memory_run(trace, memory_requests, block_size, max_num_seqs)
-    if sharing_requests:
-        report["sharing"] = sharing_run(model, reqs[:sharing_requests], block_size)
+    if memory is not None:
+        report["memory"] = memory
+    if sharing is not None:
+        report["sharing"] = sharing
     if later:
         report["turns"] = [{"engine": e["output_tokens_per_s"], "transformers": t["output_tokens_per_s"]}
                            for e, t in zip(runs["engine"], runs["transformers"])]

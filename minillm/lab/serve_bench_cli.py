@@ -165,7 +165,7 @@ def register(sub) -> None:
                    "static batch size")
     p.add_argument("--max-num-batched-tokens", type=at_least(1), default=256, help="tokens per engine step")
     p.add_argument("--peer", action="store_true", help="also run transformers' continuous batching "
-                   "(generate_batch's manager, attn_implementation='paged|sdpa')")
+                   "(generate_batch's manager over paged SDPA attention)")
     p.add_argument("--peer-repeats", type=at_least(1), default=1, help="--peer: turns of the engine and transformers, "
                    "one after the other; each mode keeps its run of median tokens/s and the goal is the median of the "
                    "turns' ratios (an odd N makes it one turn's; default 1)")

@@ -122,12 +122,15 @@ def quantization_row(model, prompt_tokens, params, cached) -> dict:
 
 
 def format_tour(report: dict) -> str:
+    rows = report["rows"]
+    t = max([len("technique")] + [len(r["technique"]) for r in rows])  # each column as wide as its longest entry
+    b = max([len("baseline")] + [len(r["baseline"]) for r in rows])
     lines = [f"machine: {report['machine']}",
              f"dtype {report['dtype']}, batch 1, prompt {report['prompt_tokens']} tokens, "
              f"{report['new_tokens']} new tokens, greedy",
-             f"{'technique':34s} {'baseline':36s} {'base tok/s':>10s} {'tok/s':>8s} {'speedup':>8s}  check"]
-    for r in report["rows"]:
-        lines.append(f"{r['technique']:34s} {r['baseline']:36s} {r['baseline_tokens_per_s']:10.1f} "
+             f"{'technique':{t}s} {'baseline':{b}s} {'base tok/s':>10s} {'tok/s':>8s} {'speedup':>8s}  check"]
+    for r in rows:
+        lines.append(f"{r['technique']:{t}s} {r['baseline']:{b}s} {r['baseline_tokens_per_s']:10.1f} "
                      f"{r['tokens_per_s']:8.1f} {r['speedup']:7.1f}x  {r['check']}")
     lines.append("figures: " + ", ".join(report["figures"]))
     return "\n".join(lines)
