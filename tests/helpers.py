@@ -16,6 +16,7 @@ from gguf import GGUFWriter, quants
 
 from minillm.formats.tokenizer_files import bytes_to_unicode
 
+
 def sweep(*axes, fast):
     """A grid for ``pytest.mark.parametrize``: the product of ``axes`` (lists of values, or of tuples that fill
     several names). The combinations ``fast(*values)`` accepts run in ``make test-fast``, a corner of the grid;
@@ -34,16 +35,14 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
     refuse or do a little work on a tiny model; what needs a process of its own (signals, a server, imports
     counted from nothing) starts one."""
     from minillm.cli import main
-
     from minillm.fast.threads import GOVERNOR
 
-    out, err, here, threads, env = io.StringIO(), io.StringIO(), os.getcwd(), torch.get_num_threads(), dict(os.environ)
+    out, err, threads, env = io.StringIO(), io.StringIO(), torch.get_num_threads(), dict(os.environ)
     governor = dict(vars(GOVERNOR))  # what the thread governor last saw: a command's run must not switch it off
     os.environ.pop("MINILLM_FIGURES", None)  # as a user's shell would have it
     try:
-        if cwd is not None:
-            os.chdir(cwd)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+        with contextlib.chdir(cwd or "."), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                warnings.catch_warnings():
             warnings.simplefilter("default")  # a warning is printed once per command, as in a new process
             warnings.filterwarnings("ignore", category=DeprecationWarning)
             # printed where the command's stderr goes, not recorded by pytest (catch_warnings restores this)
@@ -54,7 +53,6 @@ def run_cli(*args, cwd=None) -> subprocess.CompletedProcess:
             except SystemExit as e:  # argparse's refusals exit 2; SystemExit(None) is 0
                 code = e.code if isinstance(e.code, int) else int(e.code is not None)
     finally:
-        os.chdir(here)
         os.environ.clear()
         os.environ.update(env)
         torch.set_num_threads(threads)  # a command may size torch's pool for its own measurement

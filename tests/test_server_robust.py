@@ -85,10 +85,13 @@ def test_a_body_that_is_not_utf8_gets_400_naming_the_encoding(server):
     assert "UTF-8" in error["message"] and "0xff" in error["message"] and error["code"] == "invalid_encoding"
 
 
-# ---- serve's options and signals, in real processes --------------------------------------------------------
+# ---- serve's options (refusals in this process) and signals (in real processes) -------------------------------
+def serve_args(tiny_path, *options):
+    return ["serve", "--model", str(tiny_path), "--threads", "1", "--log-level", "warning", *options]
+
+
 def serve_command(tiny_path, *options):
-    return [sys.executable, "-m", "minillm", "serve", "--model", str(tiny_path), "--threads", "1",
-            "--log-level", "warning", *options]
+    return [sys.executable, "-m", "minillm", *serve_args(tiny_path, *options)]
 
 
 @pytest.fixture
@@ -101,7 +104,7 @@ def refuse(tiny_path, monkeypatch):
         raise AssertionError("the server started: the options were not refused")
 
     monkeypatch.setattr(app, "engine_server", started)
-    return lambda *options: run_cli(*serve_command(tiny_path, *options)[3:])
+    return lambda *options: run_cli(*serve_args(tiny_path, *options))
 
 
 @pytest.mark.parametrize("value", ["nan", "-5", "inf", "soon"])

@@ -290,8 +290,9 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
     runs: dict[str, list[dict]] = {name: [] for name in names}
     hf = None
     # the bar counts requests run, the sharing runs' too (n samples, then beams): they come after the modes
-    total = len(order + later) * len(reqs) + 2 * len(reqs[:sharing_requests])
-    memory, sharing = None, None
+    shared = reqs[:sharing_requests]
+    total = len(order + later) * len(reqs) + 2 * len(shared)
+    extra = {}  # the memory and sharing runs' results, into the report after the modes
     with tqdm(total=total, desc="serve-bench", disable=not progress) as bar:
         for name in order + later:
             bar.set_postfix_str(name)
@@ -316,11 +317,11 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
                 bar.update(len(reqs))
         if memory_requests:
             bar.set_postfix_str("memory")
-            memory = memory_run(trace, memory_requests, block_size, max_num_seqs)
-        if sharing_requests:
+            extra["memory"] = memory_run(trace, memory_requests, block_size, max_num_seqs)
+        if shared:
             bar.set_postfix_str("sharing")
-            sharing = sharing_run(model, reqs[:sharing_requests], block_size)
-            bar.update(2 * len(reqs[:sharing_requests]))
+            extra["sharing"] = sharing_run(model, shared, block_size)
+            bar.update(2 * len(shared))
     for name in names:
         modes[name] = median_run(runs[name], "output_tokens_per_s")
     engine = runs["engine"][0]["engine"]
@@ -333,10 +334,7 @@ def serve_bench(model, tokenizer, *, num_requests: int = 64, trace: str = "share
               "max_num_batched_tokens": max_num_batched_tokens,
               "mean_prompt": float(np.mean([len(r.prompt_token_ids) for r in reqs])),
               "mean_output": float(np.mean([r.max_tokens for r in reqs])), "modes": modes, "paper": PAPER}
-    if memory is not None:
-        report["memory"] = memory
-    if sharing is not None:
-        report["sharing"] = sharing
+    report.update(extra)
     if later:
         report["turns"] = [{"engine": e["output_tokens_per_s"], "transformers": t["output_tokens_per_s"]}
                            for e, t in zip(runs["engine"], runs["transformers"])]
